@@ -1,0 +1,275 @@
+//! Events: what a worker reports about a run, stored by the dispatcher and streamed to watchers.
+
+use serde::{Deserialize, Serialize};
+use uuid::Uuid;
+
+use crate::RunState;
+
+/// One thing that happened to a run. Published on `run.{run_id}.{kind}`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Event {
+    /// Always [`crate::SCHEMA_VERSION`] when written.
+    pub schema_version: u32,
+    /// Unique per event, so that a redelivered event is stored once.
+    pub event_id: Uuid,
+    /// The run the event belongs to.
+    pub run_id: Uuid,
+    /// When it happened (RFC 3339).
+    pub time: String,
+    /// What happened.
+    #[serde(flatten)]
+    pub kind: EventKind,
+}
+
+impl Event {
+    /// A new event for `run_id`, stamped now.
+    pub fn new(run_id: Uuid, kind: EventKind) -> Event {
+        Event {
+            schema_version: crate::SCHEMA_VERSION,
+            event_id: Uuid::new_v4(),
+            run_id,
+            time: crate::timestamp_now(),
+            kind,
+        }
+    }
+
+    /// The topic routing key: `run.{run_id}.{kind}`.
+    pub fn routing_key(&self) -> String {
+        format!("run.{}.{}", self.run_id, self.kind.name())
+    }
+}
+
+/// The kinds of events.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum EventKind {
+    /// The run changed state.
+    State {
+        /// The new state.
+        state: RunState,
+        /// Why, in words for a person.
+        reason: String,
+    },
+    /// A stage container was started.
+    StageStarted {
+        /// Which stage.
+        stage: Stage,
+        /// The implementation round it belongs to (1-based).
+        round: u32,
+        /// The review cycle, for review stages.
+        cycle: Option<u32>,
+    },
+    /// A stage container finished (or was stopped).
+    StageFinished {
+        /// Which stage.
+        stage: Stage,
+        /// The implementation round it belongs to.
+        round: u32,
+        /// The review cycle, for review stages.
+        cycle: Option<u32>,
+        /// The container's exit code; `None` when it never exited by itself.
+        exit_code: Option<i64>,
+        /// Wall time from create to removal.
+        duration_seconds: f64,
+        /// `completed`, `failed`, `timed_out`, `paused` or `cancelled`.
+        outcome: String,
+    },
+    /// A line a stage container wrote.
+    Log {
+        /// Which stage.
+        stage: Stage,
+        /// stdout or stderr.
+        stream: LogStream,
+        /// The line, without its newline, with secret values redacted.
+        line: String,
+    },
+    /// A verification command's result.
+    Check {
+        /// The result.
+        result: CheckResult,
+    },
+    /// A review cycle file appeared in the workspace.
+    Cycle {
+        /// The cycle.
+        cycle: CycleRecord,
+    },
+    /// The worker is still working on the run.
+    Heartbeat {
+        /// The worker's identity.
+        worker: String,
+    },
+    /// The run's final result; always followed by a terminal `state` event.
+    Result {
+        /// The result.
+        result: RunResult,
+    },
+}
+
+impl EventKind {
+    /// The short name used in routing keys and the store.
+    pub fn name(&self) -> &'static str {
+        match self {
+            EventKind::State { .. } => "state",
+            EventKind::StageStarted { .. } => "stage_started",
+            EventKind::StageFinished { .. } => "stage_finished",
+            EventKind::Log { .. } => "log",
+            EventKind::Check { .. } => "check",
+            EventKind::Cycle { .. } => "cycle",
+            EventKind::Heartbeat { .. } => "heartbeat",
+            EventKind::Result { .. } => "result",
+        }
+    }
+}
+
+/// A stage of the run loop (SPEC 6).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Stage {
+    /// The implementer changes the source.
+    Implement,
+    /// A verification command checks it.
+    Verify,
+    /// The reviewer judges it against `review.md`.
+    Review,
+    /// The independent final reviewer writes `review.json`.
+    FinalReview,
+}
+
+impl Stage {
+    /// The snake_case name, also used as a container label and a metric label.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Stage::Implement => "implement",
+            Stage::Verify => "verify",
+            Stage::Review => "review",
+            Stage::FinalReview => "final_review",
+        }
+    }
+}
+
+/// Which output stream a log line came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum LogStream {
+    /// Standard output.
+    Stdout,
+    /// Standard error.
+    Stderr,
+}
+
+/// A review cycle file (SPEC 8), as collected from `.forge/{step}/review_cycle_{N}.json`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CycleRecord {
+    /// The step folder the file was found in.
+    pub step: String,
+    /// The file name, `review_cycle_{N}.json`.
+    pub file: String,
+    /// N.
+    pub cycle: u32,
+    /// The cycle limit the file states.
+    pub max_cycles: Option<u32>,
+    /// `approved` or `rejected`, lowercased.
+    pub verdict: String,
+    /// The reviewer's feedback.
+    pub feedback: String,
+    /// The whole file, exactly as written.
+    pub content: serde_json::Value,
+}
+
+/// One verification command's outcome.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CheckResult {
+    /// The implementation round whose source was checked.
+    pub round: u32,
+    /// The command.
+    pub argv: Vec<String>,
+    /// Its exit code; `None` when it timed out.
+    pub exit_code: Option<i64>,
+    /// Wall time of its container.
+    pub duration_seconds: f64,
+    /// The last lines of its output.
+    pub output_tail: String,
+}
+
+/// One completed implementation round, as kept in `repair_history`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RoundRecord {
+    /// The round number (1-based).
+    pub round: u32,
+    /// Why the round ran: `initial`, `review` or `repair`.
+    pub reason: String,
+    /// The git tree the implementer left.
+    pub tree: String,
+    /// The failing commands with their exit codes (empty when verification passed).
+    pub failing: Vec<(Vec<String>, Option<i64>)>,
+    /// The tail of the first failing command's output.
+    pub output_tail: String,
+}
+
+/// The final outcome of a run.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RunResult {
+    /// The terminal state the run ends in.
+    pub state: RunState,
+    /// Why it ended there.
+    pub reason: String,
+    /// The delivered branch, when delivered.
+    pub branch: Option<String>,
+    /// The delivered commit id, when delivered.
+    pub commit: Option<String>,
+    /// The tree that was verified and reviewed.
+    pub tree: Option<String>,
+    /// The Markdown report, suitable as a pull-request body.
+    pub report: String,
+    /// Warnings: from submission and from the run (review exhausted).
+    pub warnings: Vec<String>,
+    /// The frozen repair budget.
+    pub repair_budget: u32,
+    /// Completed implementer containers.
+    pub implementation_rounds: u32,
+    /// One record per completed implementation round.
+    pub repair_history: Vec<RoundRecord>,
+    /// `not_requested`, `approved` or `changes_required`.
+    pub review: String,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn events_are_tagged_and_routed_by_kind() {
+        let run_id = Uuid::new_v4();
+        let event = Event::new(
+            run_id,
+            EventKind::State { state: RunState::Running, reason: "picked up".into() },
+        );
+        let text = serde_json::to_string(&event).unwrap();
+        assert!(text.contains("\"type\":\"state\""), "{text}");
+        assert!(text.contains("\"schema_version\":1"), "{text}");
+        assert_eq!(event.routing_key(), format!("run.{run_id}.state"));
+        let again: Event = serde_json::from_str(&text).unwrap();
+        assert_eq!(again, event);
+    }
+
+    #[test]
+    fn cycle_events_round_trip() {
+        let content = serde_json::json!({"cycle": 1, "verdict": "rejected"});
+        let event = Event::new(
+            Uuid::new_v4(),
+            EventKind::Cycle {
+                cycle: CycleRecord {
+                    step: "implement_task".into(),
+                    file: "review_cycle_1.json".into(),
+                    cycle: 1,
+                    max_cycles: Some(3),
+                    verdict: "rejected".into(),
+                    feedback: "Missing tests".into(),
+                    content,
+                },
+            },
+        );
+        let again: Event = serde_json::from_str(&serde_json::to_string(&event).unwrap()).unwrap();
+        assert_eq!(again, event);
+    }
+}

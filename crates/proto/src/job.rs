@@ -1,0 +1,163 @@
+//! The frozen job: a validated run request with every file and setting resolved at submission.
+
+use serde::{Deserialize, Serialize};
+use uuid::Uuid;
+
+use crate::{RepositoryRef, VerifyCommand};
+
+/// Everything a worker needs to perform a run, frozen by the dispatcher at submission.
+///
+/// Changing skills, agent files or the environment afterwards never changes a job. It holds
+/// the names of secret variables only, never their values.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Job {
+    /// Always [`crate::SCHEMA_VERSION`] when written; readers refuse other versions.
+    pub schema_version: u32,
+    /// Assigned by the dispatcher.
+    pub run_id: Uuid,
+    /// The ticket key, `MYPROJECT-123`.
+    pub ticket: String,
+    /// The project key derived from the ticket, lowercased.
+    pub project: String,
+    /// The skill name.
+    pub skill: String,
+    /// The step name; cycle files live under `.forge/{step}/`.
+    pub step: String,
+    /// The brief given to the implementer and the reviewers.
+    pub brief: String,
+    /// The source repository and starting ref.
+    pub repository: RepositoryRef,
+    /// Verification commands, run in order in the implementer's image.
+    pub commands: Vec<VerifyCommand>,
+    /// The resolved `SKILL.md` text.
+    pub skill_md: String,
+    /// The resolved review configuration; `None` when the skill has no reviewer.
+    pub review: Option<ReviewConfig>,
+    /// Repair rounds allowed after the first implementation round (0..=3).
+    pub repair_budget: u32,
+    /// The implementer's profile (also the image for verification commands).
+    pub implementer: AgentProfile,
+    /// The reviewer's profile; present when `review` is.
+    pub reviewer: Option<AgentProfile>,
+    /// The independent final reviewer's profile, when one was requested.
+    pub final_reviewer: Option<AgentProfile>,
+    /// Warnings found at submission (frontmatter, environment), kept with the run.
+    pub warnings: Vec<String>,
+    /// When the dispatcher accepted the run (RFC 3339). Also the delivery commit's date, so
+    /// that delivering the same tree twice produces the same commit.
+    pub submitted_at: String,
+}
+
+/// The review settings resolved from `review.md` and the environment.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ReviewConfig {
+    /// The path `review.md` was read from, relative to the skills directory.
+    pub source: String,
+    /// The prose body: the reviewer's instructions.
+    pub instructions: String,
+    /// The maximum number of review cycles (at least 1; zero disables review entirely).
+    pub max_cycles: u32,
+    /// End `blocked` instead of delivering with a warning when every cycle was rejected.
+    pub block_on_failure: bool,
+    /// The reviewer stage's time limit in seconds.
+    pub timeout_seconds: u64,
+}
+
+/// A named agent profile (SPEC 5), copied into the job when it is frozen.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AgentProfile {
+    /// The profile's name in the agents file.
+    pub name: String,
+    /// The container image; it must exist on the worker's engine or be pullable.
+    pub image: String,
+    /// The command the container runs; the image's entrypoint when empty.
+    pub command: Vec<String>,
+    /// Names of environment variables whose values the worker passes from its own environment.
+    pub env: Vec<String>,
+    /// The container network.
+    pub network: Network,
+    /// Memory limit in bytes.
+    pub memory_bytes: u64,
+    /// CPU limit in cores.
+    pub cpus: f64,
+    /// The stage's time limit in seconds.
+    pub timeout_seconds: u64,
+    /// The user the container runs as; the worker chooses a non-root one when absent.
+    pub user: Option<String>,
+}
+
+/// A stage container's network.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Network {
+    /// No network at all.
+    #[default]
+    None,
+    /// Docker's default bridge.
+    Bridge,
+}
+
+impl Network {
+    /// The Docker network mode.
+    pub fn docker_mode(self) -> &'static str {
+        match self {
+            Network::None => "none",
+            Network::Bridge => "bridge",
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn profile() -> AgentProfile {
+        AgentProfile {
+            name: "claude".into(),
+            image: "agents/claude:1".into(),
+            command: vec!["claude".into(), "-p".into()],
+            env: vec!["ANTHROPIC_API_KEY".into()],
+            network: Network::Bridge,
+            memory_bytes: 4 << 30,
+            cpus: 2.0,
+            timeout_seconds: 1800,
+            user: None,
+        }
+    }
+
+    #[test]
+    fn job_round_trips_and_holds_secret_names_only() {
+        let job = Job {
+            schema_version: crate::SCHEMA_VERSION,
+            run_id: Uuid::new_v4(),
+            ticket: "MYPROJECT-123".into(),
+            project: "myproject".into(),
+            skill: "implement-task".into(),
+            step: "implement_task".into(),
+            brief: "do it".into(),
+            repository: RepositoryRef { url: "file:///r.git".into(), git_ref: None },
+            commands: vec![],
+            skill_md: "# Skill".into(),
+            review: Some(ReviewConfig {
+                source: "default/implement-task/review.md".into(),
+                instructions: "check".into(),
+                max_cycles: 3,
+                block_on_failure: false,
+                timeout_seconds: 300,
+            }),
+            repair_budget: 2,
+            implementer: profile(),
+            reviewer: Some(profile()),
+            final_reviewer: None,
+            warnings: vec![],
+            submitted_at: crate::timestamp_now(),
+        };
+        let text = serde_json::to_string(&job).unwrap();
+        assert!(text.contains("\"ANTHROPIC_API_KEY\""));
+        let again: Job = serde_json::from_str(&text).unwrap();
+        assert_eq!(again, job);
+    }
+}

@@ -1,0 +1,72 @@
+//! The wire: every type that crosses a process boundary in forgepool.
+//!
+//! A run request enters the dispatcher (HTTP, CLI file, AMQP), becomes a frozen [`Job`] that
+//! travels to a worker, and the worker answers with [`Event`]s that the dispatcher stores and
+//! streams. Only the types in this crate are serialized; each message carries
+//! [`SCHEMA_VERSION`] so that a reader can refuse what it does not understand.
+
+mod event;
+mod job;
+mod request;
+mod state;
+
+pub use event::{
+    CheckResult, CycleRecord, Event, EventKind, LogStream, RoundRecord, RunResult, Stage,
+};
+pub use job::{AgentProfile, Job, Network, ReviewConfig};
+pub use request::{AgentChoice, Assurance, RepositoryRef, RunRequest, VerifyCommand};
+pub use state::RunState;
+
+/// The version of every message schema in this crate. Bumped on any incompatible change.
+pub const SCHEMA_VERSION: u32 = 1;
+
+/// The current time as an RFC 3339 UTC timestamp with second precision (`2024-01-15T10:30:00Z`).
+pub fn timestamp_now() -> String {
+    format_timestamp(std::time::SystemTime::now())
+}
+
+/// Formats a time as an RFC 3339 UTC timestamp with second precision.
+pub fn format_timestamp(time: std::time::SystemTime) -> String {
+    let seconds = time
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0);
+    let days = seconds / 86_400;
+    let rem = seconds % 86_400;
+    let (year, month, day) = civil_from_days(days as i64);
+    format!(
+        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}Z",
+        rem / 3600,
+        (rem % 3600) / 60,
+        rem % 60
+    )
+}
+
+/// Converts days since 1970-01-01 to a (year, month, day) civil date (Howard Hinnant's algorithm).
+fn civil_from_days(days: i64) -> (i64, u32, u32) {
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = (doy - (153 * mp + 2) / 5 + 1) as u32;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 } as u32;
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    (year, month, day)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::{Duration, UNIX_EPOCH};
+
+    #[test]
+    fn timestamps_are_rfc3339_utc() {
+        let t = UNIX_EPOCH + Duration::from_secs(1_705_314_600);
+        assert_eq!(format_timestamp(t), "2024-01-15T10:30:00Z");
+        assert_eq!(format_timestamp(UNIX_EPOCH), "1970-01-01T00:00:00Z");
+        let leap = UNIX_EPOCH + Duration::from_secs(951_782_400);
+        assert_eq!(format_timestamp(leap), "2000-02-29T00:00:00Z");
+    }
+}

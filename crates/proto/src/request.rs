@@ -1,0 +1,112 @@
+//! The run request (SPEC 4): what a submitter sends to the dispatcher, before validation.
+
+use serde::{Deserialize, Serialize};
+
+/// A run request as submitted through the API, the CLI or the submission queue.
+///
+/// Unknown fields are refused. Optional numbers are kept as `i64` so that the dispatcher can
+/// name the field and its range when a value is out of bounds, instead of a bare parse error.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RunRequest {
+    /// Set by AMQP producers; absent in API and CLI requests, which are always current.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub schema_version: Option<u32>,
+    /// The ticket key, `PROJECT-123`.
+    pub ticket: String,
+    /// The skill to run, resolved under the skills directory.
+    pub skill: String,
+    /// The workflow step that names the cycle-file folder; defaults from the skill name.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub step: Option<String>,
+    /// What the implementer must do.
+    pub brief: String,
+    /// Where the source lives and which ref to start from.
+    pub repository: RepositoryRef,
+    /// Verification commands, run in order over the changed source.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub commands: Vec<VerifyCommand>,
+    /// Repair rounds after the first implementation round, 0..=3.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub repair_attempts: Option<i64>,
+    /// Agent profile names for the implementer and the reviewer.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub agents: Option<AgentChoice>,
+    /// The optional independent final review.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub assurance: Option<Assurance>,
+}
+
+/// The repository a run works on.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RepositoryRef {
+    /// A git URL the worker can clone from and push to.
+    pub url: String,
+    /// The ref to start from; the remote's default branch when absent.
+    #[serde(rename = "ref", default, skip_serializing_if = "Option::is_none")]
+    pub git_ref: Option<String>,
+}
+
+/// One verification command.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct VerifyCommand {
+    /// The program and its arguments; never run through a shell by forgepool.
+    pub argv: Vec<String>,
+    /// The command's time limit in seconds.
+    pub timeout: u64,
+}
+
+/// Agent profile names chosen by the submitter.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AgentChoice {
+    /// Profile for the implement stage.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub implementer: Option<String>,
+    /// Profile for the review stage.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reviewer: Option<String>,
+}
+
+/// The independent final review request.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Assurance {
+    /// Profile for the final review; absent means `not_requested`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub review_agent: Option<String>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn spec_example_round_trips() {
+        let text = r#"{
+          "ticket": "MYPROJECT-123", "skill": "implement-task", "step": "implement_task",
+          "brief": "Reject negative quantities in reserve()",
+          "repository": {"url": "file:///srv/git/shop.git", "ref": "main"},
+          "commands": [{"argv": ["make", "check"], "timeout": 600}],
+          "repair_attempts": 2,
+          "agents": {"implementer": "claude", "reviewer": "claude"},
+          "assurance": {"review_agent": "codex"}
+        }"#;
+        let request: RunRequest = serde_json::from_str(text).unwrap();
+        assert_eq!(request.repository.git_ref.as_deref(), Some("main"));
+        assert_eq!(request.commands[0].argv, ["make", "check"]);
+        let again: RunRequest =
+            serde_json::from_str(&serde_json::to_string(&request).unwrap()).unwrap();
+        assert_eq!(again, request);
+    }
+
+    #[test]
+    fn unknown_fields_are_refused() {
+        let text = r#"{"ticket": "A-1", "skill": "s", "brief": "b",
+                       "repository": {"url": "u"}, "colour": "blue"}"#;
+        let error = serde_json::from_str::<RunRequest>(text).unwrap_err();
+        assert!(error.to_string().contains("colour"), "{error}");
+    }
+}
