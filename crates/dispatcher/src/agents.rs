@@ -1,0 +1,245 @@
+//! Agent profiles (SPEC 5): the dispatcher's agents file, loaded and checked once.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use proto::{AgentProfile, Network};
+use serde::Deserialize;
+
+/// A stage's time limit when a profile sets none.
+pub const DEFAULT_AGENT_TIMEOUT_SECONDS: u64 = 1800;
+/// A stage's memory limit when a profile sets none: 2 GiB.
+pub const DEFAULT_AGENT_MEMORY_BYTES: u64 = 2 << 30;
+/// A stage's CPU limit when a profile sets none.
+pub const DEFAULT_AGENT_CPUS: f64 = 1.0;
+
+/// The loaded agents file: profiles by name and the default choices.
+#[derive(Debug, Clone, Default)]
+pub struct AgentBook {
+    profiles: BTreeMap<String, AgentProfile>,
+    default_implementer: Option<String>,
+    default_reviewer: Option<String>,
+}
+
+/// A problem with the agents file; it names the file and the key.
+#[derive(Debug, thiserror::Error)]
+pub enum AgentsError {
+    /// The file could not be read.
+    #[error("cannot read agents file {path}: {source}; pass --agents FILE or set FORGEPOOL_AGENTS_FILE")]
+    Read {
+        /// The file.
+        path: PathBuf,
+        /// The cause.
+        source: std::io::Error,
+    },
+    /// The file is not valid TOML of the expected shape.
+    #[error("agents file {path}: {message}")]
+    Parse {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong, with the key.
+        message: String,
+    },
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct AgentsFile {
+    #[serde(default)]
+    agents: BTreeMap<String, ProfileEntry>,
+    #[serde(default)]
+    defaults: Defaults,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct Defaults {
+    implementer: Option<String>,
+    reviewer: Option<String>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ProfileEntry {
+    image: String,
+    #[serde(default)]
+    command: Vec<String>,
+    #[serde(default)]
+    env: Vec<String>,
+    #[serde(default)]
+    network: Option<String>,
+    memory: Option<String>,
+    cpus: Option<f64>,
+    timeout_seconds: Option<u64>,
+    user: Option<String>,
+}
+
+impl AgentBook {
+    /// Loads and checks an agents file.
+    pub fn load(path: &Path) -> Result<AgentBook, AgentsError> {
+        let text = std::fs::read_to_string(path).map_err(|source| AgentsError::Read { path: path.to_path_buf(), source })?;
+        AgentBook::parse(&text, path)
+    }
+
+    /// Parses the agents file text; `path` names it in errors.
+    pub fn parse(text: &str, path: &Path) -> Result<AgentBook, AgentsError> {
+        let fail = |message: String| AgentsError::Parse { path: path.to_path_buf(), message };
+        let file: AgentsFile = toml::from_str(text).map_err(|e| fail(e.to_string().trim_end().to_string()))?;
+        let mut profiles = BTreeMap::new();
+        for (name, entry) in file.agents {
+            let profile = check_profile(&name, entry).map_err(&fail)?;
+            profiles.insert(name, profile);
+        }
+        for (role, choice) in [("implementer", &file.defaults.implementer), ("reviewer", &file.defaults.reviewer)] {
+            if let Some(name) = choice {
+                if !profiles.contains_key(name) {
+                    return Err(fail(format!("defaults.{role} names the profile `{name}`, which has no [agents.{name}] table")));
+                }
+            }
+        }
+        Ok(AgentBook { profiles, default_implementer: file.defaults.implementer, default_reviewer: file.defaults.reviewer })
+    }
+
+    /// The profile called `name`.
+    pub fn get(&self, name: &str) -> Option<&AgentProfile> {
+        self.profiles.get(name)
+    }
+
+    /// The profile names, sorted.
+    pub fn names(&self) -> Vec<&str> {
+        self.profiles.keys().map(String::as_str).collect()
+    }
+
+    /// The default profile for a role: `[defaults]`, else the only profile there is.
+    pub fn default_for(&self, role: &str) -> Option<&str> {
+        let chosen = match role {
+            "implementer" => self.default_implementer.as_deref(),
+            "reviewer" => self.default_reviewer.as_deref(),
+            _ => None,
+        };
+        chosen.or_else(|| (self.profiles.len() == 1).then(|| self.profiles.keys().next().map(String::as_str)).flatten())
+    }
+}
+
+fn check_profile(name: &str, entry: ProfileEntry) -> Result<AgentProfile, String> {
+    let key = |k: &str| format!("agents.{name}.{k}");
+    if entry.image.trim().is_empty() {
+        return Err(format!("{} must name a container image", key("image")));
+    }
+    for variable in &entry.env {
+        let valid = variable.chars().next().is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
+            && variable.chars().all(|c| c.is_ascii_alphanumeric() || c == '_');
+        if !valid {
+            return Err(format!(
+                "{} holds {variable:?}; it lists environment variable names (like ANTHROPIC_API_KEY), never values",
+                key("env")
+            ));
+        }
+    }
+    let network = match entry.network.as_deref() {
+        None | Some("none") => Network::None,
+        Some("bridge") => Network::Bridge,
+        Some(other) => return Err(format!("{} must be \"none\" or \"bridge\", got {other:?}", key("network"))),
+    };
+    let memory_bytes = match entry.memory.as_deref() {
+        None => DEFAULT_AGENT_MEMORY_BYTES,
+        Some(text) => parse_memory(text).ok_or_else(|| {
+            format!("{} must be a size like \"512m\" or \"4g\" of at least 6m, got {text:?}", key("memory"))
+        })?,
+    };
+    let cpus = entry.cpus.unwrap_or(DEFAULT_AGENT_CPUS);
+    if !(cpus > 0.0 && cpus <= 1024.0) {
+        return Err(format!("{} must be a number of cores above 0, got {cpus}", key("cpus")));
+    }
+    let timeout_seconds = entry.timeout_seconds.unwrap_or(DEFAULT_AGENT_TIMEOUT_SECONDS);
+    if timeout_seconds == 0 {
+        return Err(format!("{} must be at least 1", key("timeout_seconds")));
+    }
+    Ok(AgentProfile {
+        name: name.to_string(),
+        image: entry.image,
+        command: entry.command,
+        env: entry.env,
+        network,
+        memory_bytes,
+        cpus,
+        timeout_seconds,
+        user: entry.user,
+    })
+}
+
+/// Parses `512m`, `4g`, `1024k` or a number of bytes. Docker refuses less than 6 MiB.
+fn parse_memory(text: &str) -> Option<u64> {
+    let text = text.trim().to_ascii_lowercase();
+    let text = text.strip_suffix('b').unwrap_or(&text);
+    let (digits, unit) = match text.char_indices().last()? {
+        (i, 'k') => (&text[..i], 1u64 << 10),
+        (i, 'm') => (&text[..i], 1 << 20),
+        (i, 'g') => (&text[..i], 1 << 30),
+        _ => (text, 1),
+    };
+    let bytes = digits.parse::<u64>().ok()?.checked_mul(unit)?;
+    (bytes >= 6 << 20).then_some(bytes)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const SPEC_EXAMPLE: &str = r#"
+        [agents.claude]
+        image = "registry.example.com/agents/claude-code:1.2"
+        command = ["claude", "-p", "--output-format", "text"]
+        env = ["ANTHROPIC_API_KEY"]
+        network = "bridge"
+        memory = "4g"
+        cpus = 2.0
+        timeout_seconds = 1800
+    "#;
+
+    #[test]
+    fn spec_example_loads() {
+        let book = AgentBook::parse(SPEC_EXAMPLE, Path::new("agents.toml")).unwrap();
+        let claude = book.get("claude").unwrap();
+        assert_eq!(claude.network, Network::Bridge);
+        assert_eq!(claude.memory_bytes, 4 << 30);
+        assert_eq!(claude.env, ["ANTHROPIC_API_KEY"]);
+        assert_eq!(book.default_for("implementer"), Some("claude"));
+    }
+
+    #[test]
+    fn defaults_are_safe() {
+        let book = AgentBook::parse("[agents.a]\nimage = \"x\"\n", Path::new("agents.toml")).unwrap();
+        let a = book.get("a").unwrap();
+        assert_eq!(a.network, Network::None);
+        assert_eq!(a.timeout_seconds, DEFAULT_AGENT_TIMEOUT_SECONDS);
+    }
+
+    #[test]
+    fn errors_name_the_file_and_key() {
+        let cases = [
+            ("[agents.a]\nimage = \"x\"\nnetwork = \"host\"\n", "agents.a.network"),
+            ("[agents.a]\nimage = \"x\"\nmemory = \"lots\"\n", "agents.a.memory"),
+            ("[agents.a]\nimage = \"x\"\nenv = [\"KEY=value\"]\n", "agents.a.env"),
+            ("[agents.a]\nimage = \"x\"\ncpus = 0.0\n", "agents.a.cpus"),
+            ("[agents.a]\nimage = \"\"\n", "agents.a.image"),
+            ("[agents.a]\nimage = \"x\"\ncolour = 1\n", "colour"),
+            ("[agents.a]\nimage = \"x\"\n[defaults]\nreviewer = \"b\"\n", "defaults.reviewer"),
+            ("[agents.a]\n", "image"),
+        ];
+        for (text, needle) in cases {
+            let error = AgentBook::parse(text, Path::new("conf/agents.toml")).unwrap_err().to_string();
+            assert!(error.contains("conf/agents.toml"), "{error}");
+            assert!(error.contains(needle), "{error} lacks {needle}");
+        }
+    }
+
+    #[test]
+    fn memory_sizes() {
+        assert_eq!(parse_memory("512m"), Some(512 << 20));
+        assert_eq!(parse_memory("4G"), Some(4 << 30));
+        assert_eq!(parse_memory("4gb"), Some(4 << 30));
+        assert_eq!(parse_memory("1m"), None);
+        assert_eq!(parse_memory("g"), None);
+    }
+}

@@ -1,0 +1,333 @@
+//! The run store: every run, its state history, its cycle files, its result and every event.
+//!
+//! [`RunStore`] is the seam; [`SqliteStore`] is the embedded, durable implementation used by
+//! `forgepool run` and by default by the dispatcher. Recording an event is idempotent (keyed by
+//! its `event_id`), and a cycle file is stored once per `(run, step, file)`, so a redelivered
+//! job never produces duplicate records.
+
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::future::Future;
+
+use proto::{CycleRecord, Event, EventKind, Job, RunResult, RunState};
+use rusqlite::{params, Connection, OptionalExtension};
+use uuid::Uuid;
+
+/// A failed store operation.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    /// The database could not be opened.
+    #[error("cannot open the run store at {path}: {source}; check FORGEPOOL_DATABASE_URL")]
+    Open {
+        /// The database file.
+        path: PathBuf,
+        /// The cause.
+        source: rusqlite::Error,
+    },
+    /// A query failed.
+    #[error("run store query failed: {0}")]
+    Query(#[from] rusqlite::Error),
+    /// A stored document could not be decoded.
+    #[error("run store holds an unreadable record: {0}")]
+    Decode(#[from] serde_json::Error),
+    /// The blocking task running the query panicked or was cancelled.
+    #[error("run store task failed: {0}")]
+    Task(String),
+}
+
+/// A stored run, as read back from the store.
+#[derive(Debug, Clone)]
+pub struct RunRecord {
+    /// The frozen job.
+    pub job: Job,
+    /// The current state.
+    pub state: RunState,
+    /// Every state change: state, reason, time.
+    pub states: Vec<(RunState, String, String)>,
+    /// Every collected cycle file, ordered by step and cycle.
+    pub cycles: Vec<CycleRecord>,
+    /// The result, once the run ended.
+    pub result: Option<RunResult>,
+}
+
+/// Where runs and events are kept.
+pub trait RunStore: Send + Sync + 'static {
+    /// Stores a newly frozen job in state `queued`.
+    fn insert_run(&self, job: &Job) -> impl Future<Output = Result<(), StoreError>> + Send;
+    /// Stores an event and applies it to the run (state, cycles, result). Returns `false` when the
+    /// event was already stored.
+    fn record_event(&self, event: &Event) -> impl Future<Output = Result<bool, StoreError>> + Send;
+    /// Reads a run.
+    fn get_run(&self, run_id: Uuid) -> impl Future<Output = Result<Option<RunRecord>, StoreError>> + Send;
+    /// Reads a run's events in the order they were stored, after position `after` (0 for all).
+    /// Returns each event with its position.
+    fn events(&self, run_id: Uuid, after: i64) -> impl Future<Output = Result<Vec<(i64, Event)>, StoreError>> + Send;
+}
+
+/// The SQLite run store. Queries run on the blocking pool, never on the async runtime.
+#[derive(Debug, Clone)]
+pub struct SqliteStore {
+    connection: Arc<Mutex<Connection>>,
+}
+
+impl SqliteStore {
+    /// Opens (creating if needed) the store at a path or `sqlite://` URL.
+    pub fn open(url: &str) -> Result<SqliteStore, StoreError> {
+        let path = sqlite_path(url);
+        let open = || -> Result<Connection, rusqlite::Error> {
+            let connection = Connection::open(&path)?;
+            connection.busy_timeout(std::time::Duration::from_secs(5))?;
+            connection.pragma_update(None, "journal_mode", "WAL")?;
+            connection.pragma_update(None, "synchronous", "NORMAL")?;
+            connection.pragma_update(None, "foreign_keys", "ON")?;
+            connection.execute_batch(SCHEMA)?;
+            Ok(connection)
+        };
+        let connection = open().map_err(|source| StoreError::Open { path: path.clone(), source })?;
+        Ok(SqliteStore { connection: Arc::new(Mutex::new(connection)) })
+    }
+
+    async fn with<T: Send + 'static>(
+        &self,
+        work: impl FnOnce(&mut Connection) -> Result<T, StoreError> + Send + 'static,
+    ) -> Result<T, StoreError> {
+        let connection = Arc::clone(&self.connection);
+        tokio::task::spawn_blocking(move || {
+            let mut guard = connection.lock().map_err(|e| StoreError::Task(e.to_string()))?;
+            work(&mut guard)
+        })
+        .await
+        .map_err(|e| StoreError::Task(e.to_string()))?
+    }
+}
+
+const SCHEMA: &str = "
+CREATE TABLE IF NOT EXISTS runs (
+    run_id TEXT PRIMARY KEY,
+    ticket TEXT NOT NULL,
+    state TEXT NOT NULL,
+    job TEXT NOT NULL,
+    result TEXT,
+    created_at TEXT NOT NULL,
+    updated_at TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS runs_by_state ON runs(state);
+CREATE TABLE IF NOT EXISTS events (
+    position INTEGER PRIMARY KEY AUTOINCREMENT,
+    event_id TEXT NOT NULL UNIQUE,
+    run_id TEXT NOT NULL REFERENCES runs(run_id),
+    kind TEXT NOT NULL,
+    time TEXT NOT NULL,
+    body TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS events_by_run ON events(run_id, position);
+CREATE TABLE IF NOT EXISTS state_history (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    run_id TEXT NOT NULL REFERENCES runs(run_id),
+    state TEXT NOT NULL,
+    reason TEXT NOT NULL,
+    time TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS cycles (
+    run_id TEXT NOT NULL REFERENCES runs(run_id),
+    step TEXT NOT NULL,
+    file TEXT NOT NULL,
+    cycle INTEGER NOT NULL,
+    body TEXT NOT NULL,
+    PRIMARY KEY (run_id, step, file)
+);
+";
+
+impl RunStore for SqliteStore {
+    async fn insert_run(&self, job: &Job) -> Result<(), StoreError> {
+        let body = serde_json::to_string(job)?;
+        let (run_id, ticket, time) = (job.run_id.to_string(), job.ticket.clone(), job.submitted_at.clone());
+        let reason = if job.warnings.is_empty() {
+            "accepted".to_string()
+        } else {
+            format!("accepted with {} warning(s)", job.warnings.len())
+        };
+        self.with(move |c| {
+            let tx = c.transaction()?;
+            tx.execute(
+                "INSERT OR IGNORE INTO runs (run_id, ticket, state, job, created_at, updated_at) VALUES (?1, ?2, 'queued', ?3, ?4, ?4)",
+                params![run_id, ticket, body, time],
+            )?;
+            tx.execute(
+                "INSERT INTO state_history (run_id, state, reason, time) VALUES (?1, 'queued', ?2, ?3)",
+                params![run_id, reason, time],
+            )?;
+            tx.commit()?;
+            Ok(())
+        })
+        .await
+    }
+
+    async fn record_event(&self, event: &Event) -> Result<bool, StoreError> {
+        let event = event.clone();
+        self.with(move |c| {
+            let tx = c.transaction()?;
+            let run_id = event.run_id.to_string();
+            let inserted = tx.execute(
+                "INSERT OR IGNORE INTO events (event_id, run_id, kind, time, body) VALUES (?1, ?2, ?3, ?4, ?5)",
+                params![event.event_id.to_string(), run_id, event.kind.name(), event.time, serde_json::to_string(&event)?],
+            )?;
+            if inserted == 0 {
+                return Ok(false);
+            }
+            match &event.kind {
+                EventKind::State { state, reason } => {
+                    let current: Option<String> =
+                        tx.query_row("SELECT state FROM runs WHERE run_id = ?1", params![run_id], |r| r.get(0)).optional()?;
+                    let terminal = current.as_deref().and_then(RunState::parse).is_some_and(RunState::is_terminal);
+                    if !terminal {
+                        tx.execute(
+                            "UPDATE runs SET state = ?2, updated_at = ?3 WHERE run_id = ?1",
+                            params![run_id, state.as_str(), event.time],
+                        )?;
+                        tx.execute(
+                            "INSERT INTO state_history (run_id, state, reason, time) VALUES (?1, ?2, ?3, ?4)",
+                            params![run_id, state.as_str(), reason, event.time],
+                        )?;
+                    }
+                }
+                EventKind::Cycle { cycle } => {
+                    tx.execute(
+                        "INSERT INTO cycles (run_id, step, file, cycle, body) VALUES (?1, ?2, ?3, ?4, ?5)
+                         ON CONFLICT (run_id, step, file) DO UPDATE SET cycle = excluded.cycle, body = excluded.body",
+                        params![run_id, cycle.step, cycle.file, cycle.cycle, serde_json::to_string(cycle)?],
+                    )?;
+                }
+                EventKind::Result { result } => {
+                    tx.execute(
+                        "UPDATE runs SET result = ?2, updated_at = ?3 WHERE run_id = ?1",
+                        params![run_id, serde_json::to_string(result)?, event.time],
+                    )?;
+                }
+                _ => {}
+            }
+            tx.commit()?;
+            Ok(true)
+        })
+        .await
+    }
+
+    async fn get_run(&self, run_id: Uuid) -> Result<Option<RunRecord>, StoreError> {
+        self.with(move |c| {
+            let id = run_id.to_string();
+            let row: Option<(String, String, Option<String>)> = c
+                .query_row("SELECT job, state, result FROM runs WHERE run_id = ?1", params![id], |r| {
+                    Ok((r.get(0)?, r.get(1)?, r.get(2)?))
+                })
+                .optional()?;
+            let Some((job, state, result)) = row else { return Ok(None) };
+            let mut statement = c.prepare("SELECT state, reason, time FROM state_history WHERE run_id = ?1 ORDER BY id")?;
+            let states = statement
+                .query_map(params![id], |r| Ok((r.get::<_, String>(0)?, r.get::<_, String>(1)?, r.get::<_, String>(2)?)))?
+                .collect::<Result<Vec<_>, _>>()?
+                .into_iter()
+                .filter_map(|(s, reason, time)| RunState::parse(&s).map(|s| (s, reason, time)))
+                .collect();
+            let mut statement = c.prepare("SELECT body FROM cycles WHERE run_id = ?1 ORDER BY step, cycle")?;
+            let cycles = statement
+                .query_map(params![id], |r| r.get::<_, String>(0))?
+                .collect::<Result<Vec<_>, _>>()?
+                .iter()
+                .map(|body| serde_json::from_str(body))
+                .collect::<Result<Vec<CycleRecord>, _>>()?;
+            Ok(Some(RunRecord {
+                job: serde_json::from_str(&job)?,
+                state: RunState::parse(&state).unwrap_or(RunState::Failed),
+                states,
+                cycles,
+                result: result.map(|r| serde_json::from_str(&r)).transpose()?,
+            }))
+        })
+        .await
+    }
+
+    async fn events(&self, run_id: Uuid, after: i64) -> Result<Vec<(i64, Event)>, StoreError> {
+        self.with(move |c| {
+            let mut statement =
+                c.prepare("SELECT position, body FROM events WHERE run_id = ?1 AND position > ?2 ORDER BY position")?;
+            let rows = statement
+                .query_map(params![run_id.to_string(), after], |r| Ok((r.get::<_, i64>(0)?, r.get::<_, String>(1)?)))?
+                .collect::<Result<Vec<_>, _>>()?;
+            rows.into_iter()
+                .map(|(position, body)| Ok((position, serde_json::from_str(&body)?)))
+                .collect()
+        })
+        .await
+    }
+}
+
+/// The file path of a `sqlite://PATH`, `sqlite:PATH` or plain-path URL.
+pub fn sqlite_path(url: &str) -> PathBuf {
+    let path = url.strip_prefix("sqlite://").or_else(|| url.strip_prefix("sqlite:")).unwrap_or(url);
+    Path::new(path).to_path_buf()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn job() -> Job {
+        serde_json::from_value(serde_json::json!({
+            "schema_version": 1, "run_id": Uuid::new_v4(), "ticket": "SHOP-1", "project": "shop",
+            "skill": "implement-task", "step": "implement_task", "brief": "b",
+            "repository": {"url": "file:///r.git"}, "commands": [], "skill_md": "s", "review": null,
+            "repair_budget": 2,
+            "implementer": {"name": "i", "image": "i", "command": [], "env": [], "network": "none",
+                            "memory_bytes": 1073741824u64, "cpus": 1.0, "timeout_seconds": 60, "user": null},
+            "reviewer": null, "final_reviewer": null, "warnings": [], "submitted_at": "2024-01-15T10:30:00Z"
+        }))
+        .unwrap()
+    }
+
+    fn cycle_event(run_id: Uuid, n: u32, verdict: &str) -> Event {
+        Event::new(
+            run_id,
+            EventKind::Cycle {
+                cycle: CycleRecord {
+                    step: "implement_task".into(),
+                    file: format!("review_cycle_{n}.json"),
+                    cycle: n,
+                    max_cycles: Some(3),
+                    verdict: verdict.into(),
+                    feedback: String::new(),
+                    content: serde_json::json!({"cycle": n}),
+                },
+            },
+        )
+    }
+
+    #[tokio::test]
+    async fn runs_survive_reopening_and_events_are_stored_once() {
+        let dir = tempfile::tempdir().unwrap();
+        let url = format!("sqlite://{}", dir.path().join("runs.db").display());
+        let job = job();
+        {
+            let store = SqliteStore::open(&url).unwrap();
+            store.insert_run(&job).await.unwrap();
+            let running = Event::new(job.run_id, EventKind::State { state: RunState::Running, reason: "go".into() });
+            assert!(store.record_event(&running).await.unwrap());
+            assert!(!store.record_event(&running).await.unwrap(), "a redelivered event is stored once");
+            store.record_event(&cycle_event(job.run_id, 1, "rejected")).await.unwrap();
+            store.record_event(&cycle_event(job.run_id, 1, "rejected")).await.unwrap();
+            store.record_event(&cycle_event(job.run_id, 2, "approved")).await.unwrap();
+            let done = Event::new(job.run_id, EventKind::State { state: RunState::Delivered, reason: "ok".into() });
+            store.record_event(&done).await.unwrap();
+            let late = Event::new(job.run_id, EventKind::State { state: RunState::Running, reason: "late".into() });
+            store.record_event(&late).await.unwrap();
+        }
+        let store = SqliteStore::open(&url).unwrap();
+        let record = store.get_run(job.run_id).await.unwrap().unwrap();
+        assert_eq!(record.state, RunState::Delivered, "a terminal state is never left");
+        let states: Vec<RunState> = record.states.iter().map(|s| s.0).collect();
+        assert_eq!(states, [RunState::Queued, RunState::Running, RunState::Delivered]);
+        assert_eq!(record.cycles.len(), 2, "one record per cycle file");
+        assert_eq!(record.cycles[1].verdict, "approved");
+        assert_eq!(store.events(job.run_id, 0).await.unwrap().len(), 6);
+        assert!(store.get_run(Uuid::new_v4()).await.unwrap().is_none());
+    }
+}
