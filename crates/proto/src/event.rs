@@ -80,8 +80,8 @@ pub enum EventKind {
         stage: Stage,
         /// stdout or stderr.
         stream: LogStream,
-        /// The line, without its newline, with secret values redacted.
-        line: String,
+        /// One or more complete lines, with secret values redacted.
+        text: String,
     },
     /// A verification command's result.
     Check {

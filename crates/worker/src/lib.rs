@@ -1,0 +1,19 @@
+//! The worker: takes jobs, runs their stages in containers, and publishes what happens.
+//!
+//! In the data flow it sits between the jobs queue and the events stream. The [`engine`] drives
+//! the run loop ([`machine`]) through the container runtime seam ([`runtime`], implemented by
+//! [`docker`]), collects cycle files ([`collector`]), reads verdicts ([`verdict`]), delivers
+//! with [`git`], and reports through the event seam ([`sink`]).
+
+pub mod collector;
+pub mod docker;
+pub mod engine;
+pub mod git;
+pub mod machine;
+pub mod queue;
+pub mod report;
+pub mod runtime;
+pub mod sink;
+pub mod verdict;
+
+pub use engine::{Engine, EngineConfig};

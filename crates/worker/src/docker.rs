@@ -1,0 +1,356 @@
+//! The Docker implementation of [`ContainerRuntime`], through the Docker Engine API (bollard).
+//!
+//! Every container gets the SPEC 6 hardening: all capabilities dropped, `no-new-privileges`,
+//! pids, memory (without extra swap) and CPU limits, a non-root user chosen by the engine, a
+//! time limit, and labels naming the run, stage, worker and a deadline. Every API call is
+//! bounded by a timeout, and a container is removed on every path, including when the future
+//! running it is dropped.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Mutex;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use bollard::container::{
+    Config, CreateContainerOptions, ListContainersOptions, LogOutput, LogsOptions, RemoveContainerOptions,
+    WaitContainerOptions,
+};
+use bollard::image::CreateImageOptions;
+use bollard::models::HostConfig;
+use bollard::Docker;
+use futures_util::StreamExt;
+use proto::LogStream;
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+
+use crate::runtime::{
+    redact, tail, ContainerRuntime, LogChunk, RuntimeError, StageExit, StageOutput, StageSpec, LABEL_DEADLINE,
+    LABEL_HOST, LABEL_INSTANCE, LABEL_MANAGED, LABEL_PID, LABEL_WORKER, MAX_CAPTURED_STDOUT, TAIL_BYTES,
+};
+
+/// The limit on any single Docker API call (create, start, remove, list, inspect).
+pub const API_TIMEOUT: Duration = Duration::from_secs(30);
+/// The limit on pulling a missing image.
+pub const PULL_TIMEOUT: Duration = Duration::from_secs(300);
+/// How long an overdue container may outlive its deadline before any worker removes it.
+pub const OVERDUE_GRACE: Duration = Duration::from_secs(60);
+
+/// Who owns the containers this runtime creates.
+#[derive(Debug, Clone)]
+pub struct Identity {
+    /// The worker's stable identity (its host name or `FORGEPOOL_WORKER_ID`).
+    pub worker: String,
+    /// A fresh id for this process, so a restarted worker recognises its predecessor's leftovers.
+    pub instance: String,
+    /// The host name.
+    pub host: String,
+    /// This process's id.
+    pub pid: u32,
+}
+
+impl Identity {
+    /// An identity for this process under a worker name.
+    pub fn for_worker(worker: impl Into<String>) -> Identity {
+        let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+            .map(|h| h.trim().to_string())
+            .unwrap_or_else(|_| "localhost".to_string());
+        Identity { worker: worker.into(), instance: uuid::Uuid::new_v4().to_string(), host, pid: std::process::id() }
+    }
+}
+
+/// Runs stages on a Docker engine.
+#[derive(Debug)]
+pub struct DockerRuntime {
+    docker: Docker,
+    endpoint: String,
+    identity: Identity,
+    present_images: Mutex<HashSet<String>>,
+}
+
+impl DockerRuntime {
+    /// Connects to the engine named by `DOCKER_HOST` (or the local socket) and checks it answers.
+    pub async fn connect(identity: Identity) -> Result<DockerRuntime, RuntimeError> {
+        let endpoint = std::env::var("DOCKER_HOST").unwrap_or_else(|_| "unix:///var/run/docker.sock".to_string());
+        let unreachable = |detail: String| RuntimeError::Unreachable { endpoint: endpoint.clone(), detail };
+        let docker = Docker::connect_with_local_defaults().map_err(|e| unreachable(e.to_string()))?;
+        let docker = bounded("negotiate API version", Duration::from_secs(10), docker.negotiate_version())
+            .await?
+            .map_err(|e| unreachable(e.to_string()))?;
+        bounded("ping", Duration::from_secs(10), docker.ping()).await?.map_err(|e| unreachable(e.to_string()))?;
+        Ok(DockerRuntime { docker, endpoint, identity, present_images: Mutex::new(HashSet::new()) })
+    }
+
+    /// The engine's address.
+    pub fn endpoint(&self) -> &str {
+        &self.endpoint
+    }
+
+    /// Makes sure an image is on the engine: never pulls one that is present.
+    async fn ensure_image(&self, image: &str) -> Result<(), RuntimeError> {
+        if self.present_images.lock().map(|set| set.contains(image)).unwrap_or(false) {
+            return Ok(());
+        }
+        let inspected = bounded("inspect image", API_TIMEOUT, self.docker.inspect_image(image)).await?;
+        if inspected.is_err() {
+            let options = CreateImageOptions { from_image: image.to_string(), ..Default::default() };
+            let pull = async {
+                let mut progress = self.docker.create_image(Some(options), None, None);
+                while let Some(step) = progress.next().await {
+                    step.map_err(|e| e.to_string())?;
+                }
+                Ok::<(), String>(())
+            };
+            bounded("pull image", PULL_TIMEOUT, pull)
+                .await?
+                .map_err(|detail| RuntimeError::ImageMissing { image: image.to_string(), detail })?;
+        }
+        if let Ok(mut set) = self.present_images.lock() {
+            set.insert(image.to_string());
+        }
+        Ok(())
+    }
+
+    fn forget_image(&self, image: &str) {
+        if let Ok(mut set) = self.present_images.lock() {
+            set.remove(image);
+        }
+    }
+
+    fn container_config(&self, spec: &StageSpec) -> Config<String> {
+        let mut labels = spec.labels.clone();
+        labels.insert(LABEL_MANAGED.into(), "true".into());
+        labels.insert(LABEL_WORKER.into(), self.identity.worker.clone());
+        labels.insert(LABEL_INSTANCE.into(), self.identity.instance.clone());
+        labels.insert(LABEL_HOST.into(), self.identity.host.clone());
+        labels.insert(LABEL_PID.into(), self.identity.pid.to_string());
+        let deadline = unix_now() + spec.timeout.as_secs() + OVERDUE_GRACE.as_secs();
+        labels.insert(LABEL_DEADLINE.into(), deadline.to_string());
+        let binds = spec
+            .mounts
+            .iter()
+            .map(|m| format!("{}:{}:{}", m.source.display(), m.target, if m.read_only { "ro" } else { "rw" }))
+            .collect();
+        let memory = i64::try_from(spec.memory_bytes).unwrap_or(i64::MAX);
+        Config {
+            image: Some(spec.image.clone()),
+            cmd: (!spec.command.is_empty()).then(|| spec.command.clone()),
+            env: Some(spec.env.clone()),
+            labels: Some(labels),
+            user: spec.user.clone(),
+            working_dir: spec.workdir.clone(),
+            attach_stdout: Some(false),
+            attach_stderr: Some(false),
+            network_disabled: Some(spec.network == proto::Network::None),
+            host_config: Some(HostConfig {
+                binds: Some(binds),
+                network_mode: Some(spec.network.docker_mode().to_string()),
+                cap_drop: Some(vec!["ALL".to_string()]),
+                security_opt: Some(vec!["no-new-privileges".to_string()]),
+                pids_limit: Some(spec.pids_limit),
+                memory: Some(memory),
+                memory_swap: Some(memory),
+                nano_cpus: Some((spec.cpus * 1e9) as i64),
+                init: Some(true),
+                ..Default::default()
+            }),
+            ..Default::default()
+        }
+    }
+
+    async fn remove(&self, id: &str) -> Result<(), RuntimeError> {
+        let options = RemoveContainerOptions { force: true, v: true, ..Default::default() };
+        match bounded("remove container", API_TIMEOUT, self.docker.remove_container(id, Some(options))).await? {
+            Ok(()) => Ok(()),
+            Err(bollard::errors::Error::DockerResponseServerError { status_code: 404, .. }) => Ok(()),
+            Err(e) => Err(RuntimeError::Cleanup(format!("container {id}: {e}"))),
+        }
+    }
+
+    /// Starts a created container, streams its output, and waits for it within its time limit.
+    /// On a timeout or a cancellation the container is killed at once, which also ends its
+    /// output stream.
+    async fn drive(
+        &self,
+        id: &str,
+        spec: &StageSpec,
+        logs: mpsc::Sender<LogChunk>,
+        cancel: CancellationToken,
+    ) -> Result<(StageExit, String, String), RuntimeError> {
+        bounded("start container", API_TIMEOUT, self.docker.start_container::<String>(id, None))
+            .await?
+            .map_err(|e| RuntimeError::StartContainer { name: spec.name.clone(), detail: e.to_string() })?;
+        let wait = async {
+            let options = WaitContainerOptions { condition: "not-running" };
+            let mut stream = self.docker.wait_container(id, Some(options));
+            match stream.next().await {
+                Some(Ok(response)) => Ok(response.status_code),
+                Some(Err(bollard::errors::Error::DockerContainerWaitError { code, .. })) => Ok(code),
+                Some(Err(e)) => Err(RuntimeError::WaitContainer { name: spec.name.clone(), detail: e.to_string() }),
+                None => Err(RuntimeError::WaitContainer { name: spec.name.clone(), detail: "wait stream ended".into() }),
+            }
+        };
+        let limited = async {
+            let exit = tokio::select! {
+                code = tokio::time::timeout(spec.timeout, wait) => match code {
+                    Ok(code) => code.map(StageExit::Exited),
+                    Err(_) => Ok(StageExit::TimedOut),
+                },
+                () = cancel.cancelled() => Ok(StageExit::Cancelled),
+            };
+            if !matches!(exit, Ok(StageExit::Exited(_))) {
+                self.remove(id).await?;
+            }
+            exit
+        };
+        let (exit, (stdout, combined)) = tokio::join!(limited, collect_output(&self.docker, id, &spec.redact, logs));
+        Ok((exit?, stdout, combined))
+    }
+}
+
+impl ContainerRuntime for DockerRuntime {
+    async fn run_stage(
+        &self,
+        spec: StageSpec,
+        logs: mpsc::Sender<LogChunk>,
+        cancel: CancellationToken,
+    ) -> Result<StageOutput, RuntimeError> {
+        let started = Instant::now();
+        self.ensure_image(&spec.image).await?;
+        let options = CreateContainerOptions { name: spec.name.clone(), platform: None };
+        let created = bounded("create container", API_TIMEOUT, self.docker.create_container(Some(options), self.container_config(&spec)))
+            .await?
+            .map_err(|e| {
+                if matches!(e, bollard::errors::Error::DockerResponseServerError { status_code: 404, .. }) {
+                    self.forget_image(&spec.image);
+                    RuntimeError::ImageMissing { image: spec.image.clone(), detail: e.to_string() }
+                } else {
+                    RuntimeError::CreateContainer { image: spec.image.clone(), detail: e.to_string() }
+                }
+            })?;
+        let mut guard = RemoveOnDrop { docker: self.docker.clone(), id: Some(created.id.clone()) };
+        let driven = self.drive(&created.id, &spec, logs, cancel).await;
+        let removed = self.remove(&created.id).await;
+        guard.id = None;
+        let (exit, stdout, combined) = driven?;
+        removed?;
+        Ok(StageOutput { exit, stdout, tail: tail(&combined, TAIL_BYTES).to_string(), duration: started.elapsed() })
+    }
+
+    async fn remove_orphans(&self) -> Result<usize, RuntimeError> {
+        let mut filters = HashMap::new();
+        filters.insert("label".to_string(), vec![format!("{LABEL_MANAGED}=true")]);
+        let options = ListContainersOptions { all: true, filters, ..Default::default() };
+        let containers = bounded("list containers", API_TIMEOUT, self.docker.list_containers(Some(options)))
+            .await?
+            .map_err(|e| RuntimeError::Cleanup(e.to_string()))?;
+        let now = unix_now();
+        let mut removed = 0;
+        for container in containers {
+            let labels = container.labels.unwrap_or_default();
+            let label = |key: &str| labels.get(key).map(String::as_str).unwrap_or("");
+            let ours_from_before = label(LABEL_WORKER) == self.identity.worker
+                && label(LABEL_INSTANCE) != self.identity.instance
+                && (label(LABEL_HOST) != self.identity.host
+                    || label(LABEL_PID) == self.identity.pid.to_string()
+                    || !process_alive(label(LABEL_PID)));
+            let overdue = label(LABEL_DEADLINE).parse::<u64>().is_ok_and(|deadline| deadline < now);
+            if ours_from_before || overdue {
+                if let Some(id) = container.id {
+                    self.remove(&id).await?;
+                    tracing::info!(container = %id, overdue, "removed orphaned stage container");
+                    removed += 1;
+                }
+            }
+        }
+        Ok(removed)
+    }
+}
+
+/// Removes a container in the background if the future that owns it is dropped early.
+struct RemoveOnDrop {
+    docker: Docker,
+    id: Option<String>,
+}
+
+impl Drop for RemoveOnDrop {
+    fn drop(&mut self) {
+        if let Some(id) = self.id.take() {
+            let docker = self.docker.clone();
+            if let Ok(handle) = tokio::runtime::Handle::try_current() {
+                handle.spawn(async move {
+                    let options = RemoveContainerOptions { force: true, v: true, ..Default::default() };
+                    let _ = tokio::time::timeout(API_TIMEOUT, docker.remove_container(&id, Some(options))).await;
+                });
+            }
+        }
+    }
+}
+
+/// Streams a container's output: sends complete lines as chunks, and returns the captured
+/// stdout and the combined output (both redacted).
+async fn collect_output(
+    docker: &Docker,
+    id: &str,
+    secrets: &[String],
+    logs: mpsc::Sender<LogChunk>,
+) -> (String, String) {
+    let options = LogsOptions::<String> { follow: true, stdout: true, stderr: true, tail: "all".into(), ..Default::default() };
+    let mut stream = docker.logs(id, Some(options));
+    let mut stdout = String::new();
+    let mut combined = String::new();
+    let mut pending = [String::new(), String::new()];
+    while let Some(item) = stream.next().await {
+        let (stream_kind, bytes) = match item {
+            Ok(LogOutput::StdOut { message }) => (LogStream::Stdout, message),
+            Ok(LogOutput::StdErr { message }) => (LogStream::Stderr, message),
+            Ok(LogOutput::Console { message }) => (LogStream::Stdout, message),
+            Ok(LogOutput::StdIn { .. }) => continue,
+            Err(_) => break,
+        };
+        let text = String::from_utf8_lossy(&bytes);
+        let slot = &mut pending[usize::from(stream_kind == LogStream::Stderr)];
+        slot.push_str(&text);
+        if let Some(end) = slot.rfind('\n') {
+            let lines: String = slot.drain(..=end).collect();
+            emit(&lines, stream_kind, secrets, &logs, &mut stdout, &mut combined).await;
+        }
+    }
+    for (index, rest) in pending.into_iter().enumerate() {
+        if !rest.is_empty() {
+            let kind = if index == 0 { LogStream::Stdout } else { LogStream::Stderr };
+            emit(&rest, kind, secrets, &logs, &mut stdout, &mut combined).await;
+        }
+    }
+    (stdout, combined)
+}
+
+async fn emit(
+    text: &str,
+    stream: LogStream,
+    secrets: &[String],
+    logs: &mpsc::Sender<LogChunk>,
+    stdout: &mut String,
+    combined: &mut String,
+) {
+    let text = redact(text, secrets);
+    if stream == LogStream::Stdout && stdout.len() < MAX_CAPTURED_STDOUT {
+        stdout.push_str(&text);
+    }
+    combined.push_str(&text);
+    if combined.len() > 4 * TAIL_BYTES {
+        *combined = tail(combined, TAIL_BYTES).to_string();
+    }
+    // The receiver is gone only when the engine stopped listening; output is still captured.
+    let _ = logs.send(LogChunk { stream, text }).await;
+}
+
+async fn bounded<T>(operation: &'static str, limit: Duration, future: impl std::future::Future<Output = T>) -> Result<T, RuntimeError> {
+    tokio::time::timeout(limit, future).await.map_err(|_| RuntimeError::Timeout { operation, seconds: limit.as_secs() })
+}
+
+fn unix_now() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
+}
+
+fn process_alive(pid: &str) -> bool {
+    pid.parse::<u32>().is_ok_and(|pid| std::path::Path::new(&format!("/proc/{pid}")).exists())
+}

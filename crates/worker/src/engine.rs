@@ -1,0 +1,684 @@
+//! The run engine: performs one job from clone to delivery, publishing every event.
+//!
+//! It drives [`RunMachine`] by running the stage each phase asks for in a container through the
+//! [`ContainerRuntime`] seam, polls the [`CycleCollector`] while stages run and sweeps after each
+//! exits, and reports through the [`EventSink`] seam. The same engine serves `forgepool run`
+//! and `forgepool worker`; only the sink and the queue differ.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use proto::{
+    AgentProfile, CheckResult, CycleRecord, Event, EventKind, Job, Network, RoundRecord, RunResult, RunState, Stage,
+};
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+use tracing::{info, warn, Instrument};
+use uuid::Uuid;
+
+use crate::collector::{write_atomically, CycleCollector};
+use crate::git;
+use crate::machine::{FailureSignature, Input, Limits, Phase, RoundReason, RunMachine};
+use crate::report::{self, ReportInput};
+use crate::runtime::{tail, ContainerRuntime, LogChunk, Mount, StageExit, StageOutput, StageSpec, LABEL_RUN, LABEL_STAGE};
+use crate::sink::{EventSink, PublishEvent};
+use crate::verdict::{self, Verdict};
+
+/// The exit code with which a stage says its provider paused (quota, rate limit, login).
+pub const EXIT_PAUSED: i64 = 75;
+/// The default interval between scans of `.forge/` while a stage runs.
+pub const DEFAULT_POLL_INTERVAL: Duration = Duration::from_millis(100);
+/// The user stage containers run as when the worker runs as root: `nobody`.
+pub const DEFAULT_STAGE_USER: (u32, u32) = (65_534, 65_534);
+/// The default pids limit of a stage container.
+pub const DEFAULT_PIDS_LIMIT: i64 = 512;
+/// Feedback and failure text cut for history entries.
+const TAIL_FOR_PROMPT: usize = 8 * 1024;
+
+/// How the engine works; the same for every run.
+#[derive(Debug, Clone)]
+pub struct EngineConfig {
+    /// Where run workspaces are created; each run gets `{root}/{run_id}` and it is removed at
+    /// the end.
+    pub workspace_root: PathBuf,
+    /// How often `.forge/` is scanned while a stage runs.
+    pub poll_interval: Duration,
+    /// The `uid:gid` stage containers run as, unless a profile names a user.
+    pub stage_user: (u32, u32),
+    /// Whether the worker may change file ownership (it runs as root).
+    pub can_chown: bool,
+    /// The pids limit of every stage container.
+    pub pids_limit: i64,
+}
+
+impl EngineConfig {
+    /// A configuration for this process: root workers run stages as `nobody` and hand the
+    /// workspace to that user; other workers run stages as themselves.
+    pub fn for_process(workspace_root: PathBuf) -> EngineConfig {
+        let (uid, gid) = process_owner();
+        let can_chown = uid == 0;
+        EngineConfig {
+            workspace_root,
+            poll_interval: DEFAULT_POLL_INTERVAL,
+            stage_user: if can_chown { DEFAULT_STAGE_USER } else { (uid, gid) },
+            can_chown,
+            pids_limit: DEFAULT_PIDS_LIMIT,
+        }
+    }
+}
+
+/// Runs jobs.
+#[derive(Debug)]
+pub struct Engine<R> {
+    runtime: Arc<R>,
+    config: EngineConfig,
+}
+
+impl<R: ContainerRuntime> Engine<R> {
+    /// An engine over a runtime.
+    pub fn new(runtime: Arc<R>, config: EngineConfig) -> Engine<R> {
+        Engine { runtime, config }
+    }
+
+    /// The runtime.
+    pub fn runtime(&self) -> &Arc<R> {
+        &self.runtime
+    }
+
+    /// Performs a job to its end and returns the result. The final `result` and `state`
+    /// events are published before this returns; an error means they could not be, and the
+    /// job must be handed back.
+    pub async fn execute<S: EventSink>(&self, job: &Job, sink: &S, cancel: CancellationToken) -> Result<RunResult, PublishEvent> {
+        let span = tracing::info_span!("run", run_id = %job.run_id, ticket = %job.ticket, stage = tracing::field::Empty, cycle = tracing::field::Empty);
+        async {
+            let root = self.config.workspace_root.join(job.run_id.to_string());
+            let mut run = RunContext::new(job, &root);
+            publish(sink, job.run_id, EventKind::State { state: RunState::Running, reason: "a worker started the run".into() }).await?;
+            let (state, reason) = self.perform(&mut run, sink, &cancel).await?;
+            let result = run.result(state, &reason);
+            if let Err(error) = remove_dir(&root).await {
+                warn!(%error, path = %root.display(), "cannot remove the run workspace");
+            }
+            publish(sink, job.run_id, EventKind::Result { result: result.clone() }).await?;
+            publish(sink, job.run_id, EventKind::State { state, reason }).await?;
+            info!(state = %result.state, rounds = result.implementation_rounds, "run ended");
+            Ok(result)
+        }
+        .instrument(span)
+        .await
+    }
+
+    async fn perform<S: EventSink>(&self, run: &mut RunContext<'_>, sink: &S, cancel: &CancellationToken) -> Result<(RunState, String), PublishEvent> {
+        if let Err(error) = self.prepare(run).await {
+            return Ok((RunState::Failed, format!("cannot prepare the workspace: {error}")));
+        }
+        let mut machine = RunMachine::new(run.limits());
+        loop {
+            if let Some((state, reason)) = machine.finished() {
+                return Ok((state, reason.to_string()));
+            }
+            let input = if cancel.is_cancelled() {
+                Input::Cancelled
+            } else {
+                match machine.phase.clone() {
+                    Phase::Implement { round, reason } => self.implement(run, sink, cancel, round, &reason, machine.cycles_used).await?,
+                    Phase::Verify { round, tree } => self.verify(run, sink, cancel, round, &tree).await?,
+                    Phase::Review { round, cycle, tree } => self.review(run, sink, cancel, round, cycle, &tree).await?,
+                    Phase::FinalReview { .. } => Input::StageFailed {
+                        reason: "the independent final review (assurance.review_agent) is not available in this forgepool build".into(),
+                    },
+                    Phase::Deliver { tree } => self.deliver(run, &tree).await,
+                    Phase::Paused { reason, .. } => return Ok((RunState::Paused, reason)),
+                    Phase::Finished { .. } => unreachable!("handled above"),
+                }
+            };
+            run.review_exhausted = machine.review_exhausted;
+            machine = match machine.step(input) {
+                Ok(next) => next,
+                Err(error) => return Ok((RunState::Failed, error.to_string())),
+            };
+            run.review_exhausted = machine.review_exhausted;
+            run.implementation_rounds = machine.implementation_rounds;
+        }
+    }
+
+    /// Clones the repository into the run's workspace.
+    async fn prepare(&self, run: &mut RunContext<'_>) -> Result<(), String> {
+        remove_dir(&run.root).await.map_err(|e| e.to_string())?;
+        tokio::fs::create_dir_all(&run.root).await.map_err(|e| format!("{}: {e}", run.root.display()))?;
+        let repository = &run.job.repository;
+        run.base = git::clone_at(&repository.url, repository.git_ref.as_deref(), &run.src).await.map_err(|e| e.to_string())?;
+        Ok(())
+    }
+
+    async fn implement<S: EventSink>(
+        &self,
+        run: &mut RunContext<'_>,
+        sink: &S,
+        cancel: &CancellationToken,
+        round: u32,
+        reason: &RoundReason,
+        cycles_used: u32,
+    ) -> Result<Input, PublishEvent> {
+        let job = run.job;
+        let mut prompt = format!("{}\n\n## Brief\n\n{}\n", job.skill_md.trim_end(), job.brief.trim_end());
+        match reason {
+            RoundReason::Initial => {}
+            RoundReason::Review(feedback) => prompt.push_str(&format!("\n## Reviewer Feedback\n\n{}\n", feedback.trim())),
+            RoundReason::Repair(report) => prompt.push_str(&format!("\n## Failed Checks\n\n{}\n", report.trim())),
+        }
+        let stage_dir = match run.stage_dirs(Stage::Implement, &prompt, None).await {
+            Ok(dir) => dir,
+            Err(error) => return Ok(Input::StageFailed { reason: error }),
+        };
+        if let Err(error) = run.write_workspace_history().await {
+            return Ok(Input::StageFailed { reason: error });
+        }
+        let profile = &job.implementer;
+        let mounts = vec![
+            Mount { source: run.src.clone(), target: "/workspace".into(), read_only: false },
+            Mount { source: stage_dir.join("input"), target: "/forge/input".into(), read_only: true },
+            Mount { source: stage_dir.join("output"), target: "/forge/output".into(), read_only: false },
+        ];
+        let spec = self.spec(run, Stage::Implement, profile, profile.command.clone(), mounts, profile.network, profile.timeout_seconds, cycles_used + 1, round);
+        let output = match self.run_stage(run, sink, cancel, spec, Stage::Implement, round, None).await? {
+            Ok(output) => output,
+            Err(input) => return Ok(input),
+        };
+        Ok(match output.exit {
+            StageExit::Cancelled => Input::Cancelled,
+            StageExit::TimedOut => Input::StageFailed {
+                reason: format!("the implementer timed out after {} s and was stopped", profile.timeout_seconds),
+            },
+            StageExit::Exited(EXIT_PAUSED) => Input::StagePaused { reason: format!("the implementer paused (exit 75): {}", last_line(&output.tail)) },
+            StageExit::Exited(0) => match git::snapshot_tree(&run.src).await {
+                Ok(tree) => {
+                    run.rounds.push(RoundRecord { round, reason: reason.name().into(), tree: tree.clone(), failing: vec![], output_tail: String::new() });
+                    Input::Implemented { tree }
+                }
+                Err(error) => Input::StageFailed { reason: format!("cannot record the implementer's change: {error}") },
+            },
+            StageExit::Exited(code) => Input::StageFailed {
+                reason: format!("the implementer exited with code {code}; last output:\n{}", tail(&output.tail, 2048)),
+            },
+        })
+    }
+
+    async fn verify<S: EventSink>(&self, run: &mut RunContext<'_>, sink: &S, cancel: &CancellationToken, round: u32, tree: &str) -> Result<Input, PublishEvent> {
+        let job = run.job;
+        if job.commands.is_empty() {
+            return Ok(Input::Verified);
+        }
+        let copy = run.root.join(format!("verify-{round}"));
+        if let Err(error) = run.fresh_copy(tree, &copy).await {
+            return Ok(Input::StageFailed { reason: error });
+        }
+        self.hand_over(&copy).await;
+        let mut signature: FailureSignature = Vec::new();
+        let mut report = String::new();
+        for command in &job.commands {
+            let mounts = vec![Mount { source: copy.clone(), target: "/workspace".into(), read_only: false }];
+            let mut spec = self.spec(run, Stage::Verify, &job.implementer, command.argv.clone(), mounts, Network::None, command.timeout, 0, round);
+            spec.env.retain(|e| e.starts_with("FORGE_"));
+            spec.redact.clear();
+            let output = match self.run_stage(run, sink, cancel, spec, Stage::Verify, round, None).await? {
+                Ok(output) => output,
+                Err(input) => return Ok(input),
+            };
+            let exit_code = match output.exit {
+                StageExit::Cancelled => return Ok(Input::Cancelled),
+                StageExit::TimedOut => None,
+                StageExit::Exited(code) => Some(code),
+            };
+            let result = CheckResult {
+                round,
+                argv: command.argv.clone(),
+                exit_code,
+                duration_seconds: output.duration.as_secs_f64(),
+                output_tail: tail(&output.tail, 2048).to_string(),
+            };
+            publish(sink, job.run_id, EventKind::Check { result: result.clone() }).await?;
+            if exit_code != Some(0) {
+                signature.push((command.argv.clone(), exit_code));
+                let code = exit_code.map_or(format!("timed out after {} s", command.timeout), |c| format!("exited with code {c}"));
+                report.push_str(&format!("### `{}` {code}\n\n```\n{}\n```\n\n", command.argv.join(" "), tail(&output.tail, 2048).trim_end()));
+            }
+            run.checks.push(result);
+        }
+        let _ = remove_dir(&copy).await;
+        if signature.is_empty() {
+            return Ok(Input::Verified);
+        }
+        if let Some(record) = run.rounds.iter_mut().rev().find(|r| r.round == round) {
+            record.failing = signature.clone();
+            record.output_tail = tail(&report, TAIL_FOR_PROMPT).to_string();
+        }
+        run.history.push(serde_json::json!({"round": round, "stage": "verify", "failed_checks": tail(&report, TAIL_FOR_PROMPT)}));
+        Ok(Input::ChecksFailed { signature, report })
+    }
+
+    async fn review<S: EventSink>(
+        &self,
+        run: &mut RunContext<'_>,
+        sink: &S,
+        cancel: &CancellationToken,
+        round: u32,
+        cycle: u32,
+        tree: &str,
+    ) -> Result<Input, PublishEvent> {
+        let job = run.job;
+        let (Some(review), Some(profile)) = (&job.review, &job.reviewer) else {
+            return Ok(Input::StageFailed { reason: "review phase without a reviewer (job is inconsistent)".into() });
+        };
+        tracing::Span::current().record("cycle", cycle);
+        let copy = run.root.join(format!("review-{cycle}"));
+        let commit = match run.fresh_copy(tree, &copy).await {
+            Ok(commit) => commit,
+            Err(error) => return Ok(Input::StageFailed { reason: error }),
+        };
+        let diff = git::diff(&run.src, &run.base, &commit).await.unwrap_or_default();
+        let prompt = format!(
+            "{}\n\n## Brief\n\n{}\n\n## The Change\n\nThe changed source is in /workspace, a git repository whose HEAD holds the change on top of the branch `base`: `git diff base...HEAD` shows it. The same diff is in /forge/input/diff.patch.\n\n## Verdict\n\nOutput APPROVED if every criterion passes, or REJECTED followed by specific, actionable feedback.\n",
+            review.instructions.trim_end(),
+            job.brief.trim_end()
+        );
+        let stage_dir = match run.stage_dirs(Stage::Review, &prompt, Some(&format!("{diff}\n"))).await {
+            Ok(dir) => dir,
+            Err(error) => return Ok(Input::StageFailed { reason: error }),
+        };
+        let mounts = vec![
+            Mount { source: copy.clone(), target: "/workspace".into(), read_only: true },
+            Mount { source: stage_dir.join("input"), target: "/forge/input".into(), read_only: true },
+            Mount { source: stage_dir.join("output"), target: "/forge/output".into(), read_only: false },
+        ];
+        let spec = self.spec(run, Stage::Review, profile, profile.command.clone(), mounts, profile.network, review.timeout_seconds, cycle, round);
+        let started = Instant::now();
+        let output = match self.run_stage(run, sink, cancel, spec, Stage::Review, round, Some(cycle)).await? {
+            Ok(output) => output,
+            Err(input) => return Ok(input),
+        };
+        let _ = remove_dir(&copy).await;
+        let verdict = match output.exit {
+            StageExit::Cancelled => return Ok(Input::Cancelled),
+            StageExit::Exited(EXIT_PAUSED) => {
+                return Ok(Input::StagePaused { reason: format!("the reviewer paused (exit 75): {}", last_line(&output.tail)) })
+            }
+            StageExit::Exited(0) => verdict::parse(&output.stdout),
+            StageExit::TimedOut => Verdict::rejected(format!("Reviewer timed out after {} seconds and was stopped", review.timeout_seconds)),
+            StageExit::Exited(code) => {
+                Verdict::rejected(format!("Reviewer crashed: it exited with code {code}; last output:\n{}", tail(&output.tail, 2048)))
+            }
+        };
+        let file = serde_json::json!({
+            "cycle": cycle,
+            "max_cycles": review.max_cycles,
+            "verdict": verdict.word(),
+            "feedback": verdict.feedback,
+            "skill": job.skill,
+            "elapsed_seconds": (started.elapsed().as_secs_f64() * 10.0).round() / 10.0,
+            "timestamp": proto::timestamp_now(),
+            "run_id": job.run_id,
+            "ticket": job.ticket,
+            "step": job.step,
+        });
+        let path = run.src.join(".forge").join(&job.step).join(format!("review_cycle_{cycle}.json"));
+        let bytes = serde_json::to_vec_pretty(&file).unwrap_or_default();
+        let written = tokio::task::spawn_blocking(move || write_atomically(&path, &bytes)).await;
+        if !matches!(written, Ok(Ok(()))) {
+            return Ok(Input::StageFailed { reason: "cannot write the review cycle file".into() });
+        }
+        self.sweep(run, sink).await?;
+        run.history.push(serde_json::json!({"round": round, "stage": "review", "cycle": cycle, "verdict": verdict.word(), "feedback": verdict.feedback}));
+        Ok(Input::Reviewed { approved: verdict.approved, feedback: verdict.feedback })
+    }
+
+    async fn deliver(&self, run: &mut RunContext<'_>, tree: &str) -> Input {
+        let job = run.job;
+        let current = match git::snapshot_tree(&run.src).await {
+            Ok(current) => current,
+            Err(error) => return Input::DeliveryFailed { reason: format!("cannot read the workspace before delivery: {error}") },
+        };
+        if current != tree {
+            return Input::DeliveryFailed {
+                reason: format!("delivery refused: the source changed after it was verified and reviewed (tree {} was checked, {} is present)", short(tree), short(&current)),
+            };
+        }
+        let message = format!("{}: {}\n\nDelivered by forgepool run {}.", job.ticket, job.brief.lines().next().unwrap_or("").trim(), job.run_id);
+        let commit = match git::commit_tree(&run.src, tree, &run.base, &message, &job.submitted_at).await {
+            Ok(commit) => commit,
+            Err(error) => return Input::DeliveryFailed { reason: format!("cannot commit the change: {error}") },
+        };
+        let branch = format!("forge/{}", job.ticket.to_ascii_lowercase());
+        if let Err(error) = git::push(&run.src, &job.repository.url, &commit, &branch).await {
+            return Input::DeliveryFailed { reason: format!("cannot push {branch}: {error}") };
+        }
+        info!(%branch, %commit, "delivered");
+        run.delivered = Some((branch, commit, tree.to_string()));
+        Input::Delivered
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn spec(
+        &self,
+        run: &RunContext<'_>,
+        stage: Stage,
+        profile: &AgentProfile,
+        command: Vec<String>,
+        mounts: Vec<Mount>,
+        network: Network,
+        timeout_seconds: u64,
+        cycle: u32,
+        round: u32,
+    ) -> StageSpec {
+        let job = run.job;
+        let max_cycles = job.review.as_ref().map_or(0, |r| r.max_cycles);
+        let mut env = vec![
+            format!("FORGE_STAGE={}", stage.as_str()),
+            format!("FORGE_RUN_ID={}", job.run_id),
+            format!("FORGE_TICKET={}", job.ticket),
+            format!("FORGE_SKILL={}", job.skill),
+            format!("FORGE_STEP={}", job.step),
+            format!("FORGE_CYCLE={cycle}"),
+            format!("FORGE_MAX_CYCLES={max_cycles}"),
+            format!("FORGE_ROUND={round}"),
+            "FORGE_PROMPT_FILE=/forge/input/prompt.md".to_string(),
+            "HOME=/tmp".to_string(),
+        ];
+        let mut redact = Vec::new();
+        for name in &profile.env {
+            match std::env::var(name) {
+                Ok(value) => {
+                    env.push(format!("{name}={value}"));
+                    redact.push(value);
+                }
+                Err(_) => warn!(profile = %profile.name, variable = %name, "the profile names an environment variable the worker does not have"),
+            }
+        }
+        let user = profile.user.clone().unwrap_or_else(|| format!("{}:{}", self.config.stage_user.0, self.config.stage_user.1));
+        let mut labels = HashMap::new();
+        labels.insert(LABEL_RUN.to_string(), job.run_id.to_string());
+        labels.insert(LABEL_STAGE.to_string(), stage.as_str().to_string());
+        let short_id = &job.run_id.simple().to_string()[..12];
+        StageSpec {
+            name: format!("forgepool-{short_id}-{}-{}", stage.as_str().replace('_', "-"), Uuid::new_v4().simple().to_string().get(..8).unwrap_or("x")),
+            image: profile.image.clone(),
+            command,
+            env,
+            mounts,
+            network,
+            memory_bytes: profile.memory_bytes,
+            cpus: profile.cpus,
+            pids_limit: self.config.pids_limit,
+            user: Some(user),
+            workdir: Some("/workspace".into()),
+            timeout: Duration::from_secs(timeout_seconds),
+            labels,
+            redact,
+        }
+    }
+
+    /// Runs one stage container while forwarding its output and polling `.forge/`, then sweeps
+    /// once more. A runtime error ends the run: `Err(input)` is that ending.
+    #[allow(clippy::too_many_arguments)]
+    async fn run_stage<S: EventSink>(
+        &self,
+        run: &mut RunContext<'_>,
+        sink: &S,
+        cancel: &CancellationToken,
+        spec: StageSpec,
+        stage: Stage,
+        round: u32,
+        cycle: Option<u32>,
+    ) -> Result<Result<StageOutput, Input>, PublishEvent> {
+        let run_id = run.job.run_id;
+        tracing::Span::current().record("stage", stage.as_str());
+        self.hand_over(&run.src).await;
+        publish(sink, run_id, EventKind::StageStarted { stage, round, cycle }).await?;
+        let (log_sender, mut log_receiver) = mpsc::channel::<LogChunk>(256);
+        let container = self.runtime.run_stage(spec, log_sender, cancel.clone());
+        tokio::pin!(container);
+        let mut ticker = tokio::time::interval(self.config.poll_interval);
+        ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut logs_open = true;
+        let outcome = loop {
+            tokio::select! {
+                outcome = &mut container => break outcome,
+                chunk = log_receiver.recv(), if logs_open => match chunk {
+                    Some(chunk) => publish(sink, run_id, EventKind::Log { stage, stream: chunk.stream, text: chunk.text }).await?,
+                    None => logs_open = false,
+                },
+                _ = ticker.tick() => self.sweep(run, sink).await?,
+            }
+        };
+        while let Ok(chunk) = log_receiver.try_recv() {
+            publish(sink, run_id, EventKind::Log { stage, stream: chunk.stream, text: chunk.text }).await?;
+        }
+        self.sweep(run, sink).await?;
+        let (exit_code, outcome_name, duration) = match &outcome {
+            Ok(output) => match output.exit {
+                StageExit::Exited(code) => (Some(code), if code == 0 { "completed" } else if code == EXIT_PAUSED { "paused" } else { "failed" }, output.duration),
+                StageExit::TimedOut => (None, "timed_out", output.duration),
+                StageExit::Cancelled => (None, "cancelled", output.duration),
+            },
+            Err(_) => (None, "failed", Duration::ZERO),
+        };
+        publish(
+            sink,
+            run_id,
+            EventKind::StageFinished { stage, round, cycle, exit_code, duration_seconds: duration.as_secs_f64(), outcome: outcome_name.into() },
+        )
+        .await?;
+        Ok(outcome.map_err(|error| Input::StageFailed { reason: format!("{} stage: {error}", stage.as_str()) }))
+    }
+
+    /// Scans `.forge/` and publishes every new or changed cycle file.
+    async fn sweep<S: EventSink>(&self, run: &mut RunContext<'_>, sink: &S) -> Result<(), PublishEvent> {
+        let mut collector = std::mem::take(&mut run.collector);
+        let (collector, found) = tokio::task::spawn_blocking(move || {
+            let found = collector.scan();
+            (collector, found)
+        })
+        .await
+        .map_err(|e| PublishEvent(format!("cycle scan failed: {e}")))?;
+        run.collector = collector;
+        for cycle in found {
+            run.record_cycle(cycle.clone());
+            publish(sink, run.job.run_id, EventKind::Cycle { cycle }).await?;
+        }
+        Ok(())
+    }
+
+    /// Gives a folder to the stage user, so that root-owned leftovers of an earlier round
+    /// never block the next one.
+    async fn hand_over(&self, dir: &Path) {
+        if !self.config.can_chown {
+            return;
+        }
+        let (uid, gid) = self.config.stage_user;
+        let dir = dir.to_path_buf();
+        let _ = tokio::task::spawn_blocking(move || chown_tree(&dir, uid, gid)).await;
+    }
+}
+
+/// One run's working state: folders, history and what the report needs.
+#[derive(Debug)]
+struct RunContext<'a> {
+    job: &'a Job,
+    root: PathBuf,
+    src: PathBuf,
+    base: String,
+    stage_count: u32,
+    collector: CycleCollector,
+    history: Vec<serde_json::Value>,
+    rounds: Vec<RoundRecord>,
+    checks: Vec<CheckResult>,
+    cycles: Vec<CycleRecord>,
+    review_exhausted: bool,
+    implementation_rounds: u32,
+    delivered: Option<(String, String, String)>,
+}
+
+impl<'a> RunContext<'a> {
+    fn new(job: &'a Job, root: &Path) -> RunContext<'a> {
+        let src = root.join("src");
+        RunContext {
+            job,
+            root: root.to_path_buf(),
+            collector: CycleCollector::new(&src),
+            src,
+            base: String::new(),
+            stage_count: 0,
+            history: Vec::new(),
+            rounds: Vec::new(),
+            checks: Vec::new(),
+            cycles: Vec::new(),
+            review_exhausted: false,
+            implementation_rounds: 0,
+            delivered: None,
+        }
+    }
+
+    fn limits(&self) -> Limits {
+        Limits {
+            max_cycles: self.job.review.as_ref().map_or(0, |r| r.max_cycles),
+            block_on_failure: self.job.review.as_ref().is_some_and(|r| r.block_on_failure),
+            repair_budget: self.job.repair_budget,
+            final_review: self.job.final_reviewer.is_some(),
+        }
+    }
+
+    fn record_cycle(&mut self, cycle: CycleRecord) {
+        match self.cycles.iter_mut().find(|c| c.step == cycle.step && c.file == cycle.file) {
+            Some(existing) => *existing = cycle,
+            None => self.cycles.push(cycle),
+        }
+        self.cycles.sort_by(|a, b| (&a.step, a.cycle).cmp(&(&b.step, b.cycle)));
+    }
+
+    /// Creates `{root}/stages/{n}-{stage}/{input,output}` with the input files.
+    async fn stage_dirs(&mut self, stage: Stage, prompt: &str, diff: Option<&str>) -> Result<PathBuf, String> {
+        self.stage_count += 1;
+        let dir = self.root.join("stages").join(format!("{}-{}", self.stage_count, stage.as_str()));
+        let input = dir.join("input");
+        let output = dir.join("output");
+        let history = serde_json::to_vec_pretty(&self.history).unwrap_or_default();
+        let job = serde_json::to_vec_pretty(self.job).unwrap_or_default();
+        let mut files: Vec<(&str, Vec<u8>)> = vec![
+            ("prompt.md", prompt.as_bytes().to_vec()),
+            ("brief.md", self.job.brief.as_bytes().to_vec()),
+            ("history.json", history),
+            ("job.json", job),
+        ];
+        if let Some(diff) = diff {
+            files.push(("diff.patch", diff.as_bytes().to_vec()));
+        }
+        let write = async {
+            tokio::fs::create_dir_all(&input).await?;
+            tokio::fs::create_dir_all(&output).await?;
+            for (name, bytes) in files {
+                tokio::fs::write(input.join(name), bytes).await?;
+            }
+            Ok::<(), std::io::Error>(())
+        };
+        write.await.map_err(|e| format!("cannot write stage inputs in {}: {e}", dir.display()))?;
+        Ok(dir)
+    }
+
+    /// Writes `.forge/history/{ticket}.json` in the working copy.
+    async fn write_workspace_history(&self) -> Result<(), String> {
+        let path = self.src.join(".forge/history").join(format!("{}.json", self.job.ticket));
+        let bytes = serde_json::to_vec_pretty(&self.history).unwrap_or_default();
+        tokio::task::spawn_blocking(move || write_atomically(&path, &bytes))
+            .await
+            .map_err(|e| e.to_string())?
+            .map_err(|e| format!("cannot write the history file: {e}"))
+    }
+
+    /// Commits `tree` on the base and makes a fresh copy of it at `dest`; returns the commit.
+    async fn fresh_copy(&self, tree: &str, dest: &Path) -> Result<String, String> {
+        let _ = remove_dir(dest).await;
+        let message = format!("forgepool candidate for {}", self.job.ticket);
+        let commit = git::commit_tree(&self.src, tree, &self.base, &message, &self.job.submitted_at).await.map_err(|e| e.to_string())?;
+        git::copy_at(&self.src, &commit, &self.base, dest).await.map_err(|e| e.to_string())?;
+        Ok(commit)
+    }
+
+    fn result(&self, state: RunState, reason: &str) -> RunResult {
+        let mut warnings = self.job.warnings.clone();
+        if self.review_exhausted {
+            warnings.push(format!("review was exhausted without approval after {} cycle(s)", self.cycles.len()));
+        }
+        let final_review = if self.job.final_reviewer.is_some() { "requested" } else { "not_requested" };
+        let report = report::render(&ReportInput {
+            job: self.job,
+            state,
+            reason,
+            checks: &self.checks,
+            cycles: &self.cycles,
+            rounds: &self.rounds,
+            review_exhausted: self.review_exhausted && state == RunState::DeliveredWithWarnings,
+            final_review: if final_review == "not_requested" { "Not requested." } else { "Requested." },
+            warnings: &warnings,
+        });
+        let (branch, commit, tree) = match &self.delivered {
+            Some((branch, commit, tree)) => (Some(branch.clone()), Some(commit.clone()), Some(tree.clone())),
+            None => (None, None, self.rounds.last().map(|r| r.tree.clone())),
+        };
+        RunResult {
+            state,
+            reason: reason.to_string(),
+            branch,
+            commit,
+            tree,
+            report,
+            warnings,
+            repair_budget: self.job.repair_budget,
+            implementation_rounds: self.implementation_rounds,
+            repair_history: self.rounds.clone(),
+            review: final_review.to_string(),
+        }
+    }
+}
+
+async fn publish<S: EventSink>(sink: &S, run_id: Uuid, kind: EventKind) -> Result<(), PublishEvent> {
+    sink.publish(Event::new(run_id, kind)).await
+}
+
+async fn remove_dir(path: &Path) -> std::io::Result<()> {
+    match tokio::fs::remove_dir_all(path).await {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(e),
+        _ => Ok(()),
+    }
+}
+
+fn chown_tree(dir: &Path, uid: u32, gid: u32) {
+    use std::os::unix::fs::MetadataExt;
+    let mut pending = vec![dir.to_path_buf()];
+    while let Some(path) = pending.pop() {
+        let Ok(metadata) = std::fs::symlink_metadata(&path) else { continue };
+        if metadata.uid() != uid || metadata.gid() != gid {
+            let _ = std::os::unix::fs::lchown(&path, Some(uid), Some(gid));
+        }
+        if metadata.is_dir() {
+            if let Ok(entries) = std::fs::read_dir(&path) {
+                pending.extend(entries.flatten().map(|e| e.path()));
+            }
+        }
+    }
+}
+
+/// The effective uid and gid of this process, read without `unsafe` from `/proc/self`.
+fn process_owner() -> (u32, u32) {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata("/proc/self").map(|m| (m.uid(), m.gid())).unwrap_or((0, 0))
+}
+
+fn last_line(text: &str) -> &str {
+    text.trim_end().lines().last().unwrap_or("").trim()
+}
+
+fn short(id: &str) -> &str {
+    &id[..id.len().min(12)]
+}

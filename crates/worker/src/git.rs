@@ -1,0 +1,148 @@
+//! Git through the `git` command line: clone, snapshot a tree, make review copies, deliver.
+//!
+//! The worker owns every repository it touches under its workspace folder; stage containers
+//! write into them as another user, so every call trusts the folder (`safe.directory`).
+
+use std::path::Path;
+use std::time::Duration;
+
+use tokio::process::Command;
+
+/// The limit on one git command (clone and push of large repositories included).
+pub const GIT_TIMEOUT: Duration = Duration::from_secs(600);
+
+/// A failed git command.
+#[derive(Debug, thiserror::Error)]
+pub enum GitError {
+    /// git could not be started.
+    #[error("cannot run git: {0}; install git on the worker")]
+    Spawn(std::io::Error),
+    /// git exited with an error.
+    #[error("`git {command}` failed: {stderr}")]
+    Failed {
+        /// The subcommand and its arguments.
+        command: String,
+        /// What git said.
+        stderr: String,
+    },
+    /// git did not finish in time.
+    #[error("`git {0}` did not finish within {GIT_TIMEOUT:?}")]
+    Timeout(String),
+}
+
+/// The identity of delivery commits.
+const AUTHOR_NAME: &str = "forgepool";
+const AUTHOR_EMAIL: &str = "forgepool@localhost";
+
+/// Runs `git args` in `dir` and returns its trimmed stdout.
+pub async fn git(dir: &Path, args: &[&str]) -> Result<String, GitError> {
+    git_with_env(dir, args, &[]).await
+}
+
+/// Runs `git args` in `dir` with extra environment variables.
+pub async fn git_with_env(dir: &Path, args: &[&str], env: &[(&str, &str)]) -> Result<String, GitError> {
+    let mut command = Command::new("git");
+    command
+        .arg("-c")
+        .arg("safe.directory=*")
+        .arg("-c")
+        .arg("core.hooksPath=/dev/null")
+        .args(args)
+        .current_dir(dir)
+        .env("GIT_TERMINAL_PROMPT", "0")
+        .env("GIT_CONFIG_NOSYSTEM", "1")
+        .env("GIT_AUTHOR_NAME", AUTHOR_NAME)
+        .env("GIT_AUTHOR_EMAIL", AUTHOR_EMAIL)
+        .env("GIT_COMMITTER_NAME", AUTHOR_NAME)
+        .env("GIT_COMMITTER_EMAIL", AUTHOR_EMAIL)
+        .stdin(std::process::Stdio::null())
+        .kill_on_drop(true);
+    for (name, value) in env {
+        command.env(name, value);
+    }
+    let shown = args.join(" ");
+    let output = tokio::time::timeout(GIT_TIMEOUT, command.output())
+        .await
+        .map_err(|_| GitError::Timeout(shown.clone()))?
+        .map_err(GitError::Spawn)?;
+    if !output.status.success() {
+        return Err(GitError::Failed { command: shown, stderr: String::from_utf8_lossy(&output.stderr).trim().to_string() });
+    }
+    Ok(String::from_utf8_lossy(&output.stdout).trim().to_string())
+}
+
+/// Clones `url` into `dest` and returns the commit id of `reference` (the default branch when
+/// `None`), checked out detached and also kept as the branch `base`.
+pub async fn clone_at(url: &str, reference: Option<&str>, dest: &Path) -> Result<String, GitError> {
+    let parent = dest.parent().unwrap_or(Path::new("/"));
+    let dest_text = dest.to_string_lossy();
+    git(parent, &["clone", "--quiet", "--no-checkout", "--", url, &dest_text]).await?;
+    let commit = match reference {
+        None => git(dest, &["rev-parse", "--verify", "HEAD^{commit}"]).await?,
+        Some(reference) => {
+            let remote = format!("refs/remotes/origin/{reference}^{{commit}}");
+            match git(dest, &["rev-parse", "--verify", "--quiet", &remote]).await {
+                Ok(commit) if !commit.is_empty() => commit,
+                _ => git(dest, &["rev-parse", "--verify", &format!("{reference}^{{commit}}")]).await.map_err(|_| {
+                    GitError::Failed {
+                        command: format!("rev-parse {reference}"),
+                        stderr: format!("the repository has no branch, tag or commit named `{reference}`"),
+                    }
+                })?,
+            }
+        }
+    };
+    git(dest, &["checkout", "--quiet", "--detach", &commit]).await?;
+    git(dest, &["branch", "--force", "base", &commit]).await?;
+    exclude_forge(dest).await?;
+    Ok(commit)
+}
+
+/// Keeps `.forge/` out of every snapshot and commit of a repository.
+async fn exclude_forge(repo: &Path) -> Result<(), GitError> {
+    let exclude = repo.join(".git/info/exclude");
+    let mut text = tokio::fs::read_to_string(&exclude).await.unwrap_or_default();
+    if !text.lines().any(|l| l == "/.forge/") {
+        text.push_str("\n/.forge/\n");
+        tokio::fs::create_dir_all(repo.join(".git/info")).await.map_err(GitError::Spawn)?;
+        tokio::fs::write(&exclude, text).await.map_err(GitError::Spawn)?;
+    }
+    Ok(())
+}
+
+/// Records the working tree (everything but `.forge/`) and returns its tree id.
+pub async fn snapshot_tree(repo: &Path) -> Result<String, GitError> {
+    git(repo, &["add", "--all", "--force", "--", ".", ":(exclude).forge"]).await?;
+    git(repo, &["rm", "-r", "--cached", "--quiet", "--ignore-unmatch", "--", ".forge"]).await?;
+    git(repo, &["write-tree"]).await
+}
+
+/// Makes a commit of `tree` on `parent`, dated `date` so the same inputs give the same commit.
+pub async fn commit_tree(repo: &Path, tree: &str, parent: &str, message: &str, date: &str) -> Result<String, GitError> {
+    let env = [("GIT_AUTHOR_DATE", date), ("GIT_COMMITTER_DATE", date)];
+    git_with_env(repo, &["commit-tree", tree, "-p", parent, "-m", message], &env).await
+}
+
+/// Makes a fresh copy of `repo` at `dest` with `commit` checked out and `base` as a branch, so
+/// `git diff base...HEAD` shows the change. The copy shares nothing writable with `repo`.
+pub async fn copy_at(repo: &Path, commit: &str, base: &str, dest: &Path) -> Result<(), GitError> {
+    git(repo, &["update-ref", "refs/heads/forgepool-candidate", commit]).await?;
+    let parent = dest.parent().unwrap_or(Path::new("/"));
+    let source = repo.to_string_lossy();
+    let dest_text = dest.to_string_lossy();
+    git(parent, &["clone", "--quiet", "--no-hardlinks", "--branch", "forgepool-candidate", "--", &source, &dest_text]).await?;
+    git(dest, &["branch", "--force", "base", base]).await?;
+    git(dest, &["remote", "remove", "origin"]).await?;
+    Ok(())
+}
+
+/// The change from `base` to `commit` as a binary-safe patch.
+pub async fn diff(repo: &Path, base: &str, commit: &str) -> Result<String, GitError> {
+    git(repo, &["diff", "--binary", base, commit]).await
+}
+
+/// Pushes `commit` to `branch` of `url`, replacing what the branch held.
+pub async fn push(repo: &Path, url: &str, commit: &str, branch: &str) -> Result<(), GitError> {
+    let refspec = format!("+{commit}:refs/heads/{branch}");
+    git(repo, &["push", "--quiet", "--", url, &refspec]).await.map(|_| ())
+}

@@ -1,0 +1,489 @@
+//! The run loop as a typed state machine (SPEC 7), with no I/O.
+//!
+//! [`RunMachine::step`] takes the outcome of the stage the current [`Phase`] asked for and
+//! returns the next phase. The engine performs the stage; this module decides what follows:
+//! repair rounds and the no-progress guard, review cycles and `block_on_failure`, the final
+//! review and delivery.
+
+use proto::RunState;
+
+/// A failing verification signature: each failing command's argv and exit code.
+pub type FailureSignature = Vec<(Vec<String>, Option<i64>)>;
+
+/// The limits frozen into a job that the loop obeys.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limits {
+    /// Review cycles allowed; 0 when the skill has no reviewer.
+    pub max_cycles: u32,
+    /// End blocked when every cycle was rejected.
+    pub block_on_failure: bool,
+    /// Repair rounds allowed after failed checks.
+    pub repair_budget: u32,
+    /// Whether an independent final review was requested.
+    pub final_review: bool,
+}
+
+/// Why an implementation round runs, and the feedback it receives.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RoundReason {
+    /// The first round.
+    Initial,
+    /// A reviewer rejected the previous round; its feedback.
+    Review(String),
+    /// Verification failed; the failed checks, formatted for the prompt.
+    Repair(String),
+}
+
+impl RoundReason {
+    /// The short name kept in `repair_history`.
+    pub fn name(&self) -> &'static str {
+        match self {
+            RoundReason::Initial => "initial",
+            RoundReason::Review(_) => "review",
+            RoundReason::Repair(_) => "repair",
+        }
+    }
+}
+
+/// What the run does next.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Phase {
+    /// Run the implementer for `round`.
+    Implement {
+        /// The 1-based implementation round.
+        round: u32,
+        /// Why, with the feedback to inject.
+        reason: RoundReason,
+    },
+    /// Run every verification command over `tree`.
+    Verify {
+        /// The round whose result is checked.
+        round: u32,
+        /// The tree the implementer left.
+        tree: String,
+    },
+    /// Run review cycle `cycle` over `tree`.
+    Review {
+        /// The round whose result is reviewed.
+        round: u32,
+        /// The 1-based cycle.
+        cycle: u32,
+        /// The verified tree.
+        tree: String,
+    },
+    /// Run the independent final review over `tree`.
+    FinalReview {
+        /// The verified (and approved) tree.
+        tree: String,
+    },
+    /// Commit and push `tree`.
+    Deliver {
+        /// The tree to deliver; delivery refuses if the workspace no longer matches it.
+        tree: String,
+    },
+    /// A provider paused the run; `resume` is the phase to return to.
+    Paused {
+        /// The phase interrupted by the pause, repeated on resume.
+        resume: Box<Phase>,
+        /// What the stage said.
+        reason: String,
+    },
+    /// The run ended.
+    Finished {
+        /// The terminal state.
+        state: RunState,
+        /// Why.
+        reason: String,
+    },
+}
+
+impl Phase {
+    fn name(&self) -> &'static str {
+        match self {
+            Phase::Implement { .. } => "implement",
+            Phase::Verify { .. } => "verify",
+            Phase::Review { .. } => "review",
+            Phase::FinalReview { .. } => "final_review",
+            Phase::Deliver { .. } => "deliver",
+            Phase::Paused { .. } => "paused",
+            Phase::Finished { .. } => "finished",
+        }
+    }
+}
+
+/// The outcome of the stage a phase asked for.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Input {
+    /// The implementer completed and left `tree`.
+    Implemented {
+        /// The git tree of the working copy, without `.forge/`.
+        tree: String,
+    },
+    /// A stage failed in a way that ends the run (crash, missing image, timeout).
+    StageFailed {
+        /// What happened, for the person reading the run.
+        reason: String,
+    },
+    /// A stage exited with 75: the provider paused.
+    StagePaused {
+        /// What happened.
+        reason: String,
+    },
+    /// Every verification command passed.
+    Verified,
+    /// Some verification commands failed.
+    ChecksFailed {
+        /// The failing commands and exit codes.
+        signature: FailureSignature,
+        /// The failures formatted for the `## Failed Checks` section.
+        report: String,
+    },
+    /// The reviewer gave a verdict.
+    Reviewed {
+        /// Whether it approved.
+        approved: bool,
+        /// The feedback.
+        feedback: String,
+    },
+    /// The final review finished with a validated report.
+    FinalReviewed {
+        /// `approved` (true) or `changes_required` (false).
+        approved: bool,
+        /// The summary or the refusal reason.
+        reason: String,
+    },
+    /// The change was committed and pushed.
+    Delivered,
+    /// Delivery failed or was refused.
+    DeliveryFailed {
+        /// Why.
+        reason: String,
+    },
+    /// A paused run was resumed.
+    Resumed,
+    /// A user cancelled the run.
+    Cancelled,
+}
+
+impl Input {
+    fn name(&self) -> &'static str {
+        match self {
+            Input::Implemented { .. } => "implemented",
+            Input::StageFailed { .. } => "stage_failed",
+            Input::StagePaused { .. } => "stage_paused",
+            Input::Verified => "verified",
+            Input::ChecksFailed { .. } => "checks_failed",
+            Input::Reviewed { .. } => "reviewed",
+            Input::FinalReviewed { .. } => "final_reviewed",
+            Input::Delivered => "delivered",
+            Input::DeliveryFailed { .. } => "delivery_failed",
+            Input::Resumed => "resumed",
+            Input::Cancelled => "cancelled",
+        }
+    }
+}
+
+/// An input that the current phase cannot take: a bug in the engine, never a user error.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("run loop cannot take `{input}` in phase `{phase}`")]
+pub struct UnexpectedInput {
+    /// The phase.
+    pub phase: &'static str,
+    /// The input.
+    pub input: &'static str,
+}
+
+/// The run loop's state: the phase and the counters that the rules depend on.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RunMachine {
+    /// What happens next.
+    pub phase: Phase,
+    /// The frozen limits.
+    pub limits: Limits,
+    /// Completed implementer containers.
+    pub implementation_rounds: u32,
+    /// Repair rounds started after failed checks.
+    pub repairs_used: u32,
+    /// Review cycles performed.
+    pub cycles_used: u32,
+    /// Every review cycle was rejected and the run went on without approval.
+    pub review_exhausted: bool,
+    /// The previous completed round's failure, for the no-progress guard.
+    last_failure: Option<(String, FailureSignature)>,
+}
+
+impl RunMachine {
+    /// A machine at round 1.
+    pub fn new(limits: Limits) -> RunMachine {
+        RunMachine {
+            phase: Phase::Implement { round: 1, reason: RoundReason::Initial },
+            limits,
+            implementation_rounds: 0,
+            repairs_used: 0,
+            cycles_used: 0,
+            review_exhausted: false,
+            last_failure: None,
+        }
+    }
+
+    /// Advances the machine by one stage outcome.
+    pub fn step(mut self, input: Input) -> Result<RunMachine, UnexpectedInput> {
+        let unexpected = UnexpectedInput { phase: self.phase.name(), input: input.name() };
+        let phase = std::mem::replace(&mut self.phase, Phase::Finished { state: RunState::Failed, reason: String::new() });
+        self.phase = match (phase, input) {
+            (Phase::Finished { .. }, _) => return Err(unexpected),
+            (_, Input::Cancelled) => finished(RunState::Cancelled, "cancelled by request"),
+            (Phase::Paused { resume, .. }, Input::Resumed) => *resume,
+            (Phase::Paused { .. }, _) => return Err(unexpected),
+            (phase, Input::StagePaused { reason }) => Phase::Paused { resume: Box::new(phase), reason },
+            (_, Input::StageFailed { reason }) => finished(RunState::Failed, &reason),
+
+            (Phase::Implement { round, .. }, Input::Implemented { tree }) => {
+                self.implementation_rounds += 1;
+                Phase::Verify { round, tree }
+            }
+            (Phase::Verify { round, tree }, Input::Verified) => {
+                self.last_failure = None;
+                self.after_verification(round, tree)
+            }
+            (Phase::Verify { round, tree }, Input::ChecksFailed { signature, report }) => {
+                let same = self.last_failure.as_ref().is_some_and(|(t, s)| *t == tree && *s == signature);
+                if same {
+                    finished(
+                        RunState::Blocked,
+                        "no progress: two consecutive rounds left the same source tree and the same failing checks",
+                    )
+                } else if self.repairs_used >= self.limits.repair_budget {
+                    finished(
+                        RunState::Blocked,
+                        &format!("verification failed and the repair budget of {} is spent", self.limits.repair_budget),
+                    )
+                } else {
+                    self.repairs_used += 1;
+                    self.last_failure = Some((tree, signature));
+                    Phase::Implement { round: round + 1, reason: RoundReason::Repair(report) }
+                }
+            }
+            (Phase::Review { round, cycle, tree }, Input::Reviewed { approved, feedback }) => {
+                self.cycles_used = cycle;
+                if approved {
+                    self.after_review(tree)
+                } else if cycle < self.limits.max_cycles {
+                    Phase::Implement { round: round + 1, reason: RoundReason::Review(feedback) }
+                } else if self.limits.block_on_failure {
+                    finished(
+                        RunState::Blocked,
+                        &format!("review rejected all {cycle} cycle(s) and block_on_failure is set"),
+                    )
+                } else {
+                    self.review_exhausted = true;
+                    self.after_review(tree)
+                }
+            }
+            (Phase::FinalReview { tree }, Input::FinalReviewed { approved, reason }) => {
+                if approved {
+                    Phase::Deliver { tree }
+                } else {
+                    finished(RunState::Blocked, &format!("the final review requires changes: {reason}"))
+                }
+            }
+            (Phase::Deliver { .. }, Input::Delivered) => {
+                if self.review_exhausted {
+                    finished(RunState::DeliveredWithWarnings, "delivered, but review was exhausted without approval")
+                } else {
+                    finished(RunState::Delivered, "delivered")
+                }
+            }
+            (Phase::Deliver { .. }, Input::DeliveryFailed { reason }) => finished(RunState::Failed, &reason),
+            _ => return Err(unexpected),
+        };
+        Ok(self)
+    }
+
+    /// The terminal state, once finished.
+    pub fn finished(&self) -> Option<(RunState, &str)> {
+        match &self.phase {
+            Phase::Finished { state, reason } => Some((*state, reason)),
+            _ => None,
+        }
+    }
+
+    fn after_verification(&mut self, round: u32, tree: String) -> Phase {
+        if self.limits.max_cycles > 0 && self.cycles_used < self.limits.max_cycles {
+            Phase::Review { round, cycle: self.cycles_used + 1, tree }
+        } else {
+            self.after_review(tree)
+        }
+    }
+
+    fn after_review(&mut self, tree: String) -> Phase {
+        if self.limits.final_review {
+            Phase::FinalReview { tree }
+        } else {
+            Phase::Deliver { tree }
+        }
+    }
+}
+
+fn finished(state: RunState, reason: &str) -> Phase {
+    Phase::Finished { state, reason: reason.to_string() }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const LIMITS: Limits = Limits { max_cycles: 3, block_on_failure: false, repair_budget: 2, final_review: false };
+
+    fn implemented(tree: &str) -> Input {
+        Input::Implemented { tree: tree.into() }
+    }
+    fn rejected(feedback: &str) -> Input {
+        Input::Reviewed { approved: false, feedback: feedback.into() }
+    }
+    fn approved() -> Input {
+        Input::Reviewed { approved: true, feedback: String::new() }
+    }
+    fn failed_checks(code: i64, text: &str) -> Input {
+        Input::ChecksFailed { signature: vec![(vec!["make".into(), "check".into()], Some(code))], report: text.into() }
+    }
+
+    /// Runs inputs from the start and returns the machine, asserting every step is accepted.
+    fn check(limits: Limits, inputs: Vec<Input>) -> RunMachine {
+        inputs.into_iter().fold(RunMachine::new(limits), |m, input| m.step(input).unwrap())
+    }
+
+    fn assert_finished(machine: &RunMachine, state: RunState, reason_part: &str) {
+        let (got, reason) = machine.finished().unwrap_or_else(|| panic!("not finished: {:?}", machine.phase));
+        assert_eq!(got, state, "{reason}");
+        assert!(reason.contains(reason_part), "{reason:?} lacks {reason_part:?}");
+    }
+
+    #[test]
+    fn table_of_runs() {
+        let block = Limits { block_on_failure: true, ..LIMITS };
+        let no_review = Limits { max_cycles: 0, ..LIMITS };
+        let with_final = Limits { final_review: true, ..LIMITS };
+        let cases: Vec<(&str, Limits, Vec<Input>, RunState, &str)> = vec![
+            ("approved at once", LIMITS, vec![implemented("t1"), Input::Verified, approved(), Input::Delivered], RunState::Delivered, "delivered"),
+            (
+                "rejected then approved",
+                LIMITS,
+                vec![implemented("t1"), Input::Verified, rejected("no tests"), implemented("t2"), Input::Verified, approved(), Input::Delivered],
+                RunState::Delivered,
+                "delivered",
+            ),
+            (
+                "exhausted, not blocking",
+                LIMITS,
+                vec![
+                    implemented("t1"), Input::Verified, rejected("a"),
+                    implemented("t2"), Input::Verified, rejected("b"),
+                    implemented("t3"), Input::Verified, rejected("c"),
+                    Input::Delivered,
+                ],
+                RunState::DeliveredWithWarnings,
+                "exhausted",
+            ),
+            (
+                "exhausted and blocking",
+                block,
+                vec![
+                    implemented("t1"), Input::Verified, rejected("a"),
+                    implemented("t2"), Input::Verified, rejected("b"),
+                    implemented("t3"), Input::Verified, rejected("c"),
+                ],
+                RunState::Blocked,
+                "block_on_failure",
+            ),
+            ("no review", no_review, vec![implemented("t1"), Input::Verified, Input::Delivered], RunState::Delivered, "delivered"),
+            ("implementer crash", LIMITS, vec![Input::StageFailed { reason: "implementer exited with code 2".into() }], RunState::Failed, "code 2"),
+            (
+                "final review requires changes",
+                with_final,
+                vec![implemented("t1"), Input::Verified, approved(), Input::FinalReviewed { approved: false, reason: "oversold".into() }],
+                RunState::Blocked,
+                "oversold",
+            ),
+            (
+                "final review approves",
+                with_final,
+                vec![implemented("t1"), Input::Verified, approved(), Input::FinalReviewed { approved: true, reason: String::new() }, Input::Delivered],
+                RunState::Delivered,
+                "delivered",
+            ),
+            ("delivery refused", no_review, vec![implemented("t1"), Input::Verified, Input::DeliveryFailed { reason: "tree changed".into() }], RunState::Failed, "tree changed"),
+            ("cancelled", LIMITS, vec![implemented("t1"), Input::Cancelled], RunState::Cancelled, "cancelled"),
+        ];
+        for (name, limits, inputs, state, reason) in cases {
+            let machine = check(limits, inputs);
+            let (got, why) = machine.finished().unwrap_or_else(|| panic!("{name}: not finished"));
+            assert_eq!(got, state, "{name}: {why}");
+            assert!(why.contains(reason), "{name}: {why:?} lacks {reason:?}");
+        }
+    }
+
+    #[test]
+    fn rejection_feedback_reaches_the_next_round() {
+        let machine = check(LIMITS, vec![implemented("t1"), Input::Verified, rejected("Missing tests")]);
+        assert_eq!(machine.phase, Phase::Implement { round: 2, reason: RoundReason::Review("Missing tests".into()) });
+        assert_eq!(machine.cycles_used, 1);
+    }
+
+    #[test]
+    fn repair_budgets() {
+        for budget in [0u32, 1, 3] {
+            let limits = Limits { repair_budget: budget, max_cycles: 0, ..LIMITS };
+            let mut machine = RunMachine::new(limits);
+            for round in 0..=budget {
+                machine = machine.step(implemented(&format!("t{round}"))).unwrap();
+                machine = machine.step(failed_checks(1, "fail")).unwrap();
+            }
+            assert_finished(&machine, RunState::Blocked, "repair budget");
+            assert_eq!(machine.implementation_rounds, budget + 1, "budget {budget}");
+            assert_eq!(machine.repairs_used, budget);
+        }
+    }
+
+    #[test]
+    fn repair_rounds_carry_failed_checks() {
+        let machine = check(LIMITS, vec![implemented("t1"), failed_checks(2, "## make check exited 2")]);
+        assert_eq!(machine.phase, Phase::Implement { round: 2, reason: RoundReason::Repair("## make check exited 2".into()) });
+    }
+
+    #[test]
+    fn no_progress_guard_trips_on_same_tree_and_signature_whatever_the_text() {
+        let machine = check(
+            LIMITS,
+            vec![implemented("same"), failed_checks(1, "at 10:00:01"), implemented("same"), failed_checks(1, "at 10:00:09")],
+        );
+        assert_finished(&machine, RunState::Blocked, "no progress");
+        assert_eq!(machine.implementation_rounds, 2);
+    }
+
+    #[test]
+    fn no_progress_guard_lets_a_changed_tree_or_signature_continue() {
+        let changed_tree = check(LIMITS, vec![implemented("a"), failed_checks(1, "x"), implemented("b"), failed_checks(1, "x")]);
+        assert!(matches!(changed_tree.phase, Phase::Implement { round: 3, .. }), "{:?}", changed_tree.phase);
+        let changed_code = check(LIMITS, vec![implemented("a"), failed_checks(1, "x"), implemented("a"), failed_checks(2, "x")]);
+        assert!(matches!(changed_code.phase, Phase::Implement { round: 3, .. }), "{:?}", changed_code.phase);
+    }
+
+    #[test]
+    fn pauses_do_not_spend_a_round_and_resume_where_they_stopped() {
+        let machine = check(LIMITS, vec![Input::StagePaused { reason: "rate limited".into() }]);
+        assert!(matches!(machine.phase, Phase::Paused { .. }));
+        assert_eq!(machine.implementation_rounds, 0);
+        let machine = machine.step(Input::Resumed).unwrap();
+        assert_eq!(machine.phase, Phase::Implement { round: 1, reason: RoundReason::Initial });
+    }
+
+    #[test]
+    fn finished_runs_take_no_more_input() {
+        let machine = check(LIMITS, vec![Input::Cancelled]);
+        let error = machine.step(Input::Verified).unwrap_err();
+        assert_eq!(error, UnexpectedInput { phase: "finished", input: "verified" });
+        let error = RunMachine::new(LIMITS).step(Input::Verified).unwrap_err();
+        assert_eq!(error.phase, "implement");
+    }
+}
