@@ -130,7 +130,14 @@ pub async fn copy_at(repo: &Path, commit: &str, base: &str, dest: &Path) -> Resu
     let parent = dest.parent().unwrap_or(Path::new("/"));
     let source = repo.to_string_lossy();
     let dest_text = dest.to_string_lossy();
-    git(parent, &["clone", "--quiet", "--no-hardlinks", "--branch", "forgepool-candidate", "--", &source, &dest_text]).await?;
+    // The source belongs to the stage user, and the upload-pack that a local clone starts does
+    // not inherit our `safe.directory`, so it is given its own.
+    let upload_pack = "git -c safe.directory=* upload-pack";
+    git(
+        parent,
+        &["clone", "--quiet", "--no-hardlinks", "--upload-pack", upload_pack, "--branch", "forgepool-candidate", "--", &source, &dest_text],
+    )
+    .await?;
     git(dest, &["branch", "--force", "base", base]).await?;
     git(dest, &["remote", "remove", "origin"]).await?;
     Ok(())

@@ -289,9 +289,9 @@ impl RunMachine {
             }
             (Phase::Deliver { .. }, Input::Delivered) => {
                 if self.review_exhausted {
-                    finished(RunState::DeliveredWithWarnings, "delivered, but review was exhausted without approval")
+                    finished(RunState::DeliveredWithWarnings, "the change was pushed, but review was exhausted without approval")
                 } else {
-                    finished(RunState::Delivered, "delivered")
+                    finished(RunState::Delivered, "the change was pushed")
                 }
             }
             (Phase::Deliver { .. }, Input::DeliveryFailed { reason }) => finished(RunState::Failed, &reason),
@@ -365,13 +365,13 @@ mod tests {
         let no_review = Limits { max_cycles: 0, ..LIMITS };
         let with_final = Limits { final_review: true, ..LIMITS };
         let cases: Vec<(&str, Limits, Vec<Input>, RunState, &str)> = vec![
-            ("approved at once", LIMITS, vec![implemented("t1"), Input::Verified, approved(), Input::Delivered], RunState::Delivered, "delivered"),
+            ("approved at once", LIMITS, vec![implemented("t1"), Input::Verified, approved(), Input::Delivered], RunState::Delivered, "pushed"),
             (
                 "rejected then approved",
                 LIMITS,
                 vec![implemented("t1"), Input::Verified, rejected("no tests"), implemented("t2"), Input::Verified, approved(), Input::Delivered],
                 RunState::Delivered,
-                "delivered",
+                "pushed",
             ),
             (
                 "exhausted, not blocking",
@@ -396,7 +396,7 @@ mod tests {
                 RunState::Blocked,
                 "block_on_failure",
             ),
-            ("no review", no_review, vec![implemented("t1"), Input::Verified, Input::Delivered], RunState::Delivered, "delivered"),
+            ("no review", no_review, vec![implemented("t1"), Input::Verified, Input::Delivered], RunState::Delivered, "pushed"),
             ("implementer crash", LIMITS, vec![Input::StageFailed { reason: "implementer exited with code 2".into() }], RunState::Failed, "code 2"),
             (
                 "final review requires changes",
@@ -410,7 +410,7 @@ mod tests {
                 with_final,
                 vec![implemented("t1"), Input::Verified, approved(), Input::FinalReviewed { approved: true, reason: String::new() }, Input::Delivered],
                 RunState::Delivered,
-                "delivered",
+                "pushed",
             ),
             ("delivery refused", no_review, vec![implemented("t1"), Input::Verified, Input::DeliveryFailed { reason: "tree changed".into() }], RunState::Failed, "tree changed"),
             ("cancelled", LIMITS, vec![implemented("t1"), Input::Cancelled], RunState::Cancelled, "cancelled"),

@@ -1,0 +1,13 @@
+"""Stock reservations for the shop."""
+
+
+class OutOfStock(Exception):
+    """Raised when a reservation asks for more than is in stock."""
+
+
+def reserve(item, quantity):
+    """Reserve `quantity` units of `item` and return the stock left."""
+    if quantity > item.stock:
+        raise OutOfStock(item.name)
+    item.stock -= quantity
+    return item.stock

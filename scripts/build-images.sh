@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Builds forgepool's agent images from local files (no registry needed):
+#   forgepool-test-agent:dev      the deterministic agents the end-to-end tests use
+#   forgepool-example-agent:dev   the agents of the example in examples/
+# Needs a running Docker engine (scripts/services.sh starts one) and Debian's busybox-static.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export DOCKER_BUILDKIT=0
+
+# The images need a statically linked busybox: Debian's busybox-static.
+if ! (ldd /bin/busybox 2>&1 || true) | grep -q "not a dynamic"; then
+  echo "installing busybox-static" >&2
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq busybox-static >/dev/null
+fi
+
+build() {
+  local tag="$1" dir="$2"
+  local context
+  context="$(mktemp -d)"
+  cp -r "$dir"/. "$context"/
+  cp /bin/busybox "$context/busybox"
+  docker build -q -t "$tag" "$context" >/dev/null
+  rm -rf "$context"
+  echo "built $tag"
+}
+
+build forgepool-test-agent:dev tests/images/agent
+build forgepool-example-agent:dev examples/images/agent

@@ -1,0 +1,26 @@
+#!/bin/sh
+# Test reviewer. Usage: reviewer.sh MODE
+#   rules     APPROVED when the change adds tests.txt, else REJECTED with specific feedback
+#   approve   always APPROVED
+#   reject    always REJECTED, naming the cycle
+#   nomarker  prints no verdict at all
+#   sleep N   sleeps N seconds (to exceed the review timeout)
+#   crash     exits 9
+set -eu
+mode="${1:-rules}"
+case "$mode" in
+  rules)
+    if grep -q '^+++ b/tests.txt' /forge/input/diff.patch; then
+      echo "APPROVED"
+    else
+      echo "REJECTED"
+      echo "Missing tests for the feature: add tests.txt"
+    fi
+    ;;
+  approve) echo "All criteria pass. APPROVED" ;;
+  reject) printf 'REJECTED\nCycle %s: error handling still missing\n' "$FORGE_CYCLE" ;;
+  nomarker) echo "I looked at the change and have thoughts, but no verdict." ;;
+  sleep) sleep "${2:-30}"; echo "APPROVED" ;;
+  crash) echo "reviewer blew up" >&2; exit 9 ;;
+  *) echo "unknown mode $mode" >&2; exit 64 ;;
+esac
