@@ -42,15 +42,26 @@ pub struct RunArgs {
 impl RunArgs {
     /// The workspace root, made absolute so that it can be bind-mounted.
     pub fn workspace_root(&self) -> Result<PathBuf, String> {
-        let root = self.workspace.clone().unwrap_or_else(|| std::env::temp_dir().join("forgepool"));
-        std::fs::create_dir_all(&root).map_err(|e| format!("{ENV_WORKSPACE_DIR} ({}): cannot create it: {e}", root.display()))?;
-        root.canonicalize().map_err(|e| format!("{ENV_WORKSPACE_DIR} ({}): {e}", root.display()))
+        let root = self
+            .workspace
+            .clone()
+            .unwrap_or_else(|| std::env::temp_dir().join("forgepool"));
+        std::fs::create_dir_all(&root).map_err(|e| {
+            format!(
+                "{ENV_WORKSPACE_DIR} ({}): cannot create it: {e}",
+                root.display()
+            )
+        })?;
+        root.canonicalize()
+            .map_err(|e| format!("{ENV_WORKSPACE_DIR} ({}): {e}", root.display()))
     }
 }
 
 fn parse_poll_interval(text: &str) -> Result<Duration, String> {
     match text.trim().parse::<f64>() {
         Ok(seconds) if (0.01..=60.0).contains(&seconds) => Ok(Duration::from_secs_f64(seconds)),
-        _ => Err(format!("{ENV_POLL_INTERVAL} must be a number of seconds from 0.01 to 60, got {text:?}")),
+        _ => Err(format!(
+            "{ENV_POLL_INTERVAL} must be a number of seconds from 0.01 to 60, got {text:?}"
+        )),
     }
 }

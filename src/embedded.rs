@@ -43,7 +43,12 @@ pub async fn run(args: RunArgs) -> i32 {
     }
     let text = match std::fs::read_to_string(&args.file) {
         Ok(text) => text,
-        Err(error) => return invalid(format!("cannot read the run request {}: {error}", args.file.display())),
+        Err(error) => {
+            return invalid(format!(
+                "cannot read the run request {}: {error}",
+                args.file.display()
+            ))
+        }
     };
     let request = match dispatcher::request::from_file_text(&text) {
         Ok(request) => request,
@@ -66,14 +71,23 @@ pub async fn run(args: RunArgs) -> i32 {
         eprintln!("error: {error}");
         return EXIT_FAILED;
     }
-    println!("Run {run_id} accepted: {} with skill {}", job.ticket, job.skill);
+    println!(
+        "Run {run_id} accepted: {} with skill {}",
+        job.ticket, job.skill
+    );
 
     let identity = Identity::for_worker(format!("embedded-{}", std::process::id()));
     let runtime = match DockerRuntime::connect(identity).await {
         Ok(runtime) => Arc::new(runtime),
         Err(error) => {
             let reason = error.to_string();
-            let failed = proto::Event::new(run_id, EventKind::State { state: RunState::Failed, reason: reason.clone() });
+            let failed = proto::Event::new(
+                run_id,
+                EventKind::State {
+                    state: RunState::Failed,
+                    reason: reason.clone(),
+                },
+            );
             let _ = store.record_event(&failed).await;
             eprintln!("error: {reason}");
             println!("Run failed: {reason}");
@@ -83,7 +97,13 @@ pub async fn run(args: RunArgs) -> i32 {
     if let Err(error) = runtime.remove_orphans().await {
         tracing::warn!(%error, "orphan cleanup failed");
     }
-    let engine = Engine::new(runtime, EngineConfig { poll_interval: args.poll_interval, ..EngineConfig::for_process(workspace_root) });
+    let engine = Engine::new(
+        runtime,
+        EngineConfig {
+            poll_interval: args.poll_interval,
+            ..EngineConfig::for_process(workspace_root)
+        },
+    );
 
     let queue = Arc::new(InMemoryQueue::default());
     if let Err(error) = queue.publish(job).await {
@@ -96,9 +116,15 @@ pub async fn run(args: RunArgs) -> i32 {
         let queue = Arc::clone(&queue);
         let cancel = cancel.clone();
         tokio::spawn(async move {
-            let Some(delivery) = queue.next().await else { return };
+            let Some(delivery) = queue.next().await else {
+                return;
+            };
             let outcome = engine.execute(&delivery.job, &sink, cancel).await;
-            let how = if outcome.is_ok() { Settlement::Ack } else { Settlement::Requeue };
+            let how = if outcome.is_ok() {
+                Settlement::Ack
+            } else {
+                Settlement::Requeue
+            };
             let _ = queue.settle(delivery, how).await;
         })
     };
@@ -131,10 +157,11 @@ pub async fn run(args: RunArgs) -> i32 {
 
 /// Cancels the run on Ctrl-C or SIGTERM.
 async fn shutdown_signal(cancel: CancellationToken) {
-    let mut terminate = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-        Ok(signal) => signal,
-        Err(_) => return,
-    };
+    let mut terminate =
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(signal) => signal,
+            Err(_) => return,
+        };
     tokio::select! {
         _ = tokio::signal::ctrl_c() => {},
         _ = terminate.recv() => {},

@@ -14,7 +14,12 @@ use clap::{Parser, Subcommand};
 #[command(name = "forgepool", version, about)]
 struct Cli {
     /// Log format on stderr: `text` or `json`.
-    #[arg(long, global = true, env = "FORGEPOOL_LOG_FORMAT", default_value = "text")]
+    #[arg(
+        long,
+        global = true,
+        env = "FORGEPOOL_LOG_FORMAT",
+        default_value = "text"
+    )]
     log_format: String,
     #[command(subcommand)]
     command: Command,
@@ -32,7 +37,10 @@ fn main() -> ExitCode {
         eprintln!("error: {message}");
         return ExitCode::from(2);
     }
-    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
         Ok(runtime) => runtime,
         Err(error) => {
             eprintln!("error: cannot start the async runtime: {error}");
@@ -50,11 +58,17 @@ fn main() -> ExitCode {
 fn setup_logging(format: &str) -> Result<(), String> {
     let filter = tracing_subscriber::EnvFilter::try_from_env("FORGEPOOL_LOG")
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
-    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
     match format {
         "text" => builder.init(),
         "json" => builder.json().init(),
-        other => return Err(format!("FORGEPOOL_LOG_FORMAT (--log-format) must be `text` or `json`, got {other:?}")),
+        other => {
+            return Err(format!(
+                "FORGEPOOL_LOG_FORMAT (--log-format) must be `text` or `json`, got {other:?}"
+            ))
+        }
     }
     Ok(())
 }

@@ -9,32 +9,55 @@ pub const FEEDBACK_CHARS: usize = 200;
 pub fn line(kind: &EventKind) -> Option<String> {
     match kind {
         EventKind::Cycle { cycle } => {
-            let max = cycle.max_cycles.map_or(String::from("?"), |m| m.to_string());
+            let max = cycle
+                .max_cycles
+                .map_or(String::from("?"), |m| m.to_string());
             let verdict = cycle.verdict.to_uppercase();
             if cycle.verdict == "approved" {
                 Some(format!("Review cycle {}/{max}: {verdict}", cycle.cycle))
             } else {
-                let flat = cycle.feedback.split_whitespace().collect::<Vec<_>>().join(" ");
+                let flat = cycle
+                    .feedback
+                    .split_whitespace()
+                    .collect::<Vec<_>>()
+                    .join(" ");
                 let cut: String = flat.chars().take(FEEDBACK_CHARS).collect();
-                Some(format!("Review cycle {}/{max}: {verdict} - {cut}...", cycle.cycle))
+                Some(format!(
+                    "Review cycle {}/{max}: {verdict} - {cut}...",
+                    cycle.cycle
+                ))
             }
         }
-        EventKind::StageStarted { stage, round, cycle } => Some(match cycle {
-            Some(cycle) => format!("Stage {} started (round {round}, cycle {cycle})", stage.as_str()),
+        EventKind::StageStarted {
+            stage,
+            round,
+            cycle,
+        } => Some(match cycle {
+            Some(cycle) => format!(
+                "Stage {} started (round {round}, cycle {cycle})",
+                stage.as_str()
+            ),
             None => format!("Stage {} started (round {round})", stage.as_str()),
         }),
         EventKind::Check { result } => Some(format!(
             "Check `{}`: {} ({:.1} s)",
             result.argv.join(" "),
-            result.exit_code.map_or("timed out".to_string(), |c| format!("exit {c}")),
+            result
+                .exit_code
+                .map_or("timed out".to_string(), |c| format!("exit {c}")),
             result.duration_seconds
         )),
-        EventKind::State { state: RunState::Running, .. } => None,
+        EventKind::State {
+            state: RunState::Running,
+            ..
+        } => None,
         EventKind::State { state, reason } => Some(format!("Run {state}: {reason}")),
-        EventKind::Result { result } => result
-            .commit
-            .as_ref()
-            .map(|commit| format!("Delivered {} at {commit}", result.branch.as_deref().unwrap_or("?"))),
+        EventKind::Result { result } => result.commit.as_ref().map(|commit| {
+            format!(
+                "Delivered {} at {commit}",
+                result.branch.as_deref().unwrap_or("?")
+            )
+        }),
         _ => None,
     }
 }
@@ -61,17 +84,28 @@ mod tests {
     #[test]
     fn cycle_lines_match_forge() {
         assert_eq!(
-            line(&cycle(1, "rejected", "Missing tests for process_data() function")).unwrap(),
+            line(&cycle(
+                1,
+                "rejected",
+                "Missing tests for process_data() function"
+            ))
+            .unwrap(),
             "Review cycle 1/3: REJECTED - Missing tests for process_data() function..."
         );
-        assert_eq!(line(&cycle(3, "approved", "fine")).unwrap(), "Review cycle 3/3: APPROVED");
+        assert_eq!(
+            line(&cycle(3, "approved", "fine")).unwrap(),
+            "Review cycle 3/3: APPROVED"
+        );
     }
 
     #[test]
     fn feedback_is_cut_to_200_characters() {
         let long = "é".repeat(300);
         let printed = line(&cycle(2, "rejected", &long)).unwrap();
-        assert_eq!(printed, format!("Review cycle 2/3: REJECTED - {}...", "é".repeat(200)));
+        assert_eq!(
+            printed,
+            format!("Review cycle 2/3: REJECTED - {}...", "é".repeat(200))
+        );
         let multi = line(&cycle(2, "rejected", "first\nsecond")).unwrap();
         assert!(multi.ends_with("first second..."), "{multi}");
     }

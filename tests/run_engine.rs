@@ -9,7 +9,9 @@ use proto::{EventKind, RunState};
 const BRANCH: &str = "forge/test-1";
 
 fn review(max_retries: u32, extra: &str) -> String {
-    format!("---\nmax_retries: {max_retries}\n{extra}---\n# Check\nAPPROVED when tests.txt exists.\n")
+    format!(
+        "---\nmax_retries: {max_retries}\n{extra}---\n# Check\nAPPROVED when tests.txt exists.\n"
+    )
 }
 
 #[test]
@@ -19,7 +21,11 @@ fn approved_at_once_is_delivered() {
     assert_eq!(outcome.code, 0, "{}", outcome.printed());
     let record = outcome.record();
     assert_eq!(record.state, RunState::Delivered);
-    assert!(outcome.stdout.contains("Review cycle 1/3: APPROVED\n"), "{}", outcome.printed());
+    assert!(
+        outcome.stdout.contains("Review cycle 1/3: APPROVED\n"),
+        "{}",
+        outcome.printed()
+    );
     assert_eq!(record.cycles.len(), 1);
     assert_eq!(record.cycles[0].verdict, "approved");
     let result = record.result.as_ref().unwrap();
@@ -29,7 +35,10 @@ fn approved_at_once_is_delivered() {
     assert_eq!(fixture.branch_file(BRANCH, "feature.txt"), "round 1\n");
     assert_eq!(result.review, "not_requested");
     let states: Vec<RunState> = record.states.iter().map(|s| s.0).collect();
-    assert_eq!(states, [RunState::Queued, RunState::Running, RunState::Delivered]);
+    assert_eq!(
+        states,
+        [RunState::Queued, RunState::Running, RunState::Delivered]
+    );
     outcome.assert_no_containers_left();
 }
 
@@ -39,25 +48,52 @@ fn rejected_then_approved_feeds_back_feedback_and_history() {
     let outcome = fixture.run("");
     assert_eq!(outcome.code, 0, "{}", outcome.printed());
     assert!(
-        outcome.stdout.contains("Review cycle 1/3: REJECTED - Missing tests for the feature: add tests.txt...\n"),
+        outcome.stdout.contains(
+            "Review cycle 1/3: REJECTED - Missing tests for the feature: add tests.txt...\n"
+        ),
         "{}",
         outcome.printed()
     );
-    assert!(outcome.stdout.contains("Review cycle 2/3: APPROVED\n"), "{}", outcome.printed());
+    assert!(
+        outcome.stdout.contains("Review cycle 2/3: APPROVED\n"),
+        "{}",
+        outcome.printed()
+    );
     let record = outcome.record();
     assert_eq!(record.state, RunState::Delivered);
     let verdicts: Vec<&str> = record.cycles.iter().map(|c| c.verdict.as_str()).collect();
     assert_eq!(verdicts, ["rejected", "approved"]);
     // The second round's implementer received the feedback in its prompt and its history.
     let prompt = fixture.branch_file(BRANCH, "received_prompt.md");
-    assert!(prompt.contains("## Reviewer Feedback\n\nMissing tests for the feature: add tests.txt"), "{prompt}");
-    let history: serde_json::Value = serde_json::from_str(&fixture.branch_file(BRANCH, "received_history.json")).unwrap();
+    assert!(
+        prompt.contains("## Reviewer Feedback\n\nMissing tests for the feature: add tests.txt"),
+        "{prompt}"
+    );
+    let history: serde_json::Value =
+        serde_json::from_str(&fixture.branch_file(BRANCH, "received_history.json")).unwrap();
     assert_eq!(history[0]["verdict"], "rejected");
-    assert_eq!(history[0]["feedback"], "Missing tests for the feature: add tests.txt");
-    assert_eq!(fixture.branch_file(BRANCH, "tests.txt"), "tests for the feature\n");
+    assert_eq!(
+        history[0]["feedback"],
+        "Missing tests for the feature: add tests.txt"
+    );
+    assert_eq!(
+        fixture.branch_file(BRANCH, "tests.txt"),
+        "tests for the feature\n"
+    );
     // The cycle file holds the SPEC 8 fields.
     let first = &record.cycles[0].content;
-    for key in ["cycle", "max_cycles", "verdict", "feedback", "skill", "elapsed_seconds", "timestamp", "run_id", "ticket", "step"] {
+    for key in [
+        "cycle",
+        "max_cycles",
+        "verdict",
+        "feedback",
+        "skill",
+        "elapsed_seconds",
+        "timestamp",
+        "run_id",
+        "ticket",
+        "step",
+    ] {
         assert!(first.get(key).is_some(), "cycle file lacks {key}: {first}");
     }
     assert_eq!(first["step"], "implement_task");
@@ -68,30 +104,64 @@ fn rejected_then_approved_feeds_back_feedback_and_history() {
 
 #[test]
 fn exhausted_review_without_blocking_delivers_with_warnings() {
-    let fixture = Fixture::new(Some(&review(2, "block_on_failure: false\n")), &["change"], &["reject"]);
+    let fixture = Fixture::new(
+        Some(&review(2, "block_on_failure: false\n")),
+        &["change"],
+        &["reject"],
+    );
     let outcome = fixture.run("");
     assert_eq!(outcome.code, 0, "{}", outcome.printed());
     let record = outcome.record();
     assert_eq!(record.state, RunState::DeliveredWithWarnings);
     assert_eq!(record.cycles.len(), 2);
-    assert!(outcome.stdout.contains("Review cycle 2/2: REJECTED - Cycle 2: error handling still missing..."), "{}", outcome.printed());
+    assert!(
+        outcome
+            .stdout
+            .contains("Review cycle 2/2: REJECTED - Cycle 2: error handling still missing..."),
+        "{}",
+        outcome.printed()
+    );
     let result = record.result.as_ref().unwrap();
-    assert!(result.report.contains("## Auto-Review Notes"), "{}", result.report);
-    assert!(result.report.contains("Cycle 2: error handling still missing"), "{}", result.report);
-    assert!(result.warnings.iter().any(|w| w.contains("exhausted")), "{:?}", result.warnings);
-    assert!(fixture.branch_files(BRANCH).is_some(), "the branch was pushed");
+    assert!(
+        result.report.contains("## Auto-Review Notes"),
+        "{}",
+        result.report
+    );
+    assert!(
+        result
+            .report
+            .contains("Cycle 2: error handling still missing"),
+        "{}",
+        result.report
+    );
+    assert!(
+        result.warnings.iter().any(|w| w.contains("exhausted")),
+        "{:?}",
+        result.warnings
+    );
+    assert!(
+        fixture.branch_files(BRANCH).is_some(),
+        "the branch was pushed"
+    );
     outcome.assert_no_containers_left();
 }
 
 #[test]
 fn exhausted_review_with_block_on_failure_blocks_and_pushes_nothing() {
-    let fixture = Fixture::new(Some(&review(2, "block_on_failure: true\n")), &["change"], &["reject"]);
+    let fixture = Fixture::new(
+        Some(&review(2, "block_on_failure: true\n")),
+        &["change"],
+        &["reject"],
+    );
     let outcome = fixture.run("");
     assert_eq!(outcome.code, 3, "{}", outcome.printed());
     let record = outcome.record();
     assert_eq!(record.state, RunState::Blocked);
     assert_eq!(record.cycles.len(), 2);
-    assert!(fixture.branch_files(BRANCH).is_none(), "nothing may be pushed for a blocked run");
+    assert!(
+        fixture.branch_files(BRANCH).is_none(),
+        "nothing may be pushed for a blocked run"
+    );
     let reason = &record.states.last().unwrap().1;
     assert!(reason.contains("block_on_failure"), "{reason}");
     outcome.assert_no_containers_left();
@@ -105,22 +175,45 @@ fn reviewer_without_marker_is_rejected_as_unparsed() {
     assert_eq!(record.cycles.len(), 1, "{}", outcome.printed());
     assert_eq!(record.cycles[0].verdict, "rejected");
     assert_eq!(record.cycles[0].feedback, "Verdict could not be parsed");
-    assert!(outcome.stdout.contains("Review cycle 1/1: REJECTED - Verdict could not be parsed..."), "{}", outcome.printed());
+    assert!(
+        outcome
+            .stdout
+            .contains("Review cycle 1/1: REJECTED - Verdict could not be parsed..."),
+        "{}",
+        outcome.printed()
+    );
     assert_eq!(record.state, RunState::DeliveredWithWarnings);
 }
 
 #[test]
 fn reviewer_timeout_is_a_rejection_that_says_so() {
-    let fixture = Fixture::new(Some(&review(1, "timeout_seconds: 2\n")), &["change"], &["sleep", "40"]);
+    let fixture = Fixture::new(
+        Some(&review(1, "timeout_seconds: 2\n")),
+        &["change"],
+        &["sleep", "40"],
+    );
     let started = std::time::Instant::now();
     let outcome = fixture.run("");
     let record = outcome.record();
     assert_eq!(record.cycles.len(), 1, "{}", outcome.printed());
     assert_eq!(record.cycles[0].verdict, "rejected");
-    assert!(record.cycles[0].feedback.contains("timed out after 2 seconds"), "{}", record.cycles[0].feedback);
-    assert!(started.elapsed().as_secs() < 40, "the reviewer was not stopped at its limit");
+    assert!(
+        record.cycles[0]
+            .feedback
+            .contains("timed out after 2 seconds"),
+        "{}",
+        record.cycles[0].feedback
+    );
+    assert!(
+        started.elapsed().as_secs() < 40,
+        "the reviewer was not stopped at its limit"
+    );
     let finished = outcome.events.iter().find_map(|e| match &e.kind {
-        EventKind::StageFinished { stage: proto::Stage::Review, outcome, .. } => Some(outcome.clone()),
+        EventKind::StageFinished {
+            stage: proto::Stage::Review,
+            outcome,
+            ..
+        } => Some(outcome.clone()),
         _ => None,
     });
     assert_eq!(finished.as_deref(), Some("timed_out"));
@@ -136,7 +229,10 @@ fn implementer_exiting_non_zero_fails_the_run() {
     assert_eq!(record.state, RunState::Failed);
     let reason = &record.states.last().unwrap().1;
     assert!(reason.contains("exited with code 3"), "{reason}");
-    assert!(reason.contains("something broke in the implementer"), "{reason}");
+    assert!(
+        reason.contains("something broke in the implementer"),
+        "{reason}"
+    );
     assert!(record.cycles.is_empty());
     assert!(fixture.branch_files(BRANCH).is_none());
     outcome.assert_no_containers_left();
@@ -144,15 +240,30 @@ fn implementer_exiting_non_zero_fails_the_run() {
 
 #[test]
 fn missing_image_gives_a_clear_error() {
-    let fixture = Fixture::with_image(None, &["change"], &["approve"], "forgepool-no-such-image:missing");
+    let fixture = Fixture::with_image(
+        None,
+        &["change"],
+        &["approve"],
+        "forgepool-no-such-image:missing",
+    );
     let outcome = fixture.run("");
     assert_eq!(outcome.code, 1, "{}", outcome.printed());
     let record = outcome.record();
     assert_eq!(record.state, RunState::Failed);
     let reason = &record.states.last().unwrap().1;
-    assert!(reason.contains("image `forgepool-no-such-image:missing` is not on the Docker engine"), "{reason}");
-    assert!(reason.contains("docker build -t forgepool-no-such-image:missing"), "{reason}");
-    assert!(outcome.stdout.contains("forgepool-no-such-image:missing"), "{}", outcome.printed());
+    assert!(
+        reason.contains("image `forgepool-no-such-image:missing` is not on the Docker engine"),
+        "{reason}"
+    );
+    assert!(
+        reason.contains("docker build -t forgepool-no-such-image:missing"),
+        "{reason}"
+    );
+    assert!(
+        outcome.stdout.contains("forgepool-no-such-image:missing"),
+        "{}",
+        outcome.printed()
+    );
 }
 
 #[test]
@@ -161,12 +272,35 @@ fn own_cycle_files_are_collected_even_the_one_written_just_before_exit() {
     let outcome = fixture.run("");
     assert_eq!(outcome.code, 0, "{}", outcome.printed());
     let record = outcome.record();
-    let cycles: Vec<(u32, &str)> = record.cycles.iter().map(|c| (c.cycle, c.verdict.as_str())).collect();
-    assert_eq!(cycles, [(1, "rejected"), (2, "approved")], "{}", outcome.printed());
+    let cycles: Vec<(u32, &str)> = record
+        .cycles
+        .iter()
+        .map(|c| (c.cycle, c.verdict.as_str()))
+        .collect();
+    assert_eq!(
+        cycles,
+        [(1, "rejected"), (2, "approved")],
+        "{}",
+        outcome.printed()
+    );
     assert_eq!(record.cycles[1].feedback, "own loop: done");
-    assert!(outcome.stdout.contains("Review cycle 1/2: REJECTED - own loop: first try..."), "{}", outcome.printed());
-    assert!(outcome.stdout.contains("Review cycle 2/2: APPROVED"), "{}", outcome.printed());
-    let cycle_events = outcome.events.iter().filter(|e| matches!(e.kind, EventKind::Cycle { .. })).count();
+    assert!(
+        outcome
+            .stdout
+            .contains("Review cycle 1/2: REJECTED - own loop: first try..."),
+        "{}",
+        outcome.printed()
+    );
+    assert!(
+        outcome.stdout.contains("Review cycle 2/2: APPROVED"),
+        "{}",
+        outcome.printed()
+    );
+    let cycle_events = outcome
+        .events
+        .iter()
+        .filter(|e| matches!(e.kind, EventKind::Cycle { .. }))
+        .count();
     assert_eq!(cycle_events, 2, "each cycle file is published once");
 }
 
@@ -177,7 +311,10 @@ fn delivered_commits_never_contain_forge_files() {
     assert_eq!(outcome.code, 0, "{}", outcome.printed());
     let files = fixture.branch_files(BRANCH).expect("the branch was pushed");
     assert!(files.contains(&"feature.txt".to_string()), "{files:?}");
-    assert!(files.iter().all(|f| !f.starts_with(".forge")), "delivered files include .forge: {files:?}");
+    assert!(
+        files.iter().all(|f| !f.starts_with(".forge")),
+        "delivered files include .forge: {files:?}"
+    );
     // The workspace did hold cycle files and the history, written by the container and the worker.
     assert_eq!(outcome.record().cycles.len(), 2);
 }
@@ -188,9 +325,18 @@ fn secrets_never_reach_events_or_the_store() {
     let outcome = fixture.run("");
     assert_eq!(outcome.code, 0, "{}", outcome.printed());
     let everything = serde_json::to_string(&outcome.events).unwrap();
-    assert!(!everything.contains("sk-test-0123456789abcdef"), "a secret leaked into events");
-    assert!(everything.contains("my key is [REDACTED]"), "the log line was not captured: {everything}");
-    assert!(!outcome.stdout.contains("sk-test-0123456789abcdef") && !outcome.stderr.contains("sk-test-0123456789abcdef"));
+    assert!(
+        !everything.contains("sk-test-0123456789abcdef"),
+        "a secret leaked into events"
+    );
+    assert!(
+        everything.contains("my key is [REDACTED]"),
+        "the log line was not captured: {everything}"
+    );
+    assert!(
+        !outcome.stdout.contains("sk-test-0123456789abcdef")
+            && !outcome.stderr.contains("sk-test-0123456789abcdef")
+    );
     let job = serde_json::to_string(&outcome.record().job).unwrap();
     assert!(job.contains("AGENT_SECRET") && !job.contains("sk-test-0123456789abcdef"));
 }
@@ -200,8 +346,20 @@ fn bad_input_is_refused_with_the_field_named() {
     let fixture = Fixture::new(None, &["change"], &["approve"]);
     let outcome = fixture.run_request("ticket = \"not a ticket\"\nskill = \"implement-task\"\nbrief = \"b\"\n[repository]\nurl = \"file:///x\"\n");
     assert_eq!(outcome.code, 2, "{}", outcome.printed());
-    assert!(outcome.stderr.contains("ticket: must match ^[A-Za-z][A-Za-z0-9_]*-[0-9]+$"), "{}", outcome.printed());
-    let outcome = fixture.run_request("ticket = \"A-1\"\nskill = \"nope\"\nbrief = \"b\"\n[repository]\nurl = \"file:///x\"\n");
+    assert!(
+        outcome
+            .stderr
+            .contains("ticket: must match ^[A-Za-z][A-Za-z0-9_]*-[0-9]+$"),
+        "{}",
+        outcome.printed()
+    );
+    let outcome = fixture.run_request(
+        "ticket = \"A-1\"\nskill = \"nope\"\nbrief = \"b\"\n[repository]\nurl = \"file:///x\"\n",
+    );
     assert_eq!(outcome.code, 2, "{}", outcome.printed());
-    assert!(outcome.stderr.contains("unknown skill `nope`"), "{}", outcome.printed());
+    assert!(
+        outcome.stderr.contains("unknown skill `nope`"),
+        "{}",
+        outcome.printed()
+    );
 }

@@ -22,7 +22,9 @@ pub fn require_docker() {
     if !info.is_ok_and(|o| o.status.success()) {
         panic!("the Docker engine is not reachable: start it with `scripts/services.sh` (or `dockerd &`) and run the tests again");
     }
-    let image = Command::new("docker").args(["image", "inspect", TEST_IMAGE]).output();
+    let image = Command::new("docker")
+        .args(["image", "inspect", TEST_IMAGE])
+        .output();
     if !image.is_ok_and(|o| o.status.success()) {
         panic!("the test image {TEST_IMAGE} is missing: build it with `scripts/build-images.sh`");
     }
@@ -49,31 +51,78 @@ pub struct Outcome {
 impl Fixture {
     /// A repository, the skill `implement-task` with `review_md` (none when `None`), and agent
     /// profiles running the test agents with the given arguments.
-    pub fn new(review_md: Option<&str>, implementer_args: &[&str], reviewer_args: &[&str]) -> Fixture {
+    pub fn new(
+        review_md: Option<&str>,
+        implementer_args: &[&str],
+        reviewer_args: &[&str],
+    ) -> Fixture {
         Fixture::with_image(review_md, implementer_args, reviewer_args, TEST_IMAGE)
     }
 
     /// Like [`Fixture::new`] with another implementer image.
-    pub fn with_image(review_md: Option<&str>, implementer_args: &[&str], reviewer_args: &[&str], image: &str) -> Fixture {
+    pub fn with_image(
+        review_md: Option<&str>,
+        implementer_args: &[&str],
+        reviewer_args: &[&str],
+        image: &str,
+    ) -> Fixture {
         require_docker();
         let dir = tempfile::tempdir().unwrap();
         let bare = dir.path().join("repo.git");
-        git(dir.path(), &["init", "--quiet", "--bare", "--initial-branch=main", bare.to_str().unwrap()]);
+        git(
+            dir.path(),
+            &[
+                "init",
+                "--quiet",
+                "--bare",
+                "--initial-branch=main",
+                bare.to_str().unwrap(),
+            ],
+        );
         let seed = dir.path().join("seed");
-        git(dir.path(), &["clone", "--quiet", bare.to_str().unwrap(), seed.to_str().unwrap()]);
+        git(
+            dir.path(),
+            &[
+                "clone",
+                "--quiet",
+                bare.to_str().unwrap(),
+                seed.to_str().unwrap(),
+            ],
+        );
         std::fs::write(seed.join("README.md"), "# The project\n").unwrap();
         git(&seed, &["add", "-A"]);
-        git(&seed, &["-c", "user.name=t", "-c", "user.email=t@t", "commit", "--quiet", "-m", "start"]);
+        git(
+            &seed,
+            &[
+                "-c",
+                "user.name=t",
+                "-c",
+                "user.email=t@t",
+                "commit",
+                "--quiet",
+                "-m",
+                "start",
+            ],
+        );
         git(&seed, &["push", "--quiet", "origin", "HEAD:main"]);
 
         let skills = dir.path().join("skills");
         let skill = skills.join("default/implement-task");
         std::fs::create_dir_all(&skill).unwrap();
-        std::fs::write(skill.join("SKILL.md"), "# Implement\nDo what the brief says.\n").unwrap();
+        std::fs::write(
+            skill.join("SKILL.md"),
+            "# Implement\nDo what the brief says.\n",
+        )
+        .unwrap();
         if let Some(review) = review_md {
             std::fs::write(skill.join("review.md"), review).unwrap();
         }
-        let quote = |args: &[&str]| args.iter().map(|a| format!("{a:?}")).collect::<Vec<_>>().join(", ");
+        let quote = |args: &[&str]| {
+            args.iter()
+                .map(|a| format!("{a:?}"))
+                .collect::<Vec<_>>()
+                .join(", ")
+        };
         let agents = dir.path().join("agents.toml");
         std::fs::write(
             &agents,
@@ -86,7 +135,12 @@ impl Fixture {
             ),
         )
         .unwrap();
-        Fixture { dir, bare, skills, agents }
+        Fixture {
+            dir,
+            bare,
+            skills,
+            agents,
+        }
     }
 
     /// Runs `forgepool run` with a request for ticket `TEST-1` plus `extra` TOML lines.
@@ -110,7 +164,10 @@ impl Fixture {
             .arg("--agents")
             .arg(&self.agents)
             .env("FORGEPOOL_DATABASE_URL", &database)
-            .env("FORGEPOOL_WORKSPACE_DIR", self.dir.path().join("workspaces"))
+            .env(
+                "FORGEPOOL_WORKSPACE_DIR",
+                self.dir.path().join("workspaces"),
+            )
             .env("AGENT_SECRET", "sk-test-0123456789abcdef")
             .env_remove("AUTO_REVIEW_MAX_RETRIES")
             .env_remove("FORGE_REPAIR_ATTEMPTS")
@@ -120,22 +177,44 @@ impl Fixture {
         let stderr = String::from_utf8_lossy(&output.stderr).to_string();
         let run_id = stdout
             .lines()
-            .find_map(|l| l.strip_prefix("Run ").and_then(|rest| rest.split_whitespace().next()))
+            .find_map(|l| {
+                l.strip_prefix("Run ")
+                    .and_then(|rest| rest.split_whitespace().next())
+            })
             .and_then(|id| Uuid::parse_str(id).ok());
         let (record, events) = match run_id {
             Some(run_id) => read_store(&database, run_id),
             None => (None, Vec::new()),
         };
-        Outcome { code: output.status.code().unwrap_or(-1), stdout, stderr, run_id, record, events }
+        Outcome {
+            code: output.status.code().unwrap_or(-1),
+            stdout,
+            stderr,
+            run_id,
+            record,
+            events,
+        }
     }
 
     /// The files on a branch of the repository, or `None` when the branch does not exist.
     pub fn branch_files(&self, branch: &str) -> Option<Vec<String>> {
         let output = Command::new("git")
-            .args(["--git-dir", self.bare.to_str().unwrap(), "ls-tree", "-r", "--name-only", branch])
+            .args([
+                "--git-dir",
+                self.bare.to_str().unwrap(),
+                "ls-tree",
+                "-r",
+                "--name-only",
+                branch,
+            ])
             .output()
             .unwrap();
-        output.status.success().then(|| String::from_utf8_lossy(&output.stdout).lines().map(String::from).collect())
+        output.status.success().then(|| {
+            String::from_utf8_lossy(&output.stdout)
+                .lines()
+                .map(String::from)
+                .collect()
+        })
     }
 
     /// A file's text on a branch.
@@ -147,39 +226,72 @@ impl Fixture {
 impl Outcome {
     /// The stored run; panics with the output when there is none.
     pub fn record(&self) -> &RunRecord {
-        self.record.as_ref().unwrap_or_else(|| panic!("no stored run\nstdout:\n{}\nstderr:\n{}", self.stdout, self.stderr))
+        self.record.as_ref().unwrap_or_else(|| {
+            panic!(
+                "no stored run\nstdout:\n{}\nstderr:\n{}",
+                self.stdout, self.stderr
+            )
+        })
     }
 
     /// Everything printed, for assertion messages.
     pub fn printed(&self) -> String {
-        format!("exit {}\nstdout:\n{}\nstderr:\n{}", self.code, self.stdout, self.stderr)
+        format!(
+            "exit {}\nstdout:\n{}\nstderr:\n{}",
+            self.code, self.stdout, self.stderr
+        )
     }
 
     /// Asserts that no container of this run is left on the engine.
     pub fn assert_no_containers_left(&self) {
         let run_id = self.run_id.expect("a run id");
         let output = Command::new("docker")
-            .args(["ps", "-aq", "--filter", &format!("label=forgepool.run_id={run_id}")])
+            .args([
+                "ps",
+                "-aq",
+                "--filter",
+                &format!("label=forgepool.run_id={run_id}"),
+            ])
             .output()
             .unwrap();
         let left = String::from_utf8_lossy(&output.stdout).trim().to_string();
-        assert!(left.is_empty(), "containers of run {run_id} were left: {left}");
+        assert!(
+            left.is_empty(),
+            "containers of run {run_id} were left: {left}"
+        );
     }
 }
 
 fn read_store(database: &Path, run_id: Uuid) -> (Option<RunRecord>, Vec<Event>) {
-    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
     runtime.block_on(async {
         let store = SqliteStore::open(database.to_str().unwrap()).unwrap();
         let record = store.get_run(run_id).await.unwrap();
-        let events = store.events(run_id, 0).await.unwrap().into_iter().map(|(_, e)| e).collect();
+        let events = store
+            .events(run_id, 0)
+            .await
+            .unwrap()
+            .into_iter()
+            .map(|(_, e)| e)
+            .collect();
         (record, events)
     })
 }
 
 /// Runs git and returns stdout; panics with stderr on failure.
 pub fn git(dir: &Path, args: &[&str]) -> String {
-    let output = Command::new("git").args(args).current_dir(dir).output().unwrap();
-    assert!(output.status.success(), "git {args:?} failed: {}", String::from_utf8_lossy(&output.stderr));
+    let output = Command::new("git")
+        .args(args)
+        .current_dir(dir)
+        .output()
+        .unwrap();
+    assert!(
+        output.status.success(),
+        "git {args:?} failed: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
     String::from_utf8_lossy(&output.stdout).to_string()
 }

@@ -25,7 +25,9 @@ pub struct AgentBook {
 #[derive(Debug, thiserror::Error)]
 pub enum AgentsError {
     /// The file could not be read.
-    #[error("cannot read agents file {path}: {source}; pass --agents FILE or set FORGEPOOL_AGENTS_FILE")]
+    #[error(
+        "cannot read agents file {path}: {source}; pass --agents FILE or set FORGEPOOL_AGENTS_FILE"
+    )]
     Read {
         /// The file.
         path: PathBuf,
@@ -77,27 +79,41 @@ struct ProfileEntry {
 impl AgentBook {
     /// Loads and checks an agents file.
     pub fn load(path: &Path) -> Result<AgentBook, AgentsError> {
-        let text = std::fs::read_to_string(path).map_err(|source| AgentsError::Read { path: path.to_path_buf(), source })?;
+        let text = std::fs::read_to_string(path).map_err(|source| AgentsError::Read {
+            path: path.to_path_buf(),
+            source,
+        })?;
         AgentBook::parse(&text, path)
     }
 
     /// Parses the agents file text; `path` names it in errors.
     pub fn parse(text: &str, path: &Path) -> Result<AgentBook, AgentsError> {
-        let fail = |message: String| AgentsError::Parse { path: path.to_path_buf(), message };
-        let file: AgentsFile = toml::from_str(text).map_err(|e| fail(e.to_string().trim_end().to_string()))?;
+        let fail = |message: String| AgentsError::Parse {
+            path: path.to_path_buf(),
+            message,
+        };
+        let file: AgentsFile =
+            toml::from_str(text).map_err(|e| fail(e.to_string().trim_end().to_string()))?;
         let mut profiles = BTreeMap::new();
         for (name, entry) in file.agents {
             let profile = check_profile(&name, entry).map_err(&fail)?;
             profiles.insert(name, profile);
         }
-        for (role, choice) in [("implementer", &file.defaults.implementer), ("reviewer", &file.defaults.reviewer)] {
+        for (role, choice) in [
+            ("implementer", &file.defaults.implementer),
+            ("reviewer", &file.defaults.reviewer),
+        ] {
             if let Some(name) = choice {
                 if !profiles.contains_key(name) {
                     return Err(fail(format!("defaults.{role} names the profile `{name}`, which has no [agents.{name}] table")));
                 }
             }
         }
-        Ok(AgentBook { profiles, default_implementer: file.defaults.implementer, default_reviewer: file.defaults.reviewer })
+        Ok(AgentBook {
+            profiles,
+            default_implementer: file.defaults.implementer,
+            default_reviewer: file.defaults.reviewer,
+        })
     }
 
     /// The profile called `name`.
@@ -117,7 +133,11 @@ impl AgentBook {
             "reviewer" => self.default_reviewer.as_deref(),
             _ => None,
         };
-        chosen.or_else(|| (self.profiles.len() == 1).then(|| self.profiles.keys().next().map(String::as_str)).flatten())
+        chosen.or_else(|| {
+            (self.profiles.len() == 1)
+                .then(|| self.profiles.keys().next().map(String::as_str))
+                .flatten()
+        })
     }
 }
 
@@ -127,8 +147,13 @@ fn check_profile(name: &str, entry: ProfileEntry) -> Result<AgentProfile, String
         return Err(format!("{} must name a container image", key("image")));
     }
     for variable in &entry.env {
-        let valid = variable.chars().next().is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
-            && variable.chars().all(|c| c.is_ascii_alphanumeric() || c == '_');
+        let valid = variable
+            .chars()
+            .next()
+            .is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
+            && variable
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || c == '_');
         if !valid {
             return Err(format!(
                 "{} holds {variable:?}; it lists environment variable names (like ANTHROPIC_API_KEY), never values",
@@ -139,19 +164,32 @@ fn check_profile(name: &str, entry: ProfileEntry) -> Result<AgentProfile, String
     let network = match entry.network.as_deref() {
         None | Some("none") => Network::None,
         Some("bridge") => Network::Bridge,
-        Some(other) => return Err(format!("{} must be \"none\" or \"bridge\", got {other:?}", key("network"))),
+        Some(other) => {
+            return Err(format!(
+                "{} must be \"none\" or \"bridge\", got {other:?}",
+                key("network")
+            ))
+        }
     };
     let memory_bytes = match entry.memory.as_deref() {
         None => DEFAULT_AGENT_MEMORY_BYTES,
         Some(text) => parse_memory(text).ok_or_else(|| {
-            format!("{} must be a size like \"512m\" or \"4g\" of at least 6m, got {text:?}", key("memory"))
+            format!(
+                "{} must be a size like \"512m\" or \"4g\" of at least 6m, got {text:?}",
+                key("memory")
+            )
         })?,
     };
     let cpus = entry.cpus.unwrap_or(DEFAULT_AGENT_CPUS);
     if !(cpus > 0.0 && cpus <= 1024.0) {
-        return Err(format!("{} must be a number of cores above 0, got {cpus}", key("cpus")));
+        return Err(format!(
+            "{} must be a number of cores above 0, got {cpus}",
+            key("cpus")
+        ));
     }
-    let timeout_seconds = entry.timeout_seconds.unwrap_or(DEFAULT_AGENT_TIMEOUT_SECONDS);
+    let timeout_seconds = entry
+        .timeout_seconds
+        .unwrap_or(DEFAULT_AGENT_TIMEOUT_SECONDS);
     if timeout_seconds == 0 {
         return Err(format!("{} must be at least 1", key("timeout_seconds")));
     }
@@ -209,7 +247,8 @@ mod tests {
 
     #[test]
     fn defaults_are_safe() {
-        let book = AgentBook::parse("[agents.a]\nimage = \"x\"\n", Path::new("agents.toml")).unwrap();
+        let book =
+            AgentBook::parse("[agents.a]\nimage = \"x\"\n", Path::new("agents.toml")).unwrap();
         let a = book.get("a").unwrap();
         assert_eq!(a.network, Network::None);
         assert_eq!(a.timeout_seconds, DEFAULT_AGENT_TIMEOUT_SECONDS);
@@ -218,17 +257,31 @@ mod tests {
     #[test]
     fn errors_name_the_file_and_key() {
         let cases = [
-            ("[agents.a]\nimage = \"x\"\nnetwork = \"host\"\n", "agents.a.network"),
-            ("[agents.a]\nimage = \"x\"\nmemory = \"lots\"\n", "agents.a.memory"),
-            ("[agents.a]\nimage = \"x\"\nenv = [\"KEY=value\"]\n", "agents.a.env"),
+            (
+                "[agents.a]\nimage = \"x\"\nnetwork = \"host\"\n",
+                "agents.a.network",
+            ),
+            (
+                "[agents.a]\nimage = \"x\"\nmemory = \"lots\"\n",
+                "agents.a.memory",
+            ),
+            (
+                "[agents.a]\nimage = \"x\"\nenv = [\"KEY=value\"]\n",
+                "agents.a.env",
+            ),
             ("[agents.a]\nimage = \"x\"\ncpus = 0.0\n", "agents.a.cpus"),
             ("[agents.a]\nimage = \"\"\n", "agents.a.image"),
             ("[agents.a]\nimage = \"x\"\ncolour = 1\n", "colour"),
-            ("[agents.a]\nimage = \"x\"\n[defaults]\nreviewer = \"b\"\n", "defaults.reviewer"),
+            (
+                "[agents.a]\nimage = \"x\"\n[defaults]\nreviewer = \"b\"\n",
+                "defaults.reviewer",
+            ),
             ("[agents.a]\n", "image"),
         ];
         for (text, needle) in cases {
-            let error = AgentBook::parse(text, Path::new("conf/agents.toml")).unwrap_err().to_string();
+            let error = AgentBook::parse(text, Path::new("conf/agents.toml"))
+                .unwrap_err()
+                .to_string();
             assert!(error.contains("conf/agents.toml"), "{error}");
             assert!(error.contains(needle), "{error} lacks {needle}");
         }

@@ -49,15 +49,27 @@ pub struct Frozen {
 impl Freezer {
     /// A freezer over a skills directory and agents; `env` is the compatibility environment
     /// (`AUTO_REVIEW_MAX_RETRIES`, `FORGE_REPAIR_ATTEMPTS`), read at submission.
-    pub fn new(skills_dir: impl Into<PathBuf>, agents: AgentBook, env: Vec<(String, String)>) -> Freezer {
-        Freezer { skills_dir: skills_dir.into(), agents, env }
+    pub fn new(
+        skills_dir: impl Into<PathBuf>,
+        agents: AgentBook,
+        env: Vec<(String, String)>,
+    ) -> Freezer {
+        Freezer {
+            skills_dir: skills_dir.into(),
+            agents,
+            env,
+        }
     }
 
     /// A freezer that reads the compatibility variables from the process environment.
     pub fn from_process_env(skills_dir: impl Into<PathBuf>, agents: AgentBook) -> Freezer {
         let env = [ENV_AUTO_REVIEW_MAX_RETRIES, ENV_FORGE_REPAIR_ATTEMPTS]
             .into_iter()
-            .filter_map(|name| std::env::var(name).ok().map(|value| (name.to_string(), value)))
+            .filter_map(|name| {
+                std::env::var(name)
+                    .ok()
+                    .map(|value| (name.to_string(), value))
+            })
             .collect();
         Freezer::new(skills_dir, agents, env)
     }
@@ -72,31 +84,52 @@ impl Freezer {
         let mut warnings = Vec::new();
         if let Some(version) = request.schema_version {
             if version != SCHEMA_VERSION {
-                return Err(SubmitError::invalid("schema_version", &format!("must be {SCHEMA_VERSION}"), &version.to_string()));
+                return Err(SubmitError::invalid(
+                    "schema_version",
+                    &format!("must be {SCHEMA_VERSION}"),
+                    &version.to_string(),
+                ));
             }
         }
         let project = names::project_of(&request.ticket)?;
         names::check_skill(&request.skill)?;
-        let step = request.step.clone().unwrap_or_else(|| names::default_step(&request.skill));
+        let step = request
+            .step
+            .clone()
+            .unwrap_or_else(|| names::default_step(&request.skill));
         names::check_step(&step)?;
         check_brief(&request.brief)?;
         check_repository(&request.repository)?;
         check_commands(&request.commands)?;
         let repair_budget = self.repair_budget(request.repair_attempts, &mut warnings)?;
 
-        let skill_md = skills::resolve(&self.skills_dir, &project, &request.skill, "SKILL.md")?.ok_or_else(|| {
-            SubmitError::UnknownSkill { skill: request.skill.clone(), project: project.clone() }
-        })?;
+        let skill_md = skills::resolve(&self.skills_dir, &project, &request.skill, "SKILL.md")?
+            .ok_or_else(|| SubmitError::UnknownSkill {
+                skill: request.skill.clone(),
+                project: project.clone(),
+            })?;
         let review = self.review_config(&project, &request.skill, &mut warnings)?;
 
         let choice = request.agents.clone().unwrap_or_default();
-        let implementer = self.profile("agents.implementer", choice.implementer.as_deref(), "implementer")?;
+        let implementer = self.profile(
+            "agents.implementer",
+            choice.implementer.as_deref(),
+            "implementer",
+        )?;
         let reviewer = match review {
-            Some(_) => Some(self.profile("agents.reviewer", choice.reviewer.as_deref(), "reviewer")?),
+            Some(_) => {
+                Some(self.profile("agents.reviewer", choice.reviewer.as_deref(), "reviewer")?)
+            }
             None => None,
         };
-        let final_reviewer = match request.assurance.as_ref().and_then(|a| a.review_agent.as_deref()) {
-            Some(name) => Some(self.profile("assurance.review_agent", Some(name), "final reviewer")?),
+        let final_reviewer = match request
+            .assurance
+            .as_ref()
+            .and_then(|a| a.review_agent.as_deref())
+        {
+            Some(name) => {
+                Some(self.profile("assurance.review_agent", Some(name), "final reviewer")?)
+            }
             None => None,
         };
 
@@ -123,13 +156,24 @@ impl Freezer {
     }
 
     fn env(&self, name: &str) -> Option<&str> {
-        self.env.iter().find(|(n, _)| n == name).map(|(_, v)| v.as_str())
+        self.env
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, v)| v.as_str())
     }
 
-    fn repair_budget(&self, requested: Option<i64>, warnings: &mut Vec<String>) -> Result<u32, SubmitError> {
+    fn repair_budget(
+        &self,
+        requested: Option<i64>,
+        warnings: &mut Vec<String>,
+    ) -> Result<u32, SubmitError> {
         if let Some(n) = requested {
             if !(0..=MAX_REPAIR_ATTEMPTS).contains(&n) {
-                return Err(SubmitError::invalid("repair_attempts", "must be an integer from 0 to 3", &n.to_string()));
+                return Err(SubmitError::invalid(
+                    "repair_attempts",
+                    "must be an integer from 0 to 3",
+                    &n.to_string(),
+                ));
             }
             return Ok(n as u32);
         }
@@ -144,13 +188,22 @@ impl Freezer {
         Ok(DEFAULT_REPAIR_ATTEMPTS)
     }
 
-    fn review_config(&self, project: &str, skill: &str, warnings: &mut Vec<String>) -> Result<Option<ReviewConfig>, SubmitError> {
+    fn review_config(
+        &self,
+        project: &str,
+        skill: &str,
+        warnings: &mut Vec<String>,
+    ) -> Result<Option<ReviewConfig>, SubmitError> {
         let Some(file) = skills::resolve(&self.skills_dir, project, skill, "review.md")? else {
             return Ok(None);
         };
         let (review, file_warnings) = skills::parse_review(&file.text, &file.relative);
         warnings.extend(file_warnings);
-        let max_cycles = skills::resolve_max_retries(review.max_retries, self.env(ENV_AUTO_REVIEW_MAX_RETRIES), warnings);
+        let max_cycles = skills::resolve_max_retries(
+            review.max_retries,
+            self.env(ENV_AUTO_REVIEW_MAX_RETRIES),
+            warnings,
+        );
         if max_cycles == 0 {
             return Ok(None);
         }
@@ -159,12 +212,23 @@ impl Freezer {
             instructions: review.body,
             max_cycles,
             block_on_failure: review.block_on_failure.unwrap_or(false),
-            timeout_seconds: review.timeout_seconds.unwrap_or(DEFAULT_REVIEW_TIMEOUT_SECONDS),
+            timeout_seconds: review
+                .timeout_seconds
+                .unwrap_or(DEFAULT_REVIEW_TIMEOUT_SECONDS),
         }))
     }
 
-    fn profile(&self, field: &'static str, requested: Option<&str>, role: &str) -> Result<proto::AgentProfile, SubmitError> {
-        let default_role = if role == "final reviewer" { "reviewer" } else { role };
+    fn profile(
+        &self,
+        field: &'static str,
+        requested: Option<&str>,
+        role: &str,
+    ) -> Result<proto::AgentProfile, SubmitError> {
+        let default_role = if role == "final reviewer" {
+            "reviewer"
+        } else {
+            role
+        };
         let name = requested.or_else(|| self.agents.default_for(default_role)).ok_or_else(|| SubmitError::Invalid {
             field: field.to_string(),
             message: format!(
@@ -172,26 +236,40 @@ impl Freezer {
                 self.agents.names().join(", ")
             ),
         })?;
-        self.agents.get(name).cloned().ok_or_else(|| SubmitError::Invalid {
-            field: field.to_string(),
-            message: format!("unknown agent profile `{name}`; the agents file defines: {}", self.agents.names().join(", ")),
-        })
+        self.agents
+            .get(name)
+            .cloned()
+            .ok_or_else(|| SubmitError::Invalid {
+                field: field.to_string(),
+                message: format!(
+                    "unknown agent profile `{name}`; the agents file defines: {}",
+                    self.agents.names().join(", ")
+                ),
+            })
     }
 }
 
 fn check_brief(brief: &str) -> Result<(), SubmitError> {
     if brief.trim().is_empty() {
-        return Err(SubmitError::Invalid { field: "brief".into(), message: "must not be empty".into() });
+        return Err(SubmitError::Invalid {
+            field: "brief".into(),
+            message: "must not be empty".into(),
+        });
     }
     if brief.len() > MAX_BRIEF_BYTES {
-        return Err(SubmitError::TooLarge { field: "brief".into(), limit: MAX_BRIEF_BYTES, size: brief.len() });
+        return Err(SubmitError::TooLarge {
+            field: "brief".into(),
+            limit: MAX_BRIEF_BYTES,
+            size: brief.len(),
+        });
     }
     Ok(())
 }
 
 fn check_repository(repository: &proto::RepositoryRef) -> Result<(), SubmitError> {
     let url = repository.url.as_str();
-    let unsafe_text = |s: &str| s.starts_with('-') || s.chars().any(|c| c.is_control() || c.is_whitespace());
+    let unsafe_text =
+        |s: &str| s.starts_with('-') || s.chars().any(|c| c.is_control() || c.is_whitespace());
     if url.is_empty() || unsafe_text(url) {
         return Err(SubmitError::invalid(
             "repository.url",
@@ -227,12 +305,18 @@ fn check_commands(commands: &[proto::VerifyCommand]) -> Result<(), SubmitError> 
             });
         }
         if command.argv.iter().any(|a| a.contains('\0')) {
-            return Err(SubmitError::Invalid { field: format!("commands[{i}].argv"), message: "must not contain NUL bytes".into() });
+            return Err(SubmitError::Invalid {
+                field: format!("commands[{i}].argv"),
+                message: "must not contain NUL bytes".into(),
+            });
         }
         if command.timeout == 0 || command.timeout > MAX_COMMAND_TIMEOUT_SECONDS {
             return Err(SubmitError::Invalid {
                 field: format!("commands[{i}].timeout"),
-                message: format!("must be a number of seconds from 1 to {MAX_COMMAND_TIMEOUT_SECONDS}, got {}", command.timeout),
+                message: format!(
+                    "must be a number of seconds from 1 to {MAX_COMMAND_TIMEOUT_SECONDS}, got {}",
+                    command.timeout
+                ),
             });
         }
     }
@@ -252,7 +336,11 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let skills = dir.path().join("skills");
         std::fs::create_dir_all(skills.join("default/implement-task")).unwrap();
-        std::fs::write(skills.join("default/implement-task/SKILL.md"), "# Implement").unwrap();
+        std::fs::write(
+            skills.join("default/implement-task/SKILL.md"),
+            "# Implement",
+        )
+        .unwrap();
         if let Some(text) = review {
             std::fs::write(skills.join("default/implement-task/review.md"), text).unwrap();
         }
@@ -277,8 +365,12 @@ mod tests {
 
     #[test]
     fn freezes_review_and_defaults() {
-        let f = fixture(Some("---\nmax_retries: 4\nblock_on_failure: true\n---\nCheck it"));
-        let frozen = Freezer::new(&f.skills, book(), vec![]).freeze(request()).unwrap();
+        let f = fixture(Some(
+            "---\nmax_retries: 4\nblock_on_failure: true\n---\nCheck it",
+        ));
+        let frozen = Freezer::new(&f.skills, book(), vec![])
+            .freeze(request())
+            .unwrap();
         let job = frozen.job;
         assert_eq!(job.project, "shop");
         assert_eq!(job.step, "implement_task");
@@ -295,7 +387,10 @@ mod tests {
     fn environment_fills_gaps_and_zero_disables_review() {
         let f = fixture(Some("Check it"));
         let env = vec![(ENV_AUTO_REVIEW_MAX_RETRIES.to_string(), "0".to_string())];
-        let job = Freezer::new(&f.skills, book(), env).freeze(request()).unwrap().job;
+        let job = Freezer::new(&f.skills, book(), env)
+            .freeze(request())
+            .unwrap()
+            .job;
         assert_eq!(job.review, None);
         assert_eq!(job.reviewer, None);
 
@@ -303,7 +398,10 @@ mod tests {
             (ENV_AUTO_REVIEW_MAX_RETRIES.to_string(), "6".to_string()),
             (ENV_FORGE_REPAIR_ATTEMPTS.to_string(), "1".to_string()),
         ];
-        let job = Freezer::new(&f.skills, book(), env).freeze(request()).unwrap().job;
+        let job = Freezer::new(&f.skills, book(), env)
+            .freeze(request())
+            .unwrap()
+            .job;
         assert_eq!(job.review.unwrap().max_cycles, 6);
         assert_eq!(job.repair_budget, 1);
     }
@@ -311,7 +409,9 @@ mod tests {
     #[test]
     fn warnings_reach_the_submitter_and_the_job() {
         let f = fixture(Some("---\nmax_retries: three\n---\nCheck it"));
-        let frozen = Freezer::new(&f.skills, book(), vec![]).freeze(request()).unwrap();
+        let frozen = Freezer::new(&f.skills, book(), vec![])
+            .freeze(request())
+            .unwrap();
         assert_eq!(frozen.warnings.len(), 1);
         assert!(frozen.warnings[0].contains("default/implement-task/review.md"));
         assert_eq!(frozen.job.warnings, frozen.warnings);
@@ -321,7 +421,10 @@ mod tests {
     #[test]
     fn no_review_md_means_no_reviewer() {
         let f = fixture(None);
-        let job = Freezer::new(&f.skills, book(), vec![]).freeze(request()).unwrap().job;
+        let job = Freezer::new(&f.skills, book(), vec![])
+            .freeze(request())
+            .unwrap()
+            .job;
         assert_eq!(job.review, None);
     }
 
@@ -329,22 +432,69 @@ mod tests {
     fn every_bad_field_is_named() {
         let f = fixture(None);
         let freezer = Freezer::new(&f.skills, book(), vec![]);
-        let cases: Vec<(&str, Box<dyn Fn(&mut RunRequest)>)> = vec![
+        type Mutation = Box<dyn Fn(&mut RunRequest)>;
+        let cases: Vec<(&str, Mutation)> = vec![
             ("ticket", Box::new(|r| r.ticket = "bad".into())),
             ("skill", Box::new(|r| r.skill = "../x".into())),
             ("skill", Box::new(|r| r.skill = "unknown-skill".into())),
             ("step", Box::new(|r| r.step = Some("Bad-Step".into()))),
             ("brief", Box::new(|r| r.brief = " ".into())),
-            ("brief", Box::new(|r| r.brief = "x".repeat(MAX_BRIEF_BYTES + 1))),
-            ("repository.url", Box::new(|r| r.repository.url = "--upload-pack=evil".into())),
-            ("repository.ref", Box::new(|r| r.repository.git_ref = Some("../main".into()))),
-            ("repository.ref", Box::new(|r| r.repository.git_ref = Some("-x".into()))),
-            ("commands[0].argv", Box::new(|r| r.commands = vec![proto::VerifyCommand { argv: vec![], timeout: 5 }])),
-            ("commands[0].timeout", Box::new(|r| r.commands = vec![proto::VerifyCommand { argv: vec!["x".into()], timeout: 0 }])),
+            (
+                "brief",
+                Box::new(|r| r.brief = "x".repeat(MAX_BRIEF_BYTES + 1)),
+            ),
+            (
+                "repository.url",
+                Box::new(|r| r.repository.url = "--upload-pack=evil".into()),
+            ),
+            (
+                "repository.ref",
+                Box::new(|r| r.repository.git_ref = Some("../main".into())),
+            ),
+            (
+                "repository.ref",
+                Box::new(|r| r.repository.git_ref = Some("-x".into())),
+            ),
+            (
+                "commands[0].argv",
+                Box::new(|r| {
+                    r.commands = vec![proto::VerifyCommand {
+                        argv: vec![],
+                        timeout: 5,
+                    }]
+                }),
+            ),
+            (
+                "commands[0].timeout",
+                Box::new(|r| {
+                    r.commands = vec![proto::VerifyCommand {
+                        argv: vec!["x".into()],
+                        timeout: 0,
+                    }]
+                }),
+            ),
             ("repair_attempts", Box::new(|r| r.repair_attempts = Some(4))),
-            ("repair_attempts", Box::new(|r| r.repair_attempts = Some(-1))),
-            ("agents.implementer", Box::new(|r| r.agents = Some(proto::AgentChoice { implementer: Some("nope".into()), reviewer: None }))),
-            ("assurance.review_agent", Box::new(|r| r.assurance = Some(proto::Assurance { review_agent: Some("nope".into()) }))),
+            (
+                "repair_attempts",
+                Box::new(|r| r.repair_attempts = Some(-1)),
+            ),
+            (
+                "agents.implementer",
+                Box::new(|r| {
+                    r.agents = Some(proto::AgentChoice {
+                        implementer: Some("nope".into()),
+                        reviewer: None,
+                    })
+                }),
+            ),
+            (
+                "assurance.review_agent",
+                Box::new(|r| {
+                    r.assurance = Some(proto::Assurance {
+                        review_agent: Some("nope".into()),
+                    })
+                }),
+            ),
             ("schema_version", Box::new(|r| r.schema_version = Some(99))),
         ];
         for (field, mutate) in cases {
@@ -352,7 +502,10 @@ mod tests {
             mutate(&mut r);
             let error = freezer.freeze(r).unwrap_err();
             assert_eq!(error.field(), Some(field), "{error}");
-            assert!(error.to_string().contains(field.split('[').next().unwrap()), "{error} does not name {field}");
+            assert!(
+                error.to_string().contains(field.split('[').next().unwrap()),
+                "{error} does not name {field}"
+            );
         }
     }
 
@@ -361,8 +514,15 @@ mod tests {
         let f = fixture(Some("---\nmax_retries: 2\n---\nOld rules"));
         let freezer = Freezer::new(&f.skills, book(), vec![]);
         let job = freezer.freeze(request()).unwrap().job;
-        std::fs::write(f.skills.join("default/implement-task/review.md"), "---\nmax_retries: 9\n---\nNew").unwrap();
+        std::fs::write(
+            f.skills.join("default/implement-task/review.md"),
+            "---\nmax_retries: 9\n---\nNew",
+        )
+        .unwrap();
         let review = job.review.unwrap();
-        assert_eq!((review.max_cycles, review.instructions.as_str()), (2, "Old rules"));
+        assert_eq!(
+            (review.max_cycles, review.instructions.as_str()),
+            (2, "Old rules")
+        );
     }
 }

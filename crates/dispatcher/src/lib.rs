@@ -67,15 +67,18 @@ impl SubmitError {
     /// An invalid field with its rule and value.
     pub fn invalid(field: &str, rule: &str, value: &str) -> SubmitError {
         let shown: String = value.chars().take(80).collect();
-        SubmitError::Invalid { field: field.to_string(), message: format!("{rule}; got {shown:?}") }
+        SubmitError::Invalid {
+            field: field.to_string(),
+            message: format!("{rule}; got {shown:?}"),
+        }
     }
 
     /// The field at fault, when there is one.
     pub fn field(&self) -> Option<&str> {
         match self {
-            SubmitError::Invalid { field, .. } | SubmitError::TooLarge { field, .. } | SubmitError::Parse { field, .. } => {
-                Some(field)
-            }
+            SubmitError::Invalid { field, .. }
+            | SubmitError::TooLarge { field, .. }
+            | SubmitError::Parse { field, .. } => Some(field),
             SubmitError::UnknownSkill { .. } => Some("skill"),
             SubmitError::Io { .. } => None,
         }

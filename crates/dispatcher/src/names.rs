@@ -4,7 +4,13 @@ use crate::SubmitError;
 
 /// Checks a ticket key against `^[A-Za-z][A-Za-z0-9_]*-[0-9]+$` and returns its project key.
 pub fn project_of(ticket: &str) -> Result<String, SubmitError> {
-    let invalid = || SubmitError::invalid("ticket", "must match ^[A-Za-z][A-Za-z0-9_]*-[0-9]+$, like MYPROJECT-123", ticket);
+    let invalid = || {
+        SubmitError::invalid(
+            "ticket",
+            "must match ^[A-Za-z][A-Za-z0-9_]*-[0-9]+$, like MYPROJECT-123",
+            ticket,
+        )
+    };
     let (project, number) = ticket.rsplit_once('-').ok_or_else(invalid)?;
     let mut chars = project.chars();
     let first_ok = chars.next().is_some_and(|c| c.is_ascii_alphabetic());
@@ -19,21 +25,33 @@ pub fn project_of(ticket: &str) -> Result<String, SubmitError> {
 
 /// Checks a skill name against `^[a-z0-9][a-z0-9-]{0,63}$`.
 pub fn check_skill(skill: &str) -> Result<(), SubmitError> {
-    let ok = matches_name(skill, |b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-');
+    let ok = matches_name(skill, |b| {
+        b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-'
+    });
     if ok {
         Ok(())
     } else {
-        Err(SubmitError::invalid("skill", "must match ^[a-z0-9][a-z0-9-]{0,63}$, like implement-task", skill))
+        Err(SubmitError::invalid(
+            "skill",
+            "must match ^[a-z0-9][a-z0-9-]{0,63}$, like implement-task",
+            skill,
+        ))
     }
 }
 
 /// Checks a step name against `^[a-z0-9][a-z0-9_]{0,63}$`.
 pub fn check_step(step: &str) -> Result<(), SubmitError> {
-    let ok = matches_name(step, |b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_');
+    let ok = matches_name(step, |b| {
+        b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_'
+    });
     if ok {
         Ok(())
     } else {
-        Err(SubmitError::invalid("step", "must match ^[a-z0-9][a-z0-9_]{0,63}$, like implement_task", step))
+        Err(SubmitError::invalid(
+            "step",
+            "must match ^[a-z0-9][a-z0-9_]{0,63}$, like implement_task",
+            step,
+        ))
     }
 }
 
@@ -82,7 +100,10 @@ mod tests {
     fn ticket_errors_name_the_field_and_rule() {
         let error = project_of("nope").unwrap_err();
         assert_eq!(error.field(), Some("ticket"));
-        assert!(error.to_string().contains("^[A-Za-z][A-Za-z0-9_]*-[0-9]+$"), "{error}");
+        assert!(
+            error.to_string().contains("^[A-Za-z][A-Za-z0-9_]*-[0-9]+$"),
+            "{error}"
+        );
     }
 
     #[test]

@@ -11,8 +11,15 @@ pub fn from_json(body: &[u8]) -> Result<RunRequest, SubmitError> {
     let mut deserializer = serde_json::Deserializer::from_slice(body);
     serde_path_to_error::deserialize(&mut deserializer).map_err(|error| {
         let path = error.path().to_string();
-        let field = if path == "." { "body".to_string() } else { path };
-        SubmitError::Parse { field, message: error.into_inner().to_string() }
+        let field = if path == "." {
+            "body".to_string()
+        } else {
+            path
+        };
+        SubmitError::Parse {
+            field,
+            message: error.into_inner().to_string(),
+        }
     })
 }
 
@@ -25,7 +32,11 @@ pub fn from_file_text(text: &str) -> Result<RunRequest, SubmitError> {
     let deserializer = toml::Deserializer::new(text);
     serde_path_to_error::deserialize(deserializer).map_err(|error| {
         let path = error.path().to_string();
-        let field = if path == "." { "body".to_string() } else { path };
+        let field = if path == "." {
+            "body".to_string()
+        } else {
+            path
+        };
         let message = error.into_inner().message().to_string();
         SubmitError::Parse { field, message }
     })
@@ -33,7 +44,11 @@ pub fn from_file_text(text: &str) -> Result<RunRequest, SubmitError> {
 
 fn check_size(size: usize) -> Result<(), SubmitError> {
     if size > MAX_REQUEST_BYTES {
-        return Err(SubmitError::TooLarge { field: "body".into(), limit: MAX_REQUEST_BYTES, size });
+        return Err(SubmitError::TooLarge {
+            field: "body".into(),
+            limit: MAX_REQUEST_BYTES,
+            size,
+        });
     }
     Ok(())
 }
@@ -44,12 +59,21 @@ mod tests {
 
     #[test]
     fn json_errors_name_the_field() {
-        let error = from_json(br#"{"ticket": "A-1", "skill": "s", "brief": "b", "repository": {"url": 5}}"#).unwrap_err();
+        let error = from_json(
+            br#"{"ticket": "A-1", "skill": "s", "brief": "b", "repository": {"url": 5}}"#,
+        )
+        .unwrap_err();
         assert_eq!(error.field(), Some("repository.url"), "{error}");
-        let error = from_json(br#"{"ticket": "A-1", "skill": "s", "brief": "b", "repository": {"url": "u"}, "x": 1}"#).unwrap_err();
+        let error = from_json(
+            br#"{"ticket": "A-1", "skill": "s", "brief": "b", "repository": {"url": "u"}, "x": 1}"#,
+        )
+        .unwrap_err();
         assert!(error.to_string().contains("unknown field `x`"), "{error}");
         let error = from_json(b"{\"ticket\": \"A-1\"}").unwrap_err();
-        assert!(error.to_string().contains("missing field `skill`"), "{error}");
+        assert!(
+            error.to_string().contains("missing field `skill`"),
+            "{error}"
+        );
     }
 
     #[test]

@@ -32,18 +32,28 @@ pub struct SkillFile {
 /// Only the exact file name counts (a `Review.md` is not a `review.md`, even on a
 /// case-insensitive file system), and a path that resolves outside the skills directory
 /// (through a symlink) is refused.
-pub fn resolve(skills_dir: &Path, project: &str, skill: &str, file: &str) -> Result<Option<SkillFile>, SubmitError> {
-    let root = skills_dir.canonicalize().map_err(|source| SubmitError::Io {
-        path: skills_dir.to_path_buf(),
-        source,
-    })?;
+pub fn resolve(
+    skills_dir: &Path,
+    project: &str,
+    skill: &str,
+    file: &str,
+) -> Result<Option<SkillFile>, SubmitError> {
+    let root = skills_dir
+        .canonicalize()
+        .map_err(|source| SubmitError::Io {
+            path: skills_dir.to_path_buf(),
+            source,
+        })?;
     for folder in [project, "default"] {
         let dir = root.join(folder).join(skill);
         if !has_exact_entry(&dir, file) {
             continue;
         }
         let path = dir.join(file);
-        let real = path.canonicalize().map_err(|source| SubmitError::Io { path: path.clone(), source })?;
+        let real = path.canonicalize().map_err(|source| SubmitError::Io {
+            path: path.clone(),
+            source,
+        })?;
         if !real.starts_with(&root) {
             return Err(SubmitError::invalid(
                 "skill",
@@ -51,8 +61,14 @@ pub fn resolve(skills_dir: &Path, project: &str, skill: &str, file: &str) -> Res
                 &path.display().to_string(),
             ));
         }
-        let text = std::fs::read_to_string(&real).map_err(|source| SubmitError::Io { path: path.clone(), source })?;
-        return Ok(Some(SkillFile { relative: format!("{folder}/{skill}/{file}"), text }));
+        let text = std::fs::read_to_string(&real).map_err(|source| SubmitError::Io {
+            path: path.clone(),
+            source,
+        })?;
+        return Ok(Some(SkillFile {
+            relative: format!("{folder}/{skill}/{file}"),
+            text,
+        }));
     }
     Ok(None)
 }
@@ -75,9 +91,18 @@ pub struct ReviewFile {
 pub fn parse_review(text: &str, path: &str) -> (ReviewFile, Vec<String>) {
     let mut warnings = Vec::new();
     let Some((front, body)) = split_frontmatter(text) else {
-        return (ReviewFile { body: text.to_string(), ..ReviewFile::default() }, warnings);
+        return (
+            ReviewFile {
+                body: text.to_string(),
+                ..ReviewFile::default()
+            },
+            warnings,
+        );
     };
-    let mut review = ReviewFile { body: body.to_string(), ..ReviewFile::default() };
+    let mut review = ReviewFile {
+        body: body.to_string(),
+        ..ReviewFile::default()
+    };
     let mapping = match YamlLoader::load_from_str(front) {
         Ok(documents) => match documents.into_iter().next() {
             None | Some(Yaml::Null) => return (review, warnings),
@@ -90,13 +115,17 @@ pub fn parse_review(text: &str, path: &str) -> (ReviewFile, Vec<String>) {
             }
         },
         Err(error) => {
-            warnings.push(format!("Malformed YAML in {path}: {error}; every key takes its default"));
+            warnings.push(format!(
+                "Malformed YAML in {path}: {error}; every key takes its default"
+            ));
             return (review, warnings);
         }
     };
     for (key, value) in mapping {
         let Some(key) = key.as_str() else {
-            warnings.push(format!("{path}: frontmatter key {key:?} is not a string; ignored"));
+            warnings.push(format!(
+                "{path}: frontmatter key {key:?} is not a string; ignored"
+            ));
             continue;
         };
         match key {
@@ -128,7 +157,11 @@ pub fn parse_review(text: &str, path: &str) -> (ReviewFile, Vec<String>) {
 }
 
 /// Resolves `max_retries` through the priority chain: frontmatter, `AUTO_REVIEW_MAX_RETRIES`, 3.
-pub fn resolve_max_retries(frontmatter: Option<u32>, env_value: Option<&str>, warnings: &mut Vec<String>) -> u32 {
+pub fn resolve_max_retries(
+    frontmatter: Option<u32>,
+    env_value: Option<&str>,
+    warnings: &mut Vec<String>,
+) -> u32 {
     if let Some(n) = frontmatter {
         return n;
     }
@@ -203,34 +236,155 @@ mod tests {
             warning: Option<&'static str>,
         }
         let cases = [
-            Case { text: "---\nmax_retries: 5\n---\n# Check\n", max_retries: Some(5), block: None, body: "# Check\n", warning: None },
-            Case { text: "---\nmax_retries: 0\nblock_on_failure: true\n---\nB", max_retries: Some(0), block: Some(true), body: "B", warning: None },
-            Case { text: "# No frontmatter\nmax_retries: 5\n", max_retries: None, block: None, body: "# No frontmatter\nmax_retries: 5\n", warning: None },
-            Case { text: " ---\nmax_retries: 5\n---\nB", max_retries: None, block: None, body: " ---\nmax_retries: 5\n---\nB", warning: None },
-            Case { text: "---\nmax_retries: 5\nno closing line\n", max_retries: None, block: None, body: "---\nmax_retries: 5\nno closing line\n", warning: None },
-            Case { text: "---\nmax_retries: \"3\"\n---\nB", max_retries: None, block: None, body: "B", warning: Some("max_retries must be an integer") },
-            Case { text: "---\nmax_retries: three\n---\nB", max_retries: None, block: None, body: "B", warning: Some("the string \"three\"") },
-            Case { text: "---\nmax_retries: -1\n---\nB", max_retries: None, block: None, body: "B", warning: Some("got -1") },
-            Case { text: "---\nmax_retries: 21\n---\nB", max_retries: None, block: None, body: "B", warning: Some("got 21") },
-            Case { text: "---\nmax_retries: 2.5\n---\nB", max_retries: None, block: None, body: "B", warning: Some("got 2.5") },
-            Case { text: "---\nblock_on_failure: yes please\n---\nB", max_retries: None, block: None, body: "B", warning: Some("block_on_failure must be true or false") },
-            Case { text: "---\nmax_retries: [1\n---\nBody after\n", max_retries: None, block: None, body: "Body after\n", warning: Some("Malformed YAML in default/implement-task/review.md") },
-            Case { text: "---\njust a string\n---\nB", max_retries: None, block: None, body: "B", warning: Some("Malformed YAML") },
-            Case { text: "---\ncolour: blue\nmax_retries: 2\n---\nB", max_retries: Some(2), block: None, body: "B", warning: Some("unknown frontmatter key `colour`") },
-            Case { text: "---\n---\nB", max_retries: None, block: None, body: "B", warning: None },
-            Case { text: "---\r\nmax_retries: 4\r\n---\r\nB", max_retries: Some(4), block: None, body: "B", warning: None },
+            Case {
+                text: "---\nmax_retries: 5\n---\n# Check\n",
+                max_retries: Some(5),
+                block: None,
+                body: "# Check\n",
+                warning: None,
+            },
+            Case {
+                text: "---\nmax_retries: 0\nblock_on_failure: true\n---\nB",
+                max_retries: Some(0),
+                block: Some(true),
+                body: "B",
+                warning: None,
+            },
+            Case {
+                text: "# No frontmatter\nmax_retries: 5\n",
+                max_retries: None,
+                block: None,
+                body: "# No frontmatter\nmax_retries: 5\n",
+                warning: None,
+            },
+            Case {
+                text: " ---\nmax_retries: 5\n---\nB",
+                max_retries: None,
+                block: None,
+                body: " ---\nmax_retries: 5\n---\nB",
+                warning: None,
+            },
+            Case {
+                text: "---\nmax_retries: 5\nno closing line\n",
+                max_retries: None,
+                block: None,
+                body: "---\nmax_retries: 5\nno closing line\n",
+                warning: None,
+            },
+            Case {
+                text: "---\nmax_retries: \"3\"\n---\nB",
+                max_retries: None,
+                block: None,
+                body: "B",
+                warning: Some("max_retries must be an integer"),
+            },
+            Case {
+                text: "---\nmax_retries: three\n---\nB",
+                max_retries: None,
+                block: None,
+                body: "B",
+                warning: Some("the string \"three\""),
+            },
+            Case {
+                text: "---\nmax_retries: -1\n---\nB",
+                max_retries: None,
+                block: None,
+                body: "B",
+                warning: Some("got -1"),
+            },
+            Case {
+                text: "---\nmax_retries: 21\n---\nB",
+                max_retries: None,
+                block: None,
+                body: "B",
+                warning: Some("got 21"),
+            },
+            Case {
+                text: "---\nmax_retries: 2.5\n---\nB",
+                max_retries: None,
+                block: None,
+                body: "B",
+                warning: Some("got 2.5"),
+            },
+            Case {
+                text: "---\nblock_on_failure: yes please\n---\nB",
+                max_retries: None,
+                block: None,
+                body: "B",
+                warning: Some("block_on_failure must be true or false"),
+            },
+            Case {
+                text: "---\nmax_retries: [1\n---\nBody after\n",
+                max_retries: None,
+                block: None,
+                body: "Body after\n",
+                warning: Some("Malformed YAML in default/implement-task/review.md"),
+            },
+            Case {
+                text: "---\njust a string\n---\nB",
+                max_retries: None,
+                block: None,
+                body: "B",
+                warning: Some("Malformed YAML"),
+            },
+            Case {
+                text: "---\ncolour: blue\nmax_retries: 2\n---\nB",
+                max_retries: Some(2),
+                block: None,
+                body: "B",
+                warning: Some("unknown frontmatter key `colour`"),
+            },
+            Case {
+                text: "---\n---\nB",
+                max_retries: None,
+                block: None,
+                body: "B",
+                warning: None,
+            },
+            Case {
+                text: "---\r\nmax_retries: 4\r\n---\r\nB",
+                max_retries: Some(4),
+                block: None,
+                body: "B",
+                warning: None,
+            },
         ];
         for case in cases {
             let (review, warnings) = parse(case.text);
-            assert_eq!(review.max_retries, case.max_retries, "max_retries of {:?}", case.text);
-            assert_eq!(review.block_on_failure, case.block, "block of {:?}", case.text);
+            assert_eq!(
+                review.max_retries, case.max_retries,
+                "max_retries of {:?}",
+                case.text
+            );
+            assert_eq!(
+                review.block_on_failure, case.block,
+                "block of {:?}",
+                case.text
+            );
             assert_eq!(review.body, case.body, "body of {:?}", case.text);
             match case.warning {
-                None => assert!(warnings.is_empty(), "unexpected warnings {warnings:?} for {:?}", case.text),
+                None => assert!(
+                    warnings.is_empty(),
+                    "unexpected warnings {warnings:?} for {:?}",
+                    case.text
+                ),
                 Some(expected) => {
-                    assert_eq!(warnings.len(), 1, "warnings {warnings:?} for {:?}", case.text);
-                    assert!(warnings[0].contains(expected), "{:?} lacks {expected:?}", warnings[0]);
-                    assert!(warnings[0].contains("default/implement-task/review.md"), "{:?} names no file", warnings[0]);
+                    assert_eq!(
+                        warnings.len(),
+                        1,
+                        "warnings {warnings:?} for {:?}",
+                        case.text
+                    );
+                    assert!(
+                        warnings[0].contains(expected),
+                        "{:?} lacks {expected:?}",
+                        warnings[0]
+                    );
+                    assert!(
+                        warnings[0].contains("default/implement-task/review.md"),
+                        "{:?} names no file",
+                        warnings[0]
+                    );
                 }
             }
         }
@@ -255,8 +409,16 @@ mod tests {
         ];
         for (front, env, expected, warns) in cases {
             let mut warnings = Vec::new();
-            assert_eq!(resolve_max_retries(front, env, &mut warnings), expected, "{front:?} {env:?}");
-            assert_eq!(!warnings.is_empty(), warns, "{front:?} {env:?}: {warnings:?}");
+            assert_eq!(
+                resolve_max_retries(front, env, &mut warnings),
+                expected,
+                "{front:?} {env:?}"
+            );
+            assert_eq!(
+                !warnings.is_empty(),
+                warns,
+                "{front:?} {env:?}: {warnings:?}"
+            );
             if warns {
                 assert!(warnings[0].contains("AUTO_REVIEW_MAX_RETRIES"));
             }
@@ -269,18 +431,39 @@ mod tests {
         let root = dir.path();
         std::fs::create_dir_all(root.join("default/implement-task")).unwrap();
         std::fs::create_dir_all(root.join("myproject/implement-task")).unwrap();
-        std::fs::write(root.join("default/implement-task/SKILL.md"), "default skill").unwrap();
-        std::fs::write(root.join("default/implement-task/review.md"), "default review").unwrap();
-        std::fs::write(root.join("myproject/implement-task/review.md"), "project review").unwrap();
+        std::fs::write(
+            root.join("default/implement-task/SKILL.md"),
+            "default skill",
+        )
+        .unwrap();
+        std::fs::write(
+            root.join("default/implement-task/review.md"),
+            "default review",
+        )
+        .unwrap();
+        std::fs::write(
+            root.join("myproject/implement-task/review.md"),
+            "project review",
+        )
+        .unwrap();
 
-        let skill = resolve(root, "myproject", "implement-task", "SKILL.md").unwrap().unwrap();
+        let skill = resolve(root, "myproject", "implement-task", "SKILL.md")
+            .unwrap()
+            .unwrap();
         assert_eq!(skill.text, "default skill");
-        let review = resolve(root, "myproject", "implement-task", "review.md").unwrap().unwrap();
+        let review = resolve(root, "myproject", "implement-task", "review.md")
+            .unwrap()
+            .unwrap();
         assert_eq!(review.text, "project review");
         assert_eq!(review.relative, "myproject/implement-task/review.md");
-        let other = resolve(root, "other", "implement-task", "review.md").unwrap().unwrap();
+        let other = resolve(root, "other", "implement-task", "review.md")
+            .unwrap()
+            .unwrap();
         assert_eq!(other.text, "default review");
-        assert_eq!(resolve(root, "myproject", "missing", "SKILL.md").unwrap(), None);
+        assert_eq!(
+            resolve(root, "myproject", "missing", "SKILL.md").unwrap(),
+            None
+        );
     }
 
     #[test]
@@ -299,8 +482,12 @@ mod tests {
         std::fs::write(outside.path().join("secret.md"), "outside").unwrap();
         let skill = dir.path().join("default/s");
         std::fs::create_dir_all(&skill).unwrap();
-        std::os::unix::fs::symlink(outside.path().join("secret.md"), skill.join("SKILL.md")).unwrap();
+        std::os::unix::fs::symlink(outside.path().join("secret.md"), skill.join("SKILL.md"))
+            .unwrap();
         let error = resolve(dir.path(), "p", "s", "SKILL.md").unwrap_err();
-        assert!(error.to_string().contains("inside the skills directory"), "{error}");
+        assert!(
+            error.to_string().contains("inside the skills directory"),
+            "{error}"
+        );
     }
 }

@@ -5,9 +5,9 @@
 //! its `event_id`), and a cycle file is stored once per `(run, step, file)`, so a redelivered
 //! job never produces duplicate records.
 
+use std::future::Future;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
-use std::future::Future;
 
 use proto::{CycleRecord, Event, EventKind, Job, RunResult, RunState};
 use rusqlite::{params, Connection, OptionalExtension};
@@ -58,10 +58,17 @@ pub trait RunStore: Send + Sync + 'static {
     /// event was already stored.
     fn record_event(&self, event: &Event) -> impl Future<Output = Result<bool, StoreError>> + Send;
     /// Reads a run.
-    fn get_run(&self, run_id: Uuid) -> impl Future<Output = Result<Option<RunRecord>, StoreError>> + Send;
+    fn get_run(
+        &self,
+        run_id: Uuid,
+    ) -> impl Future<Output = Result<Option<RunRecord>, StoreError>> + Send;
     /// Reads a run's events in the order they were stored, after position `after` (0 for all).
     /// Returns each event with its position.
-    fn events(&self, run_id: Uuid, after: i64) -> impl Future<Output = Result<Vec<(i64, Event)>, StoreError>> + Send;
+    fn events(
+        &self,
+        run_id: Uuid,
+        after: i64,
+    ) -> impl Future<Output = Result<Vec<(i64, Event)>, StoreError>> + Send;
 }
 
 /// The SQLite run store. Queries run on the blocking pool, never on the async runtime.
@@ -83,8 +90,13 @@ impl SqliteStore {
             connection.execute_batch(SCHEMA)?;
             Ok(connection)
         };
-        let connection = open().map_err(|source| StoreError::Open { path: path.clone(), source })?;
-        Ok(SqliteStore { connection: Arc::new(Mutex::new(connection)) })
+        let connection = open().map_err(|source| StoreError::Open {
+            path: path.clone(),
+            source,
+        })?;
+        Ok(SqliteStore {
+            connection: Arc::new(Mutex::new(connection)),
+        })
     }
 
     async fn with<T: Send + 'static>(
@@ -93,7 +105,9 @@ impl SqliteStore {
     ) -> Result<T, StoreError> {
         let connection = Arc::clone(&self.connection);
         tokio::task::spawn_blocking(move || {
-            let mut guard = connection.lock().map_err(|e| StoreError::Task(e.to_string()))?;
+            let mut guard = connection
+                .lock()
+                .map_err(|e| StoreError::Task(e.to_string()))?;
             work(&mut guard)
         })
         .await
@@ -141,7 +155,11 @@ CREATE TABLE IF NOT EXISTS cycles (
 impl RunStore for SqliteStore {
     async fn insert_run(&self, job: &Job) -> Result<(), StoreError> {
         let body = serde_json::to_string(job)?;
-        let (run_id, ticket, time) = (job.run_id.to_string(), job.ticket.clone(), job.submitted_at.clone());
+        let (run_id, ticket, time) = (
+            job.run_id.to_string(),
+            job.ticket.clone(),
+            job.submitted_at.clone(),
+        );
         let reason = if job.warnings.is_empty() {
             "accepted".to_string()
         } else {
@@ -216,19 +234,32 @@ impl RunStore for SqliteStore {
         self.with(move |c| {
             let id = run_id.to_string();
             let row: Option<(String, String, Option<String>)> = c
-                .query_row("SELECT job, state, result FROM runs WHERE run_id = ?1", params![id], |r| {
-                    Ok((r.get(0)?, r.get(1)?, r.get(2)?))
-                })
+                .query_row(
+                    "SELECT job, state, result FROM runs WHERE run_id = ?1",
+                    params![id],
+                    |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)),
+                )
                 .optional()?;
-            let Some((job, state, result)) = row else { return Ok(None) };
-            let mut statement = c.prepare("SELECT state, reason, time FROM state_history WHERE run_id = ?1 ORDER BY id")?;
+            let Some((job, state, result)) = row else {
+                return Ok(None);
+            };
+            let mut statement = c.prepare(
+                "SELECT state, reason, time FROM state_history WHERE run_id = ?1 ORDER BY id",
+            )?;
             let states = statement
-                .query_map(params![id], |r| Ok((r.get::<_, String>(0)?, r.get::<_, String>(1)?, r.get::<_, String>(2)?)))?
+                .query_map(params![id], |r| {
+                    Ok((
+                        r.get::<_, String>(0)?,
+                        r.get::<_, String>(1)?,
+                        r.get::<_, String>(2)?,
+                    ))
+                })?
                 .collect::<Result<Vec<_>, _>>()?
                 .into_iter()
                 .filter_map(|(s, reason, time)| RunState::parse(&s).map(|s| (s, reason, time)))
                 .collect();
-            let mut statement = c.prepare("SELECT body FROM cycles WHERE run_id = ?1 ORDER BY step, cycle")?;
+            let mut statement =
+                c.prepare("SELECT body FROM cycles WHERE run_id = ?1 ORDER BY step, cycle")?;
             let cycles = statement
                 .query_map(params![id], |r| r.get::<_, String>(0))?
                 .collect::<Result<Vec<_>, _>>()?
@@ -263,7 +294,10 @@ impl RunStore for SqliteStore {
 
 /// The file path of a `sqlite://PATH`, `sqlite:PATH` or plain-path URL.
 pub fn sqlite_path(url: &str) -> PathBuf {
-    let path = url.strip_prefix("sqlite://").or_else(|| url.strip_prefix("sqlite:")).unwrap_or(url);
+    let path = url
+        .strip_prefix("sqlite://")
+        .or_else(|| url.strip_prefix("sqlite:"))
+        .unwrap_or(url);
     Path::new(path).to_path_buf()
 }
 
@@ -309,22 +343,59 @@ mod tests {
         {
             let store = SqliteStore::open(&url).unwrap();
             store.insert_run(&job).await.unwrap();
-            let running = Event::new(job.run_id, EventKind::State { state: RunState::Running, reason: "go".into() });
+            let running = Event::new(
+                job.run_id,
+                EventKind::State {
+                    state: RunState::Running,
+                    reason: "go".into(),
+                },
+            );
             assert!(store.record_event(&running).await.unwrap());
-            assert!(!store.record_event(&running).await.unwrap(), "a redelivered event is stored once");
-            store.record_event(&cycle_event(job.run_id, 1, "rejected")).await.unwrap();
-            store.record_event(&cycle_event(job.run_id, 1, "rejected")).await.unwrap();
-            store.record_event(&cycle_event(job.run_id, 2, "approved")).await.unwrap();
-            let done = Event::new(job.run_id, EventKind::State { state: RunState::Delivered, reason: "ok".into() });
+            assert!(
+                !store.record_event(&running).await.unwrap(),
+                "a redelivered event is stored once"
+            );
+            store
+                .record_event(&cycle_event(job.run_id, 1, "rejected"))
+                .await
+                .unwrap();
+            store
+                .record_event(&cycle_event(job.run_id, 1, "rejected"))
+                .await
+                .unwrap();
+            store
+                .record_event(&cycle_event(job.run_id, 2, "approved"))
+                .await
+                .unwrap();
+            let done = Event::new(
+                job.run_id,
+                EventKind::State {
+                    state: RunState::Delivered,
+                    reason: "ok".into(),
+                },
+            );
             store.record_event(&done).await.unwrap();
-            let late = Event::new(job.run_id, EventKind::State { state: RunState::Running, reason: "late".into() });
+            let late = Event::new(
+                job.run_id,
+                EventKind::State {
+                    state: RunState::Running,
+                    reason: "late".into(),
+                },
+            );
             store.record_event(&late).await.unwrap();
         }
         let store = SqliteStore::open(&url).unwrap();
         let record = store.get_run(job.run_id).await.unwrap().unwrap();
-        assert_eq!(record.state, RunState::Delivered, "a terminal state is never left");
+        assert_eq!(
+            record.state,
+            RunState::Delivered,
+            "a terminal state is never left"
+        );
         let states: Vec<RunState> = record.states.iter().map(|s| s.0).collect();
-        assert_eq!(states, [RunState::Queued, RunState::Running, RunState::Delivered]);
+        assert_eq!(
+            states,
+            [RunState::Queued, RunState::Running, RunState::Delivered]
+        );
         assert_eq!(record.cycles.len(), 2, "one record per cycle file");
         assert_eq!(record.cycles[1].verdict, "approved");
         assert_eq!(store.events(job.run_id, 0).await.unwrap().len(), 6);

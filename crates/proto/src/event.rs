@@ -242,7 +242,10 @@ mod tests {
         let run_id = Uuid::new_v4();
         let event = Event::new(
             run_id,
-            EventKind::State { state: RunState::Running, reason: "picked up".into() },
+            EventKind::State {
+                state: RunState::Running,
+                reason: "picked up".into(),
+            },
         );
         let text = serde_json::to_string(&event).unwrap();
         assert!(text.contains("\"type\":\"state\""), "{text}");

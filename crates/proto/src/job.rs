@@ -138,7 +138,10 @@ mod tests {
             skill: "implement-task".into(),
             step: "implement_task".into(),
             brief: "do it".into(),
-            repository: RepositoryRef { url: "file:///r.git".into(), git_ref: None },
+            repository: RepositoryRef {
+                url: "file:///r.git".into(),
+                git_ref: None,
+            },
             commands: vec![],
             skill_md: "# Skill".into(),
             review: Some(ReviewConfig {

@@ -23,34 +23,47 @@ pub struct CycleCollector {
 impl CycleCollector {
     /// A collector over `{workspace}/.forge`.
     pub fn new(workspace: &Path) -> CycleCollector {
-        CycleCollector { forge_dir: workspace.join(".forge"), seen: HashMap::new() }
+        CycleCollector {
+            forge_dir: workspace.join(".forge"),
+            seen: HashMap::new(),
+        }
     }
 
     /// Returns the cycle files that are new or changed since the last scan, ordered by step
     /// and cycle. Blocking: call it from a blocking task.
     pub fn scan(&mut self) -> Vec<CycleRecord> {
         let mut found = Vec::new();
-        let Ok(steps) = std::fs::read_dir(&self.forge_dir) else { return found };
+        let Ok(steps) = std::fs::read_dir(&self.forge_dir) else {
+            return found;
+        };
         for step in steps.flatten() {
             let step_name = step.file_name().to_string_lossy().to_string();
             // Symlinks are never followed: a stage must not point the collector elsewhere.
             if step_name == "history" || !step.file_type().is_ok_and(|t| t.is_dir()) {
                 continue;
             }
-            let Ok(files) = std::fs::read_dir(step.path()) else { continue };
+            let Ok(files) = std::fs::read_dir(step.path()) else {
+                continue;
+            };
             for file in files.flatten() {
                 let name = file.file_name().to_string_lossy().to_string();
-                let Some(cycle) = cycle_number(&name) else { continue };
+                let Some(cycle) = cycle_number(&name) else {
+                    continue;
+                };
                 if !file.file_type().is_ok_and(|t| t.is_file()) {
                     continue;
                 }
                 let path = file.path();
-                let Ok(bytes) = read_capped(&path) else { continue };
+                let Ok(bytes) = read_capped(&path) else {
+                    continue;
+                };
                 let digest = fnv1a(&bytes);
                 if self.seen.get(&path) == Some(&digest) {
                     continue;
                 }
-                let Some(record) = parse_cycle(&step_name, &name, cycle, &bytes) else { continue };
+                let Some(record) = parse_cycle(&step_name, &name, cycle, &bytes) else {
+                    continue;
+                };
                 self.seen.insert(path, digest);
                 found.push(record);
             }
@@ -86,21 +99,32 @@ fn parse_cycle(step: &str, file: &str, cycle: u32, bytes: &[u8]) -> Option<Cycle
         step: step.to_string(),
         file: file.to_string(),
         cycle,
-        max_cycles: object.get("max_cycles").and_then(serde_json::Value::as_u64).map(|n| n as u32),
+        max_cycles: object
+            .get("max_cycles")
+            .and_then(serde_json::Value::as_u64)
+            .map(|n| n as u32),
         verdict,
-        feedback: object.get("feedback").and_then(serde_json::Value::as_str).unwrap_or_default().to_string(),
+        feedback: object
+            .get("feedback")
+            .and_then(serde_json::Value::as_str)
+            .unwrap_or_default()
+            .to_string(),
         content,
     })
 }
 
 /// A small content fingerprint to notice rewritten files.
 fn fnv1a(bytes: &[u8]) -> u64 {
-    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |hash, &b| (hash ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3))
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |hash, &b| {
+        (hash ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+    })
 }
 
 /// Writes `bytes` to `path` atomically: a temporary file in the same folder, then a rename.
 pub fn write_atomically(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
-    let dir = path.parent().ok_or_else(|| std::io::Error::other("path has no parent"))?;
+    let dir = path
+        .parent()
+        .ok_or_else(|| std::io::Error::other("path has no parent"))?;
     std::fs::create_dir_all(dir)?;
     let mut temporary = tempfile::NamedTempFile::new_in(dir)?;
     std::io::Write::write_all(&mut temporary, bytes)?;
@@ -124,14 +148,36 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let mut collector = CycleCollector::new(dir.path());
         assert!(collector.scan().is_empty(), "no .forge folder yet");
-        write(dir.path(), ".forge/implement_task/review_cycle_1.json", r#"{"cycle": 1, "verdict": "REJECTED", "feedback": "no tests", "max_cycles": 3}"#);
+        write(
+            dir.path(),
+            ".forge/implement_task/review_cycle_1.json",
+            r#"{"cycle": 1, "verdict": "REJECTED", "feedback": "no tests", "max_cycles": 3}"#,
+        );
         let found = collector.scan();
         assert_eq!(found.len(), 1);
-        assert_eq!((found[0].cycle, found[0].verdict.as_str(), found[0].feedback.as_str()), (1, "rejected", "no tests"));
+        assert_eq!(
+            (
+                found[0].cycle,
+                found[0].verdict.as_str(),
+                found[0].feedback.as_str()
+            ),
+            (1, "rejected", "no tests")
+        );
         assert_eq!(found[0].max_cycles, Some(3));
-        assert!(collector.scan().is_empty(), "unchanged files are not reported again");
-        write(dir.path(), ".forge/implement_task/review_cycle_1.json", r#"{"cycle": 1, "verdict": "approved"}"#);
-        write(dir.path(), ".forge/implement_task/review_cycle_2.json", r#"{"cycle": 2, "verdict": "approved"}"#);
+        assert!(
+            collector.scan().is_empty(),
+            "unchanged files are not reported again"
+        );
+        write(
+            dir.path(),
+            ".forge/implement_task/review_cycle_1.json",
+            r#"{"cycle": 1, "verdict": "approved"}"#,
+        );
+        write(
+            dir.path(),
+            ".forge/implement_task/review_cycle_2.json",
+            r#"{"cycle": 2, "verdict": "approved"}"#,
+        );
         let found = collector.scan();
         assert_eq!(found.iter().map(|r| r.cycle).collect::<Vec<_>>(), [1, 2]);
     }
@@ -140,15 +186,47 @@ mod tests {
     fn ignores_what_is_not_a_cycle_file() {
         let dir = tempfile::tempdir().unwrap();
         let mut collector = CycleCollector::new(dir.path());
-        write(dir.path(), ".forge/history/SHOP-1.json", r#"{"cycle": 1, "verdict": "approved"}"#);
-        write(dir.path(), ".forge/s/review_cycle_1.json.tmp", r#"{"cycle": 1, "verdict": "approved"}"#);
-        write(dir.path(), ".forge/s/review_cycle_x.json", r#"{"cycle": 1, "verdict": "approved"}"#);
-        write(dir.path(), ".forge/s/review_cycle_2.json", r#"{"cycle": 2, "verd"#);
-        write(dir.path(), ".forge/s/review_cycle_3.json", r#"["not", "an", "object"]"#);
-        write(dir.path(), ".forge/review_cycle_4.json", r#"{"cycle": 4, "verdict": "approved"}"#);
+        write(
+            dir.path(),
+            ".forge/history/SHOP-1.json",
+            r#"{"cycle": 1, "verdict": "approved"}"#,
+        );
+        write(
+            dir.path(),
+            ".forge/s/review_cycle_1.json.tmp",
+            r#"{"cycle": 1, "verdict": "approved"}"#,
+        );
+        write(
+            dir.path(),
+            ".forge/s/review_cycle_x.json",
+            r#"{"cycle": 1, "verdict": "approved"}"#,
+        );
+        write(
+            dir.path(),
+            ".forge/s/review_cycle_2.json",
+            r#"{"cycle": 2, "verd"#,
+        );
+        write(
+            dir.path(),
+            ".forge/s/review_cycle_3.json",
+            r#"["not", "an", "object"]"#,
+        );
+        write(
+            dir.path(),
+            ".forge/review_cycle_4.json",
+            r#"{"cycle": 4, "verdict": "approved"}"#,
+        );
         assert!(collector.scan().is_empty());
-        write(dir.path(), ".forge/s/review_cycle_2.json", r#"{"cycle": 2, "verdict": "approved"}"#);
-        assert_eq!(collector.scan().len(), 1, "a partial file is picked up once it is complete");
+        write(
+            dir.path(),
+            ".forge/s/review_cycle_2.json",
+            r#"{"cycle": 2, "verdict": "approved"}"#,
+        );
+        assert_eq!(
+            collector.scan().len(),
+            1,
+            "a partial file is picked up once it is complete"
+        );
     }
 
     #[test]
@@ -156,7 +234,11 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join(".forge/s/review_cycle_1.json");
         write_atomically(&path, b"{}").unwrap();
-        let names: Vec<_> = std::fs::read_dir(path.parent().unwrap()).unwrap().flatten().map(|e| e.file_name()).collect();
+        let names: Vec<_> = std::fs::read_dir(path.parent().unwrap())
+            .unwrap()
+            .flatten()
+            .map(|e| e.file_name())
+            .collect();
         assert_eq!(names, [std::ffi::OsString::from("review_cycle_1.json")]);
     }
 }

@@ -11,8 +11,8 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use bollard::container::{
-    Config, CreateContainerOptions, ListContainersOptions, LogOutput, LogsOptions, RemoveContainerOptions,
-    WaitContainerOptions,
+    Config, CreateContainerOptions, ListContainersOptions, LogOutput, LogsOptions,
+    RemoveContainerOptions, WaitContainerOptions,
 };
 use bollard::image::CreateImageOptions;
 use bollard::models::HostConfig;
@@ -23,8 +23,9 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
 use crate::runtime::{
-    redact, tail, ContainerRuntime, LogChunk, RuntimeError, StageExit, StageOutput, StageSpec, LABEL_DEADLINE,
-    LABEL_HOST, LABEL_INSTANCE, LABEL_MANAGED, LABEL_PID, LABEL_WORKER, MAX_CAPTURED_STDOUT, TAIL_BYTES,
+    redact, tail, ContainerRuntime, LogChunk, RuntimeError, StageExit, StageOutput, StageSpec,
+    LABEL_DEADLINE, LABEL_HOST, LABEL_INSTANCE, LABEL_MANAGED, LABEL_PID, LABEL_WORKER,
+    MAX_CAPTURED_STDOUT, TAIL_BYTES,
 };
 
 /// The limit on any single Docker API call (create, start, remove, list, inspect).
@@ -53,7 +54,12 @@ impl Identity {
         let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
             .map(|h| h.trim().to_string())
             .unwrap_or_else(|_| "localhost".to_string());
-        Identity { worker: worker.into(), instance: uuid::Uuid::new_v4().to_string(), host, pid: std::process::id() }
+        Identity {
+            worker: worker.into(),
+            instance: uuid::Uuid::new_v4().to_string(),
+            host,
+            pid: std::process::id(),
+        }
     }
 }
 
@@ -69,14 +75,30 @@ pub struct DockerRuntime {
 impl DockerRuntime {
     /// Connects to the engine named by `DOCKER_HOST` (or the local socket) and checks it answers.
     pub async fn connect(identity: Identity) -> Result<DockerRuntime, RuntimeError> {
-        let endpoint = std::env::var("DOCKER_HOST").unwrap_or_else(|_| "unix:///var/run/docker.sock".to_string());
-        let unreachable = |detail: String| RuntimeError::Unreachable { endpoint: endpoint.clone(), detail };
-        let docker = Docker::connect_with_local_defaults().map_err(|e| unreachable(e.to_string()))?;
-        let docker = bounded("negotiate API version", Duration::from_secs(10), docker.negotiate_version())
+        let endpoint = std::env::var("DOCKER_HOST")
+            .unwrap_or_else(|_| "unix:///var/run/docker.sock".to_string());
+        let unreachable = |detail: String| RuntimeError::Unreachable {
+            endpoint: endpoint.clone(),
+            detail,
+        };
+        let docker =
+            Docker::connect_with_local_defaults().map_err(|e| unreachable(e.to_string()))?;
+        let docker = bounded(
+            "negotiate API version",
+            Duration::from_secs(10),
+            docker.negotiate_version(),
+        )
+        .await?
+        .map_err(|e| unreachable(e.to_string()))?;
+        bounded("ping", Duration::from_secs(10), docker.ping())
             .await?
             .map_err(|e| unreachable(e.to_string()))?;
-        bounded("ping", Duration::from_secs(10), docker.ping()).await?.map_err(|e| unreachable(e.to_string()))?;
-        Ok(DockerRuntime { docker, endpoint, identity, present_images: Mutex::new(HashSet::new()) })
+        Ok(DockerRuntime {
+            docker,
+            endpoint,
+            identity,
+            present_images: Mutex::new(HashSet::new()),
+        })
     }
 
     /// The engine's address.
@@ -86,12 +108,25 @@ impl DockerRuntime {
 
     /// Makes sure an image is on the engine: never pulls one that is present.
     async fn ensure_image(&self, image: &str) -> Result<(), RuntimeError> {
-        if self.present_images.lock().map(|set| set.contains(image)).unwrap_or(false) {
+        if self
+            .present_images
+            .lock()
+            .map(|set| set.contains(image))
+            .unwrap_or(false)
+        {
             return Ok(());
         }
-        let inspected = bounded("inspect image", API_TIMEOUT, self.docker.inspect_image(image)).await?;
+        let inspected = bounded(
+            "inspect image",
+            API_TIMEOUT,
+            self.docker.inspect_image(image),
+        )
+        .await?;
         if inspected.is_err() {
-            let options = CreateImageOptions { from_image: image.to_string(), ..Default::default() };
+            let options = CreateImageOptions {
+                from_image: image.to_string(),
+                ..Default::default()
+            };
             let pull = async {
                 let mut progress = self.docker.create_image(Some(options), None, None);
                 while let Some(step) = progress.next().await {
@@ -101,7 +136,10 @@ impl DockerRuntime {
             };
             bounded("pull image", PULL_TIMEOUT, pull)
                 .await?
-                .map_err(|detail| RuntimeError::ImageMissing { image: image.to_string(), detail })?;
+                .map_err(|detail| RuntimeError::ImageMissing {
+                    image: image.to_string(),
+                    detail,
+                })?;
         }
         if let Ok(mut set) = self.present_images.lock() {
             set.insert(image.to_string());
@@ -115,7 +153,8 @@ impl DockerRuntime {
         }
     }
 
-    fn container_config(&self, spec: &StageSpec) -> Config<String> {
+    /// The container configuration for a stage: image, command, hardening, limits and labels.
+    pub fn container_config(&self, spec: &StageSpec) -> Config<String> {
         let mut labels = spec.labels.clone();
         labels.insert(LABEL_MANAGED.into(), "true".into());
         labels.insert(LABEL_WORKER.into(), self.identity.worker.clone());
@@ -127,7 +166,14 @@ impl DockerRuntime {
         let binds = spec
             .mounts
             .iter()
-            .map(|m| format!("{}:{}:{}", m.source.display(), m.target, if m.read_only { "ro" } else { "rw" }))
+            .map(|m| {
+                format!(
+                    "{}:{}:{}",
+                    m.source.display(),
+                    m.target,
+                    if m.read_only { "ro" } else { "rw" }
+                )
+            })
             .collect();
         let memory = i64::try_from(spec.memory_bytes).unwrap_or(i64::MAX);
         Config {
@@ -157,10 +203,22 @@ impl DockerRuntime {
     }
 
     async fn remove(&self, id: &str) -> Result<(), RuntimeError> {
-        let options = RemoveContainerOptions { force: true, v: true, ..Default::default() };
-        match bounded("remove container", API_TIMEOUT, self.docker.remove_container(id, Some(options))).await? {
+        let options = RemoveContainerOptions {
+            force: true,
+            v: true,
+            ..Default::default()
+        };
+        match bounded(
+            "remove container",
+            API_TIMEOUT,
+            self.docker.remove_container(id, Some(options)),
+        )
+        .await?
+        {
             Ok(()) => Ok(()),
-            Err(bollard::errors::Error::DockerResponseServerError { status_code: 404, .. }) => Ok(()),
+            Err(bollard::errors::Error::DockerResponseServerError {
+                status_code: 404, ..
+            }) => Ok(()),
             Err(e) => Err(RuntimeError::Cleanup(format!("container {id}: {e}"))),
         }
     }
@@ -175,17 +233,34 @@ impl DockerRuntime {
         logs: mpsc::Sender<LogChunk>,
         cancel: CancellationToken,
     ) -> Result<(StageExit, String, String), RuntimeError> {
-        bounded("start container", API_TIMEOUT, self.docker.start_container::<String>(id, None))
-            .await?
-            .map_err(|e| RuntimeError::StartContainer { name: spec.name.clone(), detail: e.to_string() })?;
+        bounded(
+            "start container",
+            API_TIMEOUT,
+            self.docker.start_container::<String>(id, None),
+        )
+        .await?
+        .map_err(|e| RuntimeError::StartContainer {
+            name: spec.name.clone(),
+            detail: e.to_string(),
+        })?;
         let wait = async {
-            let options = WaitContainerOptions { condition: "not-running" };
+            let options = WaitContainerOptions {
+                condition: "not-running",
+            };
             let mut stream = self.docker.wait_container(id, Some(options));
             match stream.next().await {
                 Some(Ok(response)) => Ok(response.status_code),
-                Some(Err(bollard::errors::Error::DockerContainerWaitError { code, .. })) => Ok(code),
-                Some(Err(e)) => Err(RuntimeError::WaitContainer { name: spec.name.clone(), detail: e.to_string() }),
-                None => Err(RuntimeError::WaitContainer { name: spec.name.clone(), detail: "wait stream ended".into() }),
+                Some(Err(bollard::errors::Error::DockerContainerWaitError { code, .. })) => {
+                    Ok(code)
+                }
+                Some(Err(e)) => Err(RuntimeError::WaitContainer {
+                    name: spec.name.clone(),
+                    detail: e.to_string(),
+                }),
+                None => Err(RuntimeError::WaitContainer {
+                    name: spec.name.clone(),
+                    detail: "wait stream ended".into(),
+                }),
             }
         };
         let limited = async {
@@ -201,7 +276,10 @@ impl DockerRuntime {
             }
             exit
         };
-        let (exit, (stdout, combined)) = tokio::join!(limited, collect_output(&self.docker, id, &spec.redact, logs));
+        let (exit, (stdout, combined)) = tokio::join!(
+            limited,
+            collect_output(&self.docker, id, &spec.redact, logs)
+        );
         Ok((exit?, stdout, combined))
     }
 }
@@ -215,33 +293,69 @@ impl ContainerRuntime for DockerRuntime {
     ) -> Result<StageOutput, RuntimeError> {
         let started = Instant::now();
         self.ensure_image(&spec.image).await?;
-        let options = CreateContainerOptions { name: spec.name.clone(), platform: None };
-        let created = bounded("create container", API_TIMEOUT, self.docker.create_container(Some(options), self.container_config(&spec)))
-            .await?
-            .map_err(|e| {
-                if matches!(e, bollard::errors::Error::DockerResponseServerError { status_code: 404, .. }) {
-                    self.forget_image(&spec.image);
-                    RuntimeError::ImageMissing { image: spec.image.clone(), detail: e.to_string() }
-                } else {
-                    RuntimeError::CreateContainer { image: spec.image.clone(), detail: e.to_string() }
+        let options = CreateContainerOptions {
+            name: spec.name.clone(),
+            platform: None,
+        };
+        let created = bounded(
+            "create container",
+            API_TIMEOUT,
+            self.docker
+                .create_container(Some(options), self.container_config(&spec)),
+        )
+        .await?
+        .map_err(|e| {
+            if matches!(
+                e,
+                bollard::errors::Error::DockerResponseServerError {
+                    status_code: 404,
+                    ..
                 }
-            })?;
-        let mut guard = RemoveOnDrop { docker: self.docker.clone(), id: Some(created.id.clone()) };
+            ) {
+                self.forget_image(&spec.image);
+                RuntimeError::ImageMissing {
+                    image: spec.image.clone(),
+                    detail: e.to_string(),
+                }
+            } else {
+                RuntimeError::CreateContainer {
+                    image: spec.image.clone(),
+                    detail: e.to_string(),
+                }
+            }
+        })?;
+        let mut guard = RemoveOnDrop {
+            docker: self.docker.clone(),
+            id: Some(created.id.clone()),
+        };
         let driven = self.drive(&created.id, &spec, logs, cancel).await;
         let removed = self.remove(&created.id).await;
         guard.id = None;
         let (exit, stdout, combined) = driven?;
         removed?;
-        Ok(StageOutput { exit, stdout, tail: tail(&combined, TAIL_BYTES).to_string(), duration: started.elapsed() })
+        Ok(StageOutput {
+            exit,
+            stdout,
+            tail: tail(&combined, TAIL_BYTES).to_string(),
+            duration: started.elapsed(),
+        })
     }
 
     async fn remove_orphans(&self) -> Result<usize, RuntimeError> {
         let mut filters = HashMap::new();
         filters.insert("label".to_string(), vec![format!("{LABEL_MANAGED}=true")]);
-        let options = ListContainersOptions { all: true, filters, ..Default::default() };
-        let containers = bounded("list containers", API_TIMEOUT, self.docker.list_containers(Some(options)))
-            .await?
-            .map_err(|e| RuntimeError::Cleanup(e.to_string()))?;
+        let options = ListContainersOptions {
+            all: true,
+            filters,
+            ..Default::default()
+        };
+        let containers = bounded(
+            "list containers",
+            API_TIMEOUT,
+            self.docker.list_containers(Some(options)),
+        )
+        .await?
+        .map_err(|e| RuntimeError::Cleanup(e.to_string()))?;
         let now = unix_now();
         let mut removed = 0;
         for container in containers {
@@ -252,7 +366,9 @@ impl ContainerRuntime for DockerRuntime {
                 && (label(LABEL_HOST) != self.identity.host
                     || label(LABEL_PID) == self.identity.pid.to_string()
                     || !process_alive(label(LABEL_PID)));
-            let overdue = label(LABEL_DEADLINE).parse::<u64>().is_ok_and(|deadline| deadline < now);
+            let overdue = label(LABEL_DEADLINE)
+                .parse::<u64>()
+                .is_ok_and(|deadline| deadline < now);
             if ours_from_before || overdue {
                 if let Some(id) = container.id {
                     self.remove(&id).await?;
@@ -277,8 +393,16 @@ impl Drop for RemoveOnDrop {
             let docker = self.docker.clone();
             if let Ok(handle) = tokio::runtime::Handle::try_current() {
                 handle.spawn(async move {
-                    let options = RemoveContainerOptions { force: true, v: true, ..Default::default() };
-                    let _ = tokio::time::timeout(API_TIMEOUT, docker.remove_container(&id, Some(options))).await;
+                    let options = RemoveContainerOptions {
+                        force: true,
+                        v: true,
+                        ..Default::default()
+                    };
+                    let _ = tokio::time::timeout(
+                        API_TIMEOUT,
+                        docker.remove_container(&id, Some(options)),
+                    )
+                    .await;
                 });
             }
         }
@@ -293,7 +417,13 @@ async fn collect_output(
     secrets: &[String],
     logs: mpsc::Sender<LogChunk>,
 ) -> (String, String) {
-    let options = LogsOptions::<String> { follow: true, stdout: true, stderr: true, tail: "all".into(), ..Default::default() };
+    let options = LogsOptions::<String> {
+        follow: true,
+        stdout: true,
+        stderr: true,
+        tail: "all".into(),
+        ..Default::default()
+    };
     let mut stream = docker.logs(id, Some(options));
     let mut stdout = String::new();
     let mut combined = String::new();
@@ -311,12 +441,24 @@ async fn collect_output(
         slot.push_str(&text);
         if let Some(end) = slot.rfind('\n') {
             let lines: String = slot.drain(..=end).collect();
-            emit(&lines, stream_kind, secrets, &logs, &mut stdout, &mut combined).await;
+            emit(
+                &lines,
+                stream_kind,
+                secrets,
+                &logs,
+                &mut stdout,
+                &mut combined,
+            )
+            .await;
         }
     }
     for (index, rest) in pending.into_iter().enumerate() {
         if !rest.is_empty() {
-            let kind = if index == 0 { LogStream::Stdout } else { LogStream::Stderr };
+            let kind = if index == 0 {
+                LogStream::Stdout
+            } else {
+                LogStream::Stderr
+            };
             emit(&rest, kind, secrets, &logs, &mut stdout, &mut combined).await;
         }
     }
@@ -343,14 +485,27 @@ async fn emit(
     let _ = logs.send(LogChunk { stream, text }).await;
 }
 
-async fn bounded<T>(operation: &'static str, limit: Duration, future: impl std::future::Future<Output = T>) -> Result<T, RuntimeError> {
-    tokio::time::timeout(limit, future).await.map_err(|_| RuntimeError::Timeout { operation, seconds: limit.as_secs() })
+async fn bounded<T>(
+    operation: &'static str,
+    limit: Duration,
+    future: impl std::future::Future<Output = T>,
+) -> Result<T, RuntimeError> {
+    tokio::time::timeout(limit, future)
+        .await
+        .map_err(|_| RuntimeError::Timeout {
+            operation,
+            seconds: limit.as_secs(),
+        })
 }
 
 fn unix_now() -> u64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
 }
 
 fn process_alive(pid: &str) -> bool {
-    pid.parse::<u32>().is_ok_and(|pid| std::path::Path::new(&format!("/proc/{pid}")).exists())
+    pid.parse::<u32>()
+        .is_ok_and(|pid| std::path::Path::new(&format!("/proc/{pid}")).exists())
 }

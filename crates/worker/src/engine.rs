@@ -11,7 +11,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use proto::{
-    AgentProfile, CheckResult, CycleRecord, Event, EventKind, Job, Network, RoundRecord, RunResult, RunState, Stage,
+    AgentProfile, CheckResult, CycleRecord, Event, EventKind, Job, Network, RoundRecord, RunResult,
+    RunState, Stage,
 };
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
@@ -22,7 +23,10 @@ use crate::collector::{write_atomically, CycleCollector};
 use crate::git;
 use crate::machine::{FailureSignature, Input, Limits, Phase, RoundReason, RunMachine};
 use crate::report::{self, ReportInput};
-use crate::runtime::{tail, ContainerRuntime, LogChunk, Mount, StageExit, StageOutput, StageSpec, LABEL_RUN, LABEL_STAGE};
+use crate::runtime::{
+    tail, ContainerRuntime, LogChunk, Mount, StageExit, StageOutput, StageSpec, LABEL_RUN,
+    LABEL_STAGE,
+};
 use crate::sink::{EventSink, PublishEvent};
 use crate::verdict::{self, Verdict};
 
@@ -62,7 +66,11 @@ impl EngineConfig {
         EngineConfig {
             workspace_root,
             poll_interval: DEFAULT_POLL_INTERVAL,
-            stage_user: if can_chown { DEFAULT_STAGE_USER } else { (uid, gid) },
+            stage_user: if can_chown {
+                DEFAULT_STAGE_USER
+            } else {
+                (uid, gid)
+            },
             can_chown,
             pids_limit: DEFAULT_PIDS_LIMIT,
         }
@@ -90,18 +98,38 @@ impl<R: ContainerRuntime> Engine<R> {
     /// Performs a job to its end and returns the result. The final `result` and `state`
     /// events are published before this returns; an error means they could not be, and the
     /// job must be handed back.
-    pub async fn execute<S: EventSink>(&self, job: &Job, sink: &S, cancel: CancellationToken) -> Result<RunResult, PublishEvent> {
+    pub async fn execute<S: EventSink>(
+        &self,
+        job: &Job,
+        sink: &S,
+        cancel: CancellationToken,
+    ) -> Result<RunResult, PublishEvent> {
         let span = tracing::info_span!("run", run_id = %job.run_id, ticket = %job.ticket, stage = tracing::field::Empty, cycle = tracing::field::Empty);
         async {
             let root = self.config.workspace_root.join(job.run_id.to_string());
             let mut run = RunContext::new(job, &root);
-            publish(sink, job.run_id, EventKind::State { state: RunState::Running, reason: "a worker started the run".into() }).await?;
+            publish(
+                sink,
+                job.run_id,
+                EventKind::State {
+                    state: RunState::Running,
+                    reason: "a worker started the run".into(),
+                },
+            )
+            .await?;
             let (state, reason) = self.perform(&mut run, sink, &cancel).await?;
             let result = run.result(state, &reason);
             if let Err(error) = remove_dir(&root).await {
                 warn!(%error, path = %root.display(), "cannot remove the run workspace");
             }
-            publish(sink, job.run_id, EventKind::Result { result: result.clone() }).await?;
+            publish(
+                sink,
+                job.run_id,
+                EventKind::Result {
+                    result: result.clone(),
+                },
+            )
+            .await?;
             publish(sink, job.run_id, EventKind::State { state, reason }).await?;
             info!(state = %result.state, rounds = result.implementation_rounds, "run ended");
             Ok(result)
@@ -110,9 +138,17 @@ impl<R: ContainerRuntime> Engine<R> {
         .await
     }
 
-    async fn perform<S: EventSink>(&self, run: &mut RunContext<'_>, sink: &S, cancel: &CancellationToken) -> Result<(RunState, String), PublishEvent> {
+    async fn perform<S: EventSink>(
+        &self,
+        run: &mut RunContext<'_>,
+        sink: &S,
+        cancel: &CancellationToken,
+    ) -> Result<(RunState, String), PublishEvent> {
         if let Err(error) = self.prepare(run).await {
-            return Ok((RunState::Failed, format!("cannot prepare the workspace: {error}")));
+            return Ok((
+                RunState::Failed,
+                format!("cannot prepare the workspace: {error}"),
+            ));
         }
         let mut machine = RunMachine::new(run.limits());
         loop {
@@ -147,9 +183,13 @@ impl<R: ContainerRuntime> Engine<R> {
     /// Clones the repository into the run's workspace.
     async fn prepare(&self, run: &mut RunContext<'_>) -> Result<(), String> {
         remove_dir(&run.root).await.map_err(|e| e.to_string())?;
-        tokio::fs::create_dir_all(&run.root).await.map_err(|e| format!("{}: {e}", run.root.display()))?;
+        tokio::fs::create_dir_all(&run.root)
+            .await
+            .map_err(|e| format!("{}: {e}", run.root.display()))?;
         let repository = &run.job.repository;
-        run.base = git::clone_at(&repository.url, repository.git_ref.as_deref(), &run.src).await.map_err(|e| e.to_string())?;
+        run.base = git::clone_at(&repository.url, repository.git_ref.as_deref(), &run.src)
+            .await
+            .map_err(|e| e.to_string())?;
         Ok(())
     }
 
@@ -163,11 +203,19 @@ impl<R: ContainerRuntime> Engine<R> {
         cycles_used: u32,
     ) -> Result<Input, PublishEvent> {
         let job = run.job;
-        let mut prompt = format!("{}\n\n## Brief\n\n{}\n", job.skill_md.trim_end(), job.brief.trim_end());
+        let mut prompt = format!(
+            "{}\n\n## Brief\n\n{}\n",
+            job.skill_md.trim_end(),
+            job.brief.trim_end()
+        );
         match reason {
             RoundReason::Initial => {}
-            RoundReason::Review(feedback) => prompt.push_str(&format!("\n## Reviewer Feedback\n\n{}\n", feedback.trim())),
-            RoundReason::Repair(report) => prompt.push_str(&format!("\n## Failed Checks\n\n{}\n", report.trim())),
+            RoundReason::Review(feedback) => {
+                prompt.push_str(&format!("\n## Reviewer Feedback\n\n{}\n", feedback.trim()))
+            }
+            RoundReason::Repair(report) => {
+                prompt.push_str(&format!("\n## Failed Checks\n\n{}\n", report.trim()))
+            }
         }
         let stage_dir = match run.stage_dirs(Stage::Implement, &prompt, None).await {
             Ok(dir) => dir,
@@ -178,35 +226,86 @@ impl<R: ContainerRuntime> Engine<R> {
         }
         let profile = &job.implementer;
         let mounts = vec![
-            Mount { source: run.src.clone(), target: "/workspace".into(), read_only: false },
-            Mount { source: stage_dir.join("input"), target: "/forge/input".into(), read_only: true },
-            Mount { source: stage_dir.join("output"), target: "/forge/output".into(), read_only: false },
+            Mount {
+                source: run.src.clone(),
+                target: "/workspace".into(),
+                read_only: false,
+            },
+            Mount {
+                source: stage_dir.join("input"),
+                target: "/forge/input".into(),
+                read_only: true,
+            },
+            Mount {
+                source: stage_dir.join("output"),
+                target: "/forge/output".into(),
+                read_only: false,
+            },
         ];
-        let spec = self.spec(run, Stage::Implement, profile, profile.command.clone(), mounts, profile.network, profile.timeout_seconds, cycles_used + 1, round);
-        let output = match self.run_stage(run, sink, cancel, spec, Stage::Implement, round, None).await? {
+        let spec = self.spec(
+            run,
+            Stage::Implement,
+            profile,
+            profile.command.clone(),
+            mounts,
+            profile.network,
+            profile.timeout_seconds,
+            cycles_used + 1,
+            round,
+        );
+        let output = match self
+            .run_stage(run, sink, cancel, spec, Stage::Implement, round, None)
+            .await?
+        {
             Ok(output) => output,
             Err(input) => return Ok(input),
         };
         Ok(match output.exit {
             StageExit::Cancelled => Input::Cancelled,
             StageExit::TimedOut => Input::StageFailed {
-                reason: format!("the implementer timed out after {} s and was stopped", profile.timeout_seconds),
+                reason: format!(
+                    "the implementer timed out after {} s and was stopped",
+                    profile.timeout_seconds
+                ),
             },
-            StageExit::Exited(EXIT_PAUSED) => Input::StagePaused { reason: format!("the implementer paused (exit 75): {}", last_line(&output.tail)) },
+            StageExit::Exited(EXIT_PAUSED) => Input::StagePaused {
+                reason: format!(
+                    "the implementer paused (exit 75): {}",
+                    last_line(&output.tail)
+                ),
+            },
             StageExit::Exited(0) => match git::snapshot_tree(&run.src).await {
                 Ok(tree) => {
-                    run.rounds.push(RoundRecord { round, reason: reason.name().into(), tree: tree.clone(), failing: vec![], output_tail: String::new() });
+                    run.rounds.push(RoundRecord {
+                        round,
+                        reason: reason.name().into(),
+                        tree: tree.clone(),
+                        failing: vec![],
+                        output_tail: String::new(),
+                    });
                     Input::Implemented { tree }
                 }
-                Err(error) => Input::StageFailed { reason: format!("cannot record the implementer's change: {error}") },
+                Err(error) => Input::StageFailed {
+                    reason: format!("cannot record the implementer's change: {error}"),
+                },
             },
             StageExit::Exited(code) => Input::StageFailed {
-                reason: format!("the implementer exited with code {code}; last output:\n{}", tail(&output.tail, 2048)),
+                reason: format!(
+                    "the implementer exited with code {code}; last output:\n{}",
+                    tail(&output.tail, 2048)
+                ),
             },
         })
     }
 
-    async fn verify<S: EventSink>(&self, run: &mut RunContext<'_>, sink: &S, cancel: &CancellationToken, round: u32, tree: &str) -> Result<Input, PublishEvent> {
+    async fn verify<S: EventSink>(
+        &self,
+        run: &mut RunContext<'_>,
+        sink: &S,
+        cancel: &CancellationToken,
+        round: u32,
+        tree: &str,
+    ) -> Result<Input, PublishEvent> {
         let job = run.job;
         if job.commands.is_empty() {
             return Ok(Input::Verified);
@@ -219,11 +318,28 @@ impl<R: ContainerRuntime> Engine<R> {
         let mut signature: FailureSignature = Vec::new();
         let mut report = String::new();
         for command in &job.commands {
-            let mounts = vec![Mount { source: copy.clone(), target: "/workspace".into(), read_only: false }];
-            let mut spec = self.spec(run, Stage::Verify, &job.implementer, command.argv.clone(), mounts, Network::None, command.timeout, 0, round);
+            let mounts = vec![Mount {
+                source: copy.clone(),
+                target: "/workspace".into(),
+                read_only: false,
+            }];
+            let mut spec = self.spec(
+                run,
+                Stage::Verify,
+                &job.implementer,
+                command.argv.clone(),
+                mounts,
+                Network::None,
+                command.timeout,
+                0,
+                round,
+            );
             spec.env.retain(|e| e.starts_with("FORGE_"));
             spec.redact.clear();
-            let output = match self.run_stage(run, sink, cancel, spec, Stage::Verify, round, None).await? {
+            let output = match self
+                .run_stage(run, sink, cancel, spec, Stage::Verify, round, None)
+                .await?
+            {
                 Ok(output) => output,
                 Err(input) => return Ok(input),
             };
@@ -239,11 +355,25 @@ impl<R: ContainerRuntime> Engine<R> {
                 duration_seconds: output.duration.as_secs_f64(),
                 output_tail: tail(&output.tail, 2048).to_string(),
             };
-            publish(sink, job.run_id, EventKind::Check { result: result.clone() }).await?;
+            publish(
+                sink,
+                job.run_id,
+                EventKind::Check {
+                    result: result.clone(),
+                },
+            )
+            .await?;
             if exit_code != Some(0) {
                 signature.push((command.argv.clone(), exit_code));
-                let code = exit_code.map_or(format!("timed out after {} s", command.timeout), |c| format!("exited with code {c}"));
-                report.push_str(&format!("### `{}` {code}\n\n```\n{}\n```\n\n", command.argv.join(" "), tail(&output.tail, 2048).trim_end()));
+                let code = exit_code
+                    .map_or(format!("timed out after {} s", command.timeout), |c| {
+                        format!("exited with code {c}")
+                    });
+                report.push_str(&format!(
+                    "### `{}` {code}\n\n```\n{}\n```\n\n",
+                    command.argv.join(" "),
+                    tail(&output.tail, 2048).trim_end()
+                ));
             }
             run.checks.push(result);
         }
@@ -270,7 +400,9 @@ impl<R: ContainerRuntime> Engine<R> {
     ) -> Result<Input, PublishEvent> {
         let job = run.job;
         let (Some(review), Some(profile)) = (&job.review, &job.reviewer) else {
-            return Ok(Input::StageFailed { reason: "review phase without a reviewer (job is inconsistent)".into() });
+            return Ok(Input::StageFailed {
+                reason: "review phase without a reviewer (job is inconsistent)".into(),
+            });
         };
         tracing::Span::current().record("cycle", cycle);
         let copy = run.root.join(format!("review-{cycle}"));
@@ -278,24 +410,54 @@ impl<R: ContainerRuntime> Engine<R> {
             Ok(commit) => commit,
             Err(error) => return Ok(Input::StageFailed { reason: error }),
         };
-        let diff = git::diff(&run.src, &run.base, &commit).await.unwrap_or_default();
+        let diff = git::diff(&run.src, &run.base, &commit)
+            .await
+            .unwrap_or_default();
         let prompt = format!(
             "{}\n\n## Brief\n\n{}\n\n## The Change\n\nThe changed source is in /workspace, a git repository whose HEAD holds the change on top of the branch `base`: `git diff base...HEAD` shows it. The same diff is in /forge/input/diff.patch.\n\n## Verdict\n\nOutput APPROVED if every criterion passes, or REJECTED followed by specific, actionable feedback.\n",
             review.instructions.trim_end(),
             job.brief.trim_end()
         );
-        let stage_dir = match run.stage_dirs(Stage::Review, &prompt, Some(&format!("{diff}\n"))).await {
+        let stage_dir = match run
+            .stage_dirs(Stage::Review, &prompt, Some(&format!("{diff}\n")))
+            .await
+        {
             Ok(dir) => dir,
             Err(error) => return Ok(Input::StageFailed { reason: error }),
         };
         let mounts = vec![
-            Mount { source: copy.clone(), target: "/workspace".into(), read_only: true },
-            Mount { source: stage_dir.join("input"), target: "/forge/input".into(), read_only: true },
-            Mount { source: stage_dir.join("output"), target: "/forge/output".into(), read_only: false },
+            Mount {
+                source: copy.clone(),
+                target: "/workspace".into(),
+                read_only: true,
+            },
+            Mount {
+                source: stage_dir.join("input"),
+                target: "/forge/input".into(),
+                read_only: true,
+            },
+            Mount {
+                source: stage_dir.join("output"),
+                target: "/forge/output".into(),
+                read_only: false,
+            },
         ];
-        let spec = self.spec(run, Stage::Review, profile, profile.command.clone(), mounts, profile.network, review.timeout_seconds, cycle, round);
+        let spec = self.spec(
+            run,
+            Stage::Review,
+            profile,
+            profile.command.clone(),
+            mounts,
+            profile.network,
+            review.timeout_seconds,
+            cycle,
+            round,
+        );
         let started = Instant::now();
-        let output = match self.run_stage(run, sink, cancel, spec, Stage::Review, round, Some(cycle)).await? {
+        let output = match self
+            .run_stage(run, sink, cancel, spec, Stage::Review, round, Some(cycle))
+            .await?
+        {
             Ok(output) => output,
             Err(input) => return Ok(input),
         };
@@ -303,13 +465,19 @@ impl<R: ContainerRuntime> Engine<R> {
         let verdict = match output.exit {
             StageExit::Cancelled => return Ok(Input::Cancelled),
             StageExit::Exited(EXIT_PAUSED) => {
-                return Ok(Input::StagePaused { reason: format!("the reviewer paused (exit 75): {}", last_line(&output.tail)) })
+                return Ok(Input::StagePaused {
+                    reason: format!("the reviewer paused (exit 75): {}", last_line(&output.tail)),
+                })
             }
             StageExit::Exited(0) => verdict::parse(&output.stdout),
-            StageExit::TimedOut => Verdict::rejected(format!("Reviewer timed out after {} seconds and was stopped", review.timeout_seconds)),
-            StageExit::Exited(code) => {
-                Verdict::rejected(format!("Reviewer crashed: it exited with code {code}; last output:\n{}", tail(&output.tail, 2048)))
-            }
+            StageExit::TimedOut => Verdict::rejected(format!(
+                "Reviewer timed out after {} seconds and was stopped",
+                review.timeout_seconds
+            )),
+            StageExit::Exited(code) => Verdict::rejected(format!(
+                "Reviewer crashed: it exited with code {code}; last output:\n{}",
+                tail(&output.tail, 2048)
+            )),
         };
         let file = serde_json::json!({
             "cycle": cycle,
@@ -323,36 +491,61 @@ impl<R: ContainerRuntime> Engine<R> {
             "ticket": job.ticket,
             "step": job.step,
         });
-        let path = run.src.join(".forge").join(&job.step).join(format!("review_cycle_{cycle}.json"));
+        let path = run
+            .src
+            .join(".forge")
+            .join(&job.step)
+            .join(format!("review_cycle_{cycle}.json"));
         let bytes = serde_json::to_vec_pretty(&file).unwrap_or_default();
         let written = tokio::task::spawn_blocking(move || write_atomically(&path, &bytes)).await;
         if !matches!(written, Ok(Ok(()))) {
-            return Ok(Input::StageFailed { reason: "cannot write the review cycle file".into() });
+            return Ok(Input::StageFailed {
+                reason: "cannot write the review cycle file".into(),
+            });
         }
         self.sweep(run, sink).await?;
         run.history.push(serde_json::json!({"round": round, "stage": "review", "cycle": cycle, "verdict": verdict.word(), "feedback": verdict.feedback}));
-        Ok(Input::Reviewed { approved: verdict.approved, feedback: verdict.feedback })
+        Ok(Input::Reviewed {
+            approved: verdict.approved,
+            feedback: verdict.feedback,
+        })
     }
 
     async fn deliver(&self, run: &mut RunContext<'_>, tree: &str) -> Input {
         let job = run.job;
         let current = match git::snapshot_tree(&run.src).await {
             Ok(current) => current,
-            Err(error) => return Input::DeliveryFailed { reason: format!("cannot read the workspace before delivery: {error}") },
+            Err(error) => {
+                return Input::DeliveryFailed {
+                    reason: format!("cannot read the workspace before delivery: {error}"),
+                }
+            }
         };
         if current != tree {
             return Input::DeliveryFailed {
                 reason: format!("delivery refused: the source changed after it was verified and reviewed (tree {} was checked, {} is present)", short(tree), short(&current)),
             };
         }
-        let message = format!("{}: {}\n\nDelivered by forgepool run {}.", job.ticket, job.brief.lines().next().unwrap_or("").trim(), job.run_id);
-        let commit = match git::commit_tree(&run.src, tree, &run.base, &message, &job.submitted_at).await {
-            Ok(commit) => commit,
-            Err(error) => return Input::DeliveryFailed { reason: format!("cannot commit the change: {error}") },
-        };
+        let message = format!(
+            "{}: {}\n\nDelivered by forgepool run {}.",
+            job.ticket,
+            job.brief.lines().next().unwrap_or("").trim(),
+            job.run_id
+        );
+        let commit =
+            match git::commit_tree(&run.src, tree, &run.base, &message, &job.submitted_at).await {
+                Ok(commit) => commit,
+                Err(error) => {
+                    return Input::DeliveryFailed {
+                        reason: format!("cannot commit the change: {error}"),
+                    }
+                }
+            };
         let branch = format!("forge/{}", job.ticket.to_ascii_lowercase());
         if let Err(error) = git::push(&run.src, &job.repository.url, &commit, &branch).await {
-            return Input::DeliveryFailed { reason: format!("cannot push {branch}: {error}") };
+            return Input::DeliveryFailed {
+                reason: format!("cannot push {branch}: {error}"),
+            };
         }
         info!(%branch, %commit, "delivered");
         run.delivered = Some((branch, commit, tree.to_string()));
@@ -393,16 +586,24 @@ impl<R: ContainerRuntime> Engine<R> {
                     env.push(format!("{name}={value}"));
                     redact.push(value);
                 }
-                Err(_) => warn!(profile = %profile.name, variable = %name, "the profile names an environment variable the worker does not have"),
+                Err(_) => {
+                    warn!(profile = %profile.name, variable = %name, "the profile names an environment variable the worker does not have")
+                }
             }
         }
-        let user = profile.user.clone().unwrap_or_else(|| format!("{}:{}", self.config.stage_user.0, self.config.stage_user.1));
+        let user = profile.user.clone().unwrap_or_else(|| {
+            format!("{}:{}", self.config.stage_user.0, self.config.stage_user.1)
+        });
         let mut labels = HashMap::new();
         labels.insert(LABEL_RUN.to_string(), job.run_id.to_string());
         labels.insert(LABEL_STAGE.to_string(), stage.as_str().to_string());
         let short_id = &job.run_id.simple().to_string()[..12];
         StageSpec {
-            name: format!("forgepool-{short_id}-{}-{}", stage.as_str().replace('_', "-"), Uuid::new_v4().simple().to_string().get(..8).unwrap_or("x")),
+            name: format!(
+                "forgepool-{short_id}-{}-{}",
+                stage.as_str().replace('_', "-"),
+                Uuid::new_v4().simple().to_string().get(..8).unwrap_or("x")
+            ),
             image: profile.image.clone(),
             command,
             env,
@@ -435,7 +636,16 @@ impl<R: ContainerRuntime> Engine<R> {
         let run_id = run.job.run_id;
         tracing::Span::current().record("stage", stage.as_str());
         self.hand_over(&run.src).await;
-        publish(sink, run_id, EventKind::StageStarted { stage, round, cycle }).await?;
+        publish(
+            sink,
+            run_id,
+            EventKind::StageStarted {
+                stage,
+                round,
+                cycle,
+            },
+        )
+        .await?;
         let (log_sender, mut log_receiver) = mpsc::channel::<LogChunk>(256);
         let container = self.runtime.run_stage(spec, log_sender, cancel.clone());
         tokio::pin!(container);
@@ -453,12 +663,31 @@ impl<R: ContainerRuntime> Engine<R> {
             }
         };
         while let Ok(chunk) = log_receiver.try_recv() {
-            publish(sink, run_id, EventKind::Log { stage, stream: chunk.stream, text: chunk.text }).await?;
+            publish(
+                sink,
+                run_id,
+                EventKind::Log {
+                    stage,
+                    stream: chunk.stream,
+                    text: chunk.text,
+                },
+            )
+            .await?;
         }
         self.sweep(run, sink).await?;
         let (exit_code, outcome_name, duration) = match &outcome {
             Ok(output) => match output.exit {
-                StageExit::Exited(code) => (Some(code), if code == 0 { "completed" } else if code == EXIT_PAUSED { "paused" } else { "failed" }, output.duration),
+                StageExit::Exited(code) => (
+                    Some(code),
+                    if code == 0 {
+                        "completed"
+                    } else if code == EXIT_PAUSED {
+                        "paused"
+                    } else {
+                        "failed"
+                    },
+                    output.duration,
+                ),
                 StageExit::TimedOut => (None, "timed_out", output.duration),
                 StageExit::Cancelled => (None, "cancelled", output.duration),
             },
@@ -467,14 +696,27 @@ impl<R: ContainerRuntime> Engine<R> {
         publish(
             sink,
             run_id,
-            EventKind::StageFinished { stage, round, cycle, exit_code, duration_seconds: duration.as_secs_f64(), outcome: outcome_name.into() },
+            EventKind::StageFinished {
+                stage,
+                round,
+                cycle,
+                exit_code,
+                duration_seconds: duration.as_secs_f64(),
+                outcome: outcome_name.into(),
+            },
         )
         .await?;
-        Ok(outcome.map_err(|error| Input::StageFailed { reason: format!("{} stage: {error}", stage.as_str()) }))
+        Ok(outcome.map_err(|error| Input::StageFailed {
+            reason: format!("{} stage: {error}", stage.as_str()),
+        }))
     }
 
     /// Scans `.forge/` and publishes every new or changed cycle file.
-    async fn sweep<S: EventSink>(&self, run: &mut RunContext<'_>, sink: &S) -> Result<(), PublishEvent> {
+    async fn sweep<S: EventSink>(
+        &self,
+        run: &mut RunContext<'_>,
+        sink: &S,
+    ) -> Result<(), PublishEvent> {
         let mut collector = std::mem::take(&mut run.collector);
         let (collector, found) = tokio::task::spawn_blocking(move || {
             let found = collector.scan();
@@ -550,17 +792,30 @@ impl<'a> RunContext<'a> {
     }
 
     fn record_cycle(&mut self, cycle: CycleRecord) {
-        match self.cycles.iter_mut().find(|c| c.step == cycle.step && c.file == cycle.file) {
+        match self
+            .cycles
+            .iter_mut()
+            .find(|c| c.step == cycle.step && c.file == cycle.file)
+        {
             Some(existing) => *existing = cycle,
             None => self.cycles.push(cycle),
         }
-        self.cycles.sort_by(|a, b| (&a.step, a.cycle).cmp(&(&b.step, b.cycle)));
+        self.cycles
+            .sort_by(|a, b| (&a.step, a.cycle).cmp(&(&b.step, b.cycle)));
     }
 
     /// Creates `{root}/stages/{n}-{stage}/{input,output}` with the input files.
-    async fn stage_dirs(&mut self, stage: Stage, prompt: &str, diff: Option<&str>) -> Result<PathBuf, String> {
+    async fn stage_dirs(
+        &mut self,
+        stage: Stage,
+        prompt: &str,
+        diff: Option<&str>,
+    ) -> Result<PathBuf, String> {
         self.stage_count += 1;
-        let dir = self.root.join("stages").join(format!("{}-{}", self.stage_count, stage.as_str()));
+        let dir = self
+            .root
+            .join("stages")
+            .join(format!("{}-{}", self.stage_count, stage.as_str()));
         let input = dir.join("input");
         let output = dir.join("output");
         let history = serde_json::to_vec_pretty(&self.history).unwrap_or_default();
@@ -582,13 +837,18 @@ impl<'a> RunContext<'a> {
             }
             Ok::<(), std::io::Error>(())
         };
-        write.await.map_err(|e| format!("cannot write stage inputs in {}: {e}", dir.display()))?;
+        write
+            .await
+            .map_err(|e| format!("cannot write stage inputs in {}: {e}", dir.display()))?;
         Ok(dir)
     }
 
     /// Writes `.forge/history/{ticket}.json` in the working copy.
     async fn write_workspace_history(&self) -> Result<(), String> {
-        let path = self.src.join(".forge/history").join(format!("{}.json", self.job.ticket));
+        let path = self
+            .src
+            .join(".forge/history")
+            .join(format!("{}.json", self.job.ticket));
         let bytes = serde_json::to_vec_pretty(&self.history).unwrap_or_default();
         tokio::task::spawn_blocking(move || write_atomically(&path, &bytes))
             .await
@@ -600,17 +860,34 @@ impl<'a> RunContext<'a> {
     async fn fresh_copy(&self, tree: &str, dest: &Path) -> Result<String, String> {
         let _ = remove_dir(dest).await;
         let message = format!("forgepool candidate for {}", self.job.ticket);
-        let commit = git::commit_tree(&self.src, tree, &self.base, &message, &self.job.submitted_at).await.map_err(|e| e.to_string())?;
-        git::copy_at(&self.src, &commit, &self.base, dest).await.map_err(|e| e.to_string())?;
+        let commit = git::commit_tree(
+            &self.src,
+            tree,
+            &self.base,
+            &message,
+            &self.job.submitted_at,
+        )
+        .await
+        .map_err(|e| e.to_string())?;
+        git::copy_at(&self.src, &commit, &self.base, dest)
+            .await
+            .map_err(|e| e.to_string())?;
         Ok(commit)
     }
 
     fn result(&self, state: RunState, reason: &str) -> RunResult {
         let mut warnings = self.job.warnings.clone();
         if self.review_exhausted {
-            warnings.push(format!("review was exhausted without approval after {} cycle(s)", self.cycles.len()));
+            warnings.push(format!(
+                "review was exhausted without approval after {} cycle(s)",
+                self.cycles.len()
+            ));
         }
-        let final_review = if self.job.final_reviewer.is_some() { "requested" } else { "not_requested" };
+        let final_review = if self.job.final_reviewer.is_some() {
+            "requested"
+        } else {
+            "not_requested"
+        };
         let report = report::render(&ReportInput {
             job: self.job,
             state,
@@ -619,11 +896,19 @@ impl<'a> RunContext<'a> {
             cycles: &self.cycles,
             rounds: &self.rounds,
             review_exhausted: self.review_exhausted && state == RunState::DeliveredWithWarnings,
-            final_review: if final_review == "not_requested" { "Not requested." } else { "Requested." },
+            final_review: if final_review == "not_requested" {
+                "Not requested."
+            } else {
+                "Requested."
+            },
             warnings: &warnings,
         });
         let (branch, commit, tree) = match &self.delivered {
-            Some((branch, commit, tree)) => (Some(branch.clone()), Some(commit.clone()), Some(tree.clone())),
+            Some((branch, commit, tree)) => (
+                Some(branch.clone()),
+                Some(commit.clone()),
+                Some(tree.clone()),
+            ),
             None => (None, None, self.rounds.last().map(|r| r.tree.clone())),
         };
         RunResult {
@@ -642,7 +927,11 @@ impl<'a> RunContext<'a> {
     }
 }
 
-async fn publish<S: EventSink>(sink: &S, run_id: Uuid, kind: EventKind) -> Result<(), PublishEvent> {
+async fn publish<S: EventSink>(
+    sink: &S,
+    run_id: Uuid,
+    kind: EventKind,
+) -> Result<(), PublishEvent> {
     sink.publish(Event::new(run_id, kind)).await
 }
 
@@ -657,7 +946,9 @@ fn chown_tree(dir: &Path, uid: u32, gid: u32) {
     use std::os::unix::fs::MetadataExt;
     let mut pending = vec![dir.to_path_buf()];
     while let Some(path) = pending.pop() {
-        let Ok(metadata) = std::fs::symlink_metadata(&path) else { continue };
+        let Ok(metadata) = std::fs::symlink_metadata(&path) else {
+            continue;
+        };
         if metadata.uid() != uid || metadata.gid() != gid {
             let _ = std::os::unix::fs::lchown(&path, Some(uid), Some(gid));
         }
@@ -672,7 +963,9 @@ fn chown_tree(dir: &Path, uid: u32, gid: u32) {
 /// The effective uid and gid of this process, read without `unsafe` from `/proc/self`.
 fn process_owner() -> (u32, u32) {
     use std::os::unix::fs::MetadataExt;
-    std::fs::metadata("/proc/self").map(|m| (m.uid(), m.gid())).unwrap_or((0, 0))
+    std::fs::metadata("/proc/self")
+        .map(|m| (m.uid(), m.gid()))
+        .unwrap_or((0, 0))
 }
 
 fn last_line(text: &str) -> &str {

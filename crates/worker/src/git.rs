@@ -40,7 +40,11 @@ pub async fn git(dir: &Path, args: &[&str]) -> Result<String, GitError> {
 }
 
 /// Runs `git args` in `dir` with extra environment variables.
-pub async fn git_with_env(dir: &Path, args: &[&str], env: &[(&str, &str)]) -> Result<String, GitError> {
+pub async fn git_with_env(
+    dir: &Path,
+    args: &[&str],
+    env: &[(&str, &str)],
+) -> Result<String, GitError> {
     let mut command = Command::new("git");
     command
         .arg("-c")
@@ -66,7 +70,10 @@ pub async fn git_with_env(dir: &Path, args: &[&str], env: &[(&str, &str)]) -> Re
         .map_err(|_| GitError::Timeout(shown.clone()))?
         .map_err(GitError::Spawn)?;
     if !output.status.success() {
-        return Err(GitError::Failed { command: shown, stderr: String::from_utf8_lossy(&output.stderr).trim().to_string() });
+        return Err(GitError::Failed {
+            command: shown,
+            stderr: String::from_utf8_lossy(&output.stderr).trim().to_string(),
+        });
     }
     Ok(String::from_utf8_lossy(&output.stdout).trim().to_string())
 }
@@ -76,18 +83,27 @@ pub async fn git_with_env(dir: &Path, args: &[&str], env: &[(&str, &str)]) -> Re
 pub async fn clone_at(url: &str, reference: Option<&str>, dest: &Path) -> Result<String, GitError> {
     let parent = dest.parent().unwrap_or(Path::new("/"));
     let dest_text = dest.to_string_lossy();
-    git(parent, &["clone", "--quiet", "--no-checkout", "--", url, &dest_text]).await?;
+    git(
+        parent,
+        &["clone", "--quiet", "--no-checkout", "--", url, &dest_text],
+    )
+    .await?;
     let commit = match reference {
         None => git(dest, &["rev-parse", "--verify", "HEAD^{commit}"]).await?,
         Some(reference) => {
             let remote = format!("refs/remotes/origin/{reference}^{{commit}}");
             match git(dest, &["rev-parse", "--verify", "--quiet", &remote]).await {
                 Ok(commit) if !commit.is_empty() => commit,
-                _ => git(dest, &["rev-parse", "--verify", &format!("{reference}^{{commit}}")]).await.map_err(|_| {
-                    GitError::Failed {
-                        command: format!("rev-parse {reference}"),
-                        stderr: format!("the repository has no branch, tag or commit named `{reference}`"),
-                    }
+                _ => git(
+                    dest,
+                    &["rev-parse", "--verify", &format!("{reference}^{{commit}}")],
+                )
+                .await
+                .map_err(|_| GitError::Failed {
+                    command: format!("rev-parse {reference}"),
+                    stderr: format!(
+                        "the repository has no branch, tag or commit named `{reference}`"
+                    ),
                 })?,
             }
         }
@@ -101,32 +117,69 @@ pub async fn clone_at(url: &str, reference: Option<&str>, dest: &Path) -> Result
 /// Keeps `.forge/` out of every snapshot and commit of a repository.
 async fn exclude_forge(repo: &Path) -> Result<(), GitError> {
     let exclude = repo.join(".git/info/exclude");
-    let mut text = tokio::fs::read_to_string(&exclude).await.unwrap_or_default();
+    let mut text = tokio::fs::read_to_string(&exclude)
+        .await
+        .unwrap_or_default();
     if !text.lines().any(|l| l == "/.forge/") {
         text.push_str("\n/.forge/\n");
-        tokio::fs::create_dir_all(repo.join(".git/info")).await.map_err(GitError::Spawn)?;
-        tokio::fs::write(&exclude, text).await.map_err(GitError::Spawn)?;
+        tokio::fs::create_dir_all(repo.join(".git/info"))
+            .await
+            .map_err(GitError::Spawn)?;
+        tokio::fs::write(&exclude, text)
+            .await
+            .map_err(GitError::Spawn)?;
     }
     Ok(())
 }
 
 /// Records the working tree (everything but `.forge/`) and returns its tree id.
 pub async fn snapshot_tree(repo: &Path) -> Result<String, GitError> {
-    git(repo, &["add", "--all", "--force", "--", ".", ":(exclude).forge"]).await?;
-    git(repo, &["rm", "-r", "--cached", "--quiet", "--ignore-unmatch", "--", ".forge"]).await?;
+    git(
+        repo,
+        &["add", "--all", "--force", "--", ".", ":(exclude).forge"],
+    )
+    .await?;
+    git(
+        repo,
+        &[
+            "rm",
+            "-r",
+            "--cached",
+            "--quiet",
+            "--ignore-unmatch",
+            "--",
+            ".forge",
+        ],
+    )
+    .await?;
     git(repo, &["write-tree"]).await
 }
 
 /// Makes a commit of `tree` on `parent`, dated `date` so the same inputs give the same commit.
-pub async fn commit_tree(repo: &Path, tree: &str, parent: &str, message: &str, date: &str) -> Result<String, GitError> {
+pub async fn commit_tree(
+    repo: &Path,
+    tree: &str,
+    parent: &str,
+    message: &str,
+    date: &str,
+) -> Result<String, GitError> {
     let env = [("GIT_AUTHOR_DATE", date), ("GIT_COMMITTER_DATE", date)];
-    git_with_env(repo, &["commit-tree", tree, "-p", parent, "-m", message], &env).await
+    git_with_env(
+        repo,
+        &["commit-tree", tree, "-p", parent, "-m", message],
+        &env,
+    )
+    .await
 }
 
 /// Makes a fresh copy of `repo` at `dest` with `commit` checked out and `base` as a branch, so
 /// `git diff base...HEAD` shows the change. The copy shares nothing writable with `repo`.
 pub async fn copy_at(repo: &Path, commit: &str, base: &str, dest: &Path) -> Result<(), GitError> {
-    git(repo, &["update-ref", "refs/heads/forgepool-candidate", commit]).await?;
+    git(
+        repo,
+        &["update-ref", "refs/heads/forgepool-candidate", commit],
+    )
+    .await?;
     let parent = dest.parent().unwrap_or(Path::new("/"));
     let source = repo.to_string_lossy();
     let dest_text = dest.to_string_lossy();
@@ -135,7 +188,18 @@ pub async fn copy_at(repo: &Path, commit: &str, base: &str, dest: &Path) -> Resu
     let upload_pack = "git -c safe.directory=* upload-pack";
     git(
         parent,
-        &["clone", "--quiet", "--no-hardlinks", "--upload-pack", upload_pack, "--branch", "forgepool-candidate", "--", &source, &dest_text],
+        &[
+            "clone",
+            "--quiet",
+            "--no-hardlinks",
+            "--upload-pack",
+            upload_pack,
+            "--branch",
+            "forgepool-candidate",
+            "--",
+            &source,
+            &dest_text,
+        ],
     )
     .await?;
     git(dest, &["branch", "--force", "base", base]).await?;
@@ -151,5 +215,7 @@ pub async fn diff(repo: &Path, base: &str, commit: &str) -> Result<String, GitEr
 /// Pushes `commit` to `branch` of `url`, replacing what the branch held.
 pub async fn push(repo: &Path, url: &str, commit: &str, branch: &str) -> Result<(), GitError> {
     let refspec = format!("+{commit}:refs/heads/{branch}");
-    git(repo, &["push", "--quiet", "--", url, &refspec]).await.map(|_| ())
+    git(repo, &["push", "--quiet", "--", url, &refspec])
+        .await
+        .map(|_| ())
 }

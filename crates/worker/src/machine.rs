@@ -216,7 +216,10 @@ impl RunMachine {
     /// A machine at round 1.
     pub fn new(limits: Limits) -> RunMachine {
         RunMachine {
-            phase: Phase::Implement { round: 1, reason: RoundReason::Initial },
+            phase: Phase::Implement {
+                round: 1,
+                reason: RoundReason::Initial,
+            },
             limits,
             implementation_rounds: 0,
             repairs_used: 0,
@@ -228,14 +231,26 @@ impl RunMachine {
 
     /// Advances the machine by one stage outcome.
     pub fn step(mut self, input: Input) -> Result<RunMachine, UnexpectedInput> {
-        let unexpected = UnexpectedInput { phase: self.phase.name(), input: input.name() };
-        let phase = std::mem::replace(&mut self.phase, Phase::Finished { state: RunState::Failed, reason: String::new() });
+        let unexpected = UnexpectedInput {
+            phase: self.phase.name(),
+            input: input.name(),
+        };
+        let phase = std::mem::replace(
+            &mut self.phase,
+            Phase::Finished {
+                state: RunState::Failed,
+                reason: String::new(),
+            },
+        );
         self.phase = match (phase, input) {
             (Phase::Finished { .. }, _) => return Err(unexpected),
             (_, Input::Cancelled) => finished(RunState::Cancelled, "cancelled by request"),
             (Phase::Paused { resume, .. }, Input::Resumed) => *resume,
             (Phase::Paused { .. }, _) => return Err(unexpected),
-            (phase, Input::StagePaused { reason }) => Phase::Paused { resume: Box::new(phase), reason },
+            (phase, Input::StagePaused { reason }) => Phase::Paused {
+                resume: Box::new(phase),
+                reason,
+            },
             (_, Input::StageFailed { reason }) => finished(RunState::Failed, &reason),
 
             (Phase::Implement { round, .. }, Input::Implemented { tree }) => {
@@ -247,7 +262,10 @@ impl RunMachine {
                 self.after_verification(round, tree)
             }
             (Phase::Verify { round, tree }, Input::ChecksFailed { signature, report }) => {
-                let same = self.last_failure.as_ref().is_some_and(|(t, s)| *t == tree && *s == signature);
+                let same = self
+                    .last_failure
+                    .as_ref()
+                    .is_some_and(|(t, s)| *t == tree && *s == signature);
                 if same {
                     finished(
                         RunState::Blocked,
@@ -256,12 +274,18 @@ impl RunMachine {
                 } else if self.repairs_used >= self.limits.repair_budget {
                     finished(
                         RunState::Blocked,
-                        &format!("verification failed and the repair budget of {} is spent", self.limits.repair_budget),
+                        &format!(
+                            "verification failed and the repair budget of {} is spent",
+                            self.limits.repair_budget
+                        ),
                     )
                 } else {
                     self.repairs_used += 1;
                     self.last_failure = Some((tree, signature));
-                    Phase::Implement { round: round + 1, reason: RoundReason::Repair(report) }
+                    Phase::Implement {
+                        round: round + 1,
+                        reason: RoundReason::Repair(report),
+                    }
                 }
             }
             (Phase::Review { round, cycle, tree }, Input::Reviewed { approved, feedback }) => {
@@ -269,11 +293,16 @@ impl RunMachine {
                 if approved {
                     self.after_review(tree)
                 } else if cycle < self.limits.max_cycles {
-                    Phase::Implement { round: round + 1, reason: RoundReason::Review(feedback) }
+                    Phase::Implement {
+                        round: round + 1,
+                        reason: RoundReason::Review(feedback),
+                    }
                 } else if self.limits.block_on_failure {
                     finished(
                         RunState::Blocked,
-                        &format!("review rejected all {cycle} cycle(s) and block_on_failure is set"),
+                        &format!(
+                            "review rejected all {cycle} cycle(s) and block_on_failure is set"
+                        ),
                     )
                 } else {
                     self.review_exhausted = true;
@@ -284,17 +313,25 @@ impl RunMachine {
                 if approved {
                     Phase::Deliver { tree }
                 } else {
-                    finished(RunState::Blocked, &format!("the final review requires changes: {reason}"))
+                    finished(
+                        RunState::Blocked,
+                        &format!("the final review requires changes: {reason}"),
+                    )
                 }
             }
             (Phase::Deliver { .. }, Input::Delivered) => {
                 if self.review_exhausted {
-                    finished(RunState::DeliveredWithWarnings, "the change was pushed, but review was exhausted without approval")
+                    finished(
+                        RunState::DeliveredWithWarnings,
+                        "the change was pushed, but review was exhausted without approval",
+                    )
                 } else {
                     finished(RunState::Delivered, "the change was pushed")
                 }
             }
-            (Phase::Deliver { .. }, Input::DeliveryFailed { reason }) => finished(RunState::Failed, &reason),
+            (Phase::Deliver { .. }, Input::DeliveryFailed { reason }) => {
+                finished(RunState::Failed, &reason)
+            }
             _ => return Err(unexpected),
         };
         Ok(self)
@@ -310,7 +347,11 @@ impl RunMachine {
 
     fn after_verification(&mut self, round: u32, tree: String) -> Phase {
         if self.limits.max_cycles > 0 && self.cycles_used < self.limits.max_cycles {
-            Phase::Review { round, cycle: self.cycles_used + 1, tree }
+            Phase::Review {
+                round,
+                cycle: self.cycles_used + 1,
+                tree,
+            }
         } else {
             self.after_review(tree)
         }
@@ -326,50 +367,102 @@ impl RunMachine {
 }
 
 fn finished(state: RunState, reason: &str) -> Phase {
-    Phase::Finished { state, reason: reason.to_string() }
+    Phase::Finished {
+        state,
+        reason: reason.to_string(),
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    const LIMITS: Limits = Limits { max_cycles: 3, block_on_failure: false, repair_budget: 2, final_review: false };
+    const LIMITS: Limits = Limits {
+        max_cycles: 3,
+        block_on_failure: false,
+        repair_budget: 2,
+        final_review: false,
+    };
 
     fn implemented(tree: &str) -> Input {
         Input::Implemented { tree: tree.into() }
     }
     fn rejected(feedback: &str) -> Input {
-        Input::Reviewed { approved: false, feedback: feedback.into() }
+        Input::Reviewed {
+            approved: false,
+            feedback: feedback.into(),
+        }
     }
     fn approved() -> Input {
-        Input::Reviewed { approved: true, feedback: String::new() }
+        Input::Reviewed {
+            approved: true,
+            feedback: String::new(),
+        }
     }
     fn failed_checks(code: i64, text: &str) -> Input {
-        Input::ChecksFailed { signature: vec![(vec!["make".into(), "check".into()], Some(code))], report: text.into() }
+        Input::ChecksFailed {
+            signature: vec![(vec!["make".into(), "check".into()], Some(code))],
+            report: text.into(),
+        }
     }
 
     /// Runs inputs from the start and returns the machine, asserting every step is accepted.
     fn check(limits: Limits, inputs: Vec<Input>) -> RunMachine {
-        inputs.into_iter().fold(RunMachine::new(limits), |m, input| m.step(input).unwrap())
+        inputs
+            .into_iter()
+            .fold(RunMachine::new(limits), |m, input| m.step(input).unwrap())
     }
 
     fn assert_finished(machine: &RunMachine, state: RunState, reason_part: &str) {
-        let (got, reason) = machine.finished().unwrap_or_else(|| panic!("not finished: {:?}", machine.phase));
+        let (got, reason) = machine
+            .finished()
+            .unwrap_or_else(|| panic!("not finished: {:?}", machine.phase));
         assert_eq!(got, state, "{reason}");
-        assert!(reason.contains(reason_part), "{reason:?} lacks {reason_part:?}");
+        assert!(
+            reason.contains(reason_part),
+            "{reason:?} lacks {reason_part:?}"
+        );
     }
 
     #[test]
     fn table_of_runs() {
-        let block = Limits { block_on_failure: true, ..LIMITS };
-        let no_review = Limits { max_cycles: 0, ..LIMITS };
-        let with_final = Limits { final_review: true, ..LIMITS };
+        let block = Limits {
+            block_on_failure: true,
+            ..LIMITS
+        };
+        let no_review = Limits {
+            max_cycles: 0,
+            ..LIMITS
+        };
+        let with_final = Limits {
+            final_review: true,
+            ..LIMITS
+        };
         let cases: Vec<(&str, Limits, Vec<Input>, RunState, &str)> = vec![
-            ("approved at once", LIMITS, vec![implemented("t1"), Input::Verified, approved(), Input::Delivered], RunState::Delivered, "pushed"),
+            (
+                "approved at once",
+                LIMITS,
+                vec![
+                    implemented("t1"),
+                    Input::Verified,
+                    approved(),
+                    Input::Delivered,
+                ],
+                RunState::Delivered,
+                "pushed",
+            ),
             (
                 "rejected then approved",
                 LIMITS,
-                vec![implemented("t1"), Input::Verified, rejected("no tests"), implemented("t2"), Input::Verified, approved(), Input::Delivered],
+                vec![
+                    implemented("t1"),
+                    Input::Verified,
+                    rejected("no tests"),
+                    implemented("t2"),
+                    Input::Verified,
+                    approved(),
+                    Input::Delivered,
+                ],
                 RunState::Delivered,
                 "pushed",
             ),
@@ -377,9 +470,15 @@ mod tests {
                 "exhausted, not blocking",
                 LIMITS,
                 vec![
-                    implemented("t1"), Input::Verified, rejected("a"),
-                    implemented("t2"), Input::Verified, rejected("b"),
-                    implemented("t3"), Input::Verified, rejected("c"),
+                    implemented("t1"),
+                    Input::Verified,
+                    rejected("a"),
+                    implemented("t2"),
+                    Input::Verified,
+                    rejected("b"),
+                    implemented("t3"),
+                    Input::Verified,
+                    rejected("c"),
                     Input::Delivered,
                 ],
                 RunState::DeliveredWithWarnings,
@@ -389,35 +488,92 @@ mod tests {
                 "exhausted and blocking",
                 block,
                 vec![
-                    implemented("t1"), Input::Verified, rejected("a"),
-                    implemented("t2"), Input::Verified, rejected("b"),
-                    implemented("t3"), Input::Verified, rejected("c"),
+                    implemented("t1"),
+                    Input::Verified,
+                    rejected("a"),
+                    implemented("t2"),
+                    Input::Verified,
+                    rejected("b"),
+                    implemented("t3"),
+                    Input::Verified,
+                    rejected("c"),
                 ],
                 RunState::Blocked,
                 "block_on_failure",
             ),
-            ("no review", no_review, vec![implemented("t1"), Input::Verified, Input::Delivered], RunState::Delivered, "pushed"),
-            ("implementer crash", LIMITS, vec![Input::StageFailed { reason: "implementer exited with code 2".into() }], RunState::Failed, "code 2"),
+            (
+                "no review",
+                no_review,
+                vec![implemented("t1"), Input::Verified, Input::Delivered],
+                RunState::Delivered,
+                "pushed",
+            ),
+            (
+                "implementer crash",
+                LIMITS,
+                vec![Input::StageFailed {
+                    reason: "implementer exited with code 2".into(),
+                }],
+                RunState::Failed,
+                "code 2",
+            ),
             (
                 "final review requires changes",
                 with_final,
-                vec![implemented("t1"), Input::Verified, approved(), Input::FinalReviewed { approved: false, reason: "oversold".into() }],
+                vec![
+                    implemented("t1"),
+                    Input::Verified,
+                    approved(),
+                    Input::FinalReviewed {
+                        approved: false,
+                        reason: "oversold".into(),
+                    },
+                ],
                 RunState::Blocked,
                 "oversold",
             ),
             (
                 "final review approves",
                 with_final,
-                vec![implemented("t1"), Input::Verified, approved(), Input::FinalReviewed { approved: true, reason: String::new() }, Input::Delivered],
+                vec![
+                    implemented("t1"),
+                    Input::Verified,
+                    approved(),
+                    Input::FinalReviewed {
+                        approved: true,
+                        reason: String::new(),
+                    },
+                    Input::Delivered,
+                ],
                 RunState::Delivered,
                 "pushed",
             ),
-            ("delivery refused", no_review, vec![implemented("t1"), Input::Verified, Input::DeliveryFailed { reason: "tree changed".into() }], RunState::Failed, "tree changed"),
-            ("cancelled", LIMITS, vec![implemented("t1"), Input::Cancelled], RunState::Cancelled, "cancelled"),
+            (
+                "delivery refused",
+                no_review,
+                vec![
+                    implemented("t1"),
+                    Input::Verified,
+                    Input::DeliveryFailed {
+                        reason: "tree changed".into(),
+                    },
+                ],
+                RunState::Failed,
+                "tree changed",
+            ),
+            (
+                "cancelled",
+                LIMITS,
+                vec![implemented("t1"), Input::Cancelled],
+                RunState::Cancelled,
+                "cancelled",
+            ),
         ];
         for (name, limits, inputs, state, reason) in cases {
             let machine = check(limits, inputs);
-            let (got, why) = machine.finished().unwrap_or_else(|| panic!("{name}: not finished"));
+            let (got, why) = machine
+                .finished()
+                .unwrap_or_else(|| panic!("{name}: not finished"));
             assert_eq!(got, state, "{name}: {why}");
             assert!(why.contains(reason), "{name}: {why:?} lacks {reason:?}");
         }
@@ -425,15 +581,32 @@ mod tests {
 
     #[test]
     fn rejection_feedback_reaches_the_next_round() {
-        let machine = check(LIMITS, vec![implemented("t1"), Input::Verified, rejected("Missing tests")]);
-        assert_eq!(machine.phase, Phase::Implement { round: 2, reason: RoundReason::Review("Missing tests".into()) });
+        let machine = check(
+            LIMITS,
+            vec![
+                implemented("t1"),
+                Input::Verified,
+                rejected("Missing tests"),
+            ],
+        );
+        assert_eq!(
+            machine.phase,
+            Phase::Implement {
+                round: 2,
+                reason: RoundReason::Review("Missing tests".into())
+            }
+        );
         assert_eq!(machine.cycles_used, 1);
     }
 
     #[test]
     fn repair_budgets() {
         for budget in [0u32, 1, 3] {
-            let limits = Limits { repair_budget: budget, max_cycles: 0, ..LIMITS };
+            let limits = Limits {
+                repair_budget: budget,
+                max_cycles: 0,
+                ..LIMITS
+            };
             let mut machine = RunMachine::new(limits);
             for round in 0..=budget {
                 machine = machine.step(implemented(&format!("t{round}"))).unwrap();
@@ -447,15 +620,32 @@ mod tests {
 
     #[test]
     fn repair_rounds_carry_failed_checks() {
-        let machine = check(LIMITS, vec![implemented("t1"), failed_checks(2, "## make check exited 2")]);
-        assert_eq!(machine.phase, Phase::Implement { round: 2, reason: RoundReason::Repair("## make check exited 2".into()) });
+        let machine = check(
+            LIMITS,
+            vec![
+                implemented("t1"),
+                failed_checks(2, "## make check exited 2"),
+            ],
+        );
+        assert_eq!(
+            machine.phase,
+            Phase::Implement {
+                round: 2,
+                reason: RoundReason::Repair("## make check exited 2".into())
+            }
+        );
     }
 
     #[test]
     fn no_progress_guard_trips_on_same_tree_and_signature_whatever_the_text() {
         let machine = check(
             LIMITS,
-            vec![implemented("same"), failed_checks(1, "at 10:00:01"), implemented("same"), failed_checks(1, "at 10:00:09")],
+            vec![
+                implemented("same"),
+                failed_checks(1, "at 10:00:01"),
+                implemented("same"),
+                failed_checks(1, "at 10:00:09"),
+            ],
         );
         assert_finished(&machine, RunState::Blocked, "no progress");
         assert_eq!(machine.implementation_rounds, 2);
@@ -463,26 +653,67 @@ mod tests {
 
     #[test]
     fn no_progress_guard_lets_a_changed_tree_or_signature_continue() {
-        let changed_tree = check(LIMITS, vec![implemented("a"), failed_checks(1, "x"), implemented("b"), failed_checks(1, "x")]);
-        assert!(matches!(changed_tree.phase, Phase::Implement { round: 3, .. }), "{:?}", changed_tree.phase);
-        let changed_code = check(LIMITS, vec![implemented("a"), failed_checks(1, "x"), implemented("a"), failed_checks(2, "x")]);
-        assert!(matches!(changed_code.phase, Phase::Implement { round: 3, .. }), "{:?}", changed_code.phase);
+        let changed_tree = check(
+            LIMITS,
+            vec![
+                implemented("a"),
+                failed_checks(1, "x"),
+                implemented("b"),
+                failed_checks(1, "x"),
+            ],
+        );
+        assert!(
+            matches!(changed_tree.phase, Phase::Implement { round: 3, .. }),
+            "{:?}",
+            changed_tree.phase
+        );
+        let changed_code = check(
+            LIMITS,
+            vec![
+                implemented("a"),
+                failed_checks(1, "x"),
+                implemented("a"),
+                failed_checks(2, "x"),
+            ],
+        );
+        assert!(
+            matches!(changed_code.phase, Phase::Implement { round: 3, .. }),
+            "{:?}",
+            changed_code.phase
+        );
     }
 
     #[test]
     fn pauses_do_not_spend_a_round_and_resume_where_they_stopped() {
-        let machine = check(LIMITS, vec![Input::StagePaused { reason: "rate limited".into() }]);
+        let machine = check(
+            LIMITS,
+            vec![Input::StagePaused {
+                reason: "rate limited".into(),
+            }],
+        );
         assert!(matches!(machine.phase, Phase::Paused { .. }));
         assert_eq!(machine.implementation_rounds, 0);
         let machine = machine.step(Input::Resumed).unwrap();
-        assert_eq!(machine.phase, Phase::Implement { round: 1, reason: RoundReason::Initial });
+        assert_eq!(
+            machine.phase,
+            Phase::Implement {
+                round: 1,
+                reason: RoundReason::Initial
+            }
+        );
     }
 
     #[test]
     fn finished_runs_take_no_more_input() {
         let machine = check(LIMITS, vec![Input::Cancelled]);
         let error = machine.step(Input::Verified).unwrap_err();
-        assert_eq!(error, UnexpectedInput { phase: "finished", input: "verified" });
+        assert_eq!(
+            error,
+            UnexpectedInput {
+                phase: "finished",
+                input: "verified"
+            }
+        );
         let error = RunMachine::new(LIMITS).step(Input::Verified).unwrap_err();
         assert_eq!(error.phase, "implement");
     }

@@ -37,7 +37,11 @@ pub trait JobQueue: Send + Sync {
     /// Waits for the next job; `None` when the queue is closed.
     fn next(&self) -> impl Future<Output = Option<Delivery>> + Send;
     /// Settles a delivery.
-    fn settle(&self, delivery: Delivery, how: Settlement) -> impl Future<Output = Result<(), QueueError>> + Send;
+    fn settle(
+        &self,
+        delivery: Delivery,
+        how: Settlement,
+    ) -> impl Future<Output = Result<(), QueueError>> + Send;
 }
 
 /// A failed queue operation.
@@ -56,7 +60,11 @@ pub struct InMemoryQueue {
 impl Default for InMemoryQueue {
     fn default() -> Self {
         let (sender, receiver) = mpsc::unbounded_channel();
-        InMemoryQueue { sender, receiver: Mutex::new(receiver), dead: std::sync::Mutex::new(Vec::new()) }
+        InMemoryQueue {
+            sender,
+            receiver: Mutex::new(receiver),
+            dead: std::sync::Mutex::new(Vec::new()),
+        }
     }
 }
 
@@ -69,7 +77,12 @@ impl InMemoryQueue {
 
 impl JobQueue for InMemoryQueue {
     async fn publish(&self, job: Job) -> Result<(), QueueError> {
-        self.sender.send(Delivery { job, redeliveries: 0 }).map_err(|_| QueueError("the queue is closed".into()))
+        self.sender
+            .send(Delivery {
+                job,
+                redeliveries: 0,
+            })
+            .map_err(|_| QueueError("the queue is closed".into()))
     }
 
     async fn next(&self) -> Option<Delivery> {
@@ -81,7 +94,10 @@ impl JobQueue for InMemoryQueue {
             Settlement::Ack => Ok(()),
             Settlement::Requeue => self
                 .sender
-                .send(Delivery { job: delivery.job, redeliveries: delivery.redeliveries + 1 })
+                .send(Delivery {
+                    job: delivery.job,
+                    redeliveries: delivery.redeliveries + 1,
+                })
                 .map_err(|_| QueueError("the queue is closed".into())),
             Settlement::Reject(reason) => {
                 if let Ok(mut dead) = self.dead.lock() {

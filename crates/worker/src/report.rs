@@ -41,10 +41,22 @@ pub fn render(input: &ReportInput<'_>) -> String {
     } else if input.checks.is_empty() {
         let _ = writeln!(out, "No verification ran.\n");
     } else {
-        let _ = writeln!(out, "| round | command | exit code | seconds |\n|---|---|---|---|");
+        let _ = writeln!(
+            out,
+            "| round | command | exit code | seconds |\n|---|---|---|---|"
+        );
         for check in input.checks {
-            let code = check.exit_code.map_or("timed out".to_string(), |c| c.to_string());
-            let _ = writeln!(out, "| {} | `{}` | {} | {:.1} |", check.round, check.argv.join(" "), code, check.duration_seconds);
+            let code = check
+                .exit_code
+                .map_or("timed out".to_string(), |c| c.to_string());
+            let _ = writeln!(
+                out,
+                "| {} | `{}` | {} | {:.1} |",
+                check.round,
+                check.argv.join(" "),
+                code,
+                check.duration_seconds
+            );
         }
         out.push('\n');
     }
@@ -60,9 +72,27 @@ pub fn render(input: &ReportInput<'_>) -> String {
         let failing = if round.failing.is_empty() {
             "checks passed".to_string()
         } else {
-            round.failing.iter().map(|(argv, code)| format!("`{}` → {}", argv.join(" "), code.map_or("timeout".into(), |c| c.to_string()))).collect::<Vec<_>>().join(", ")
+            round
+                .failing
+                .iter()
+                .map(|(argv, code)| {
+                    format!(
+                        "`{}` → {}",
+                        argv.join(" "),
+                        code.map_or("timeout".into(), |c| c.to_string())
+                    )
+                })
+                .collect::<Vec<_>>()
+                .join(", ")
         };
-        let _ = writeln!(out, "- Round {} ({}): tree `{}`, {}", round.round, round.reason, short(&round.tree), failing);
+        let _ = writeln!(
+            out,
+            "- Round {} ({}): tree `{}`, {}",
+            round.round,
+            round.reason,
+            short(&round.tree),
+            failing
+        );
     }
     out.push('\n');
 
@@ -77,7 +107,13 @@ pub fn render(input: &ReportInput<'_>) -> String {
         Some(_) => {
             for cycle in input.cycles {
                 let limit = cycle.max_cycles.map_or(String::new(), |m| format!("/{m}"));
-                let _ = writeln!(out, "### Cycle {}{}: {}\n", cycle.cycle, limit, cycle.verdict.to_uppercase());
+                let _ = writeln!(
+                    out,
+                    "### Cycle {}{}: {}\n",
+                    cycle.cycle,
+                    limit,
+                    cycle.verdict.to_uppercase()
+                );
                 if !cycle.feedback.trim().is_empty() {
                     for line in cycle.feedback.trim().lines() {
                         let _ = writeln!(out, "> {line}");

@@ -215,8 +215,14 @@ mod tests {
     #[test]
     fn redaction_replaces_every_secret() {
         let secrets = vec!["sk-live-123456".to_string(), "abc".to_string()];
-        assert_eq!(redact("key=sk-live-123456 again sk-live-123456", &secrets), "key=[REDACTED] again [REDACTED]");
-        assert_eq!(redact("abc stays: too short to be a secret", &secrets), "abc stays: too short to be a secret");
+        assert_eq!(
+            redact("key=sk-live-123456 again sk-live-123456", &secrets),
+            "key=[REDACTED] again [REDACTED]"
+        );
+        assert_eq!(
+            redact("abc stays: too short to be a secret", &secrets),
+            "abc stays: too short to be a secret"
+        );
     }
 
     #[test]

@@ -36,6 +36,9 @@ impl ChannelSink {
 
 impl EventSink for ChannelSink {
     async fn publish(&self, event: Event) -> Result<(), PublishEvent> {
-        self.sender.send(event).await.map_err(|_| PublishEvent("the event receiver has stopped".into()))
+        self.sender
+            .send(event)
+            .await
+            .map_err(|_| PublishEvent("the event receiver has stopped".into()))
     }
 }

@@ -21,7 +21,10 @@ pub struct Verdict {
 impl Verdict {
     /// A rejection with the given feedback, capped.
     pub fn rejected(feedback: impl Into<String>) -> Verdict {
-        Verdict { approved: false, feedback: cap(feedback.into().trim()) }
+        Verdict {
+            approved: false,
+            feedback: cap(feedback.into().trim()),
+        }
     }
 
     /// The lowercase verdict word used in cycle files.
@@ -40,11 +43,24 @@ pub fn parse(output: &str) -> Verdict {
     let Some((position, approved)) = first_marker(&searchable) else {
         return Verdict::rejected(UNPARSED_FEEDBACK);
     };
-    let marker_len = if approved { "APPROVED".len() } else { "REJECTED".len() };
-    let after = output[position + marker_len..].trim_start_matches(|c: char| c.is_whitespace() || matches!(c, ':' | '-' | '—' | '.' | ','));
+    let marker_len = if approved {
+        "APPROVED".len()
+    } else {
+        "REJECTED".len()
+    };
+    let after = output[position + marker_len..].trim_start_matches(|c: char| {
+        c.is_whitespace() || matches!(c, ':' | '-' | '—' | '.' | ',')
+    });
     let after = after.trim();
-    let feedback = if after.is_empty() && !approved { output[..position].trim() } else { after };
-    Verdict { approved, feedback: cap(feedback) }
+    let feedback = if after.is_empty() && !approved {
+        output[..position].trim()
+    } else {
+        after
+    };
+    Verdict {
+        approved,
+        feedback: cap(feedback),
+    }
 }
 
 /// Finds the first whole-word marker; returns its byte position and whether it approves.
@@ -121,13 +137,29 @@ mod tests {
         let cases: &[(&str, bool, &str)] = &[
             ("APPROVED", true, ""),
             ("approved", true, ""),
-            ("Approved.\nNotes: add edge cases", true, "Notes: add edge cases"),
-            ("REJECTED\n\nMissing tests for process_data()", false, "Missing tests for process_data()"),
+            (
+                "Approved.\nNotes: add edge cases",
+                true,
+                "Notes: add edge cases",
+            ),
+            (
+                "REJECTED\n\nMissing tests for process_data()",
+                false,
+                "Missing tests for process_data()",
+            ),
             ("rejected: missing tests", false, "missing tests"),
             ("Verdict: REJECTED - no docs", false, "no docs"),
             ("Looked at it all.\nREJECTED", false, "Looked at it all."),
-            ("REJECTED because x. Earlier I almost said APPROVED", false, "because x. Earlier I almost said APPROVED"),
-            ("APPROVED, though I nearly REJECTED it", true, "though I nearly REJECTED it"),
+            (
+                "REJECTED because x. Earlier I almost said APPROVED",
+                false,
+                "because x. Earlier I almost said APPROVED",
+            ),
+            (
+                "APPROVED, though I nearly REJECTED it",
+                true,
+                "though I nearly REJECTED it",
+            ),
             ("DISAPPROVED", false, UNPARSED_FEEDBACK),
             ("approvedness is high", false, UNPARSED_FEEDBACK),
             ("PREREJECTED", false, UNPARSED_FEEDBACK),
@@ -140,7 +172,11 @@ mod tests {
             // Cyrillic А (U+0410) and Е (U+0415), fullwidth letters.
             ("\u{0410}PPROVED", false, UNPARSED_FEEDBACK),
             ("REJ\u{0415}CTED", false, UNPARSED_FEEDBACK),
-            ("\u{FF21}\u{FF30}\u{FF30}\u{FF32}\u{FF2F}\u{FF36}\u{FF25}\u{FF24}", false, UNPARSED_FEEDBACK),
+            (
+                "\u{FF21}\u{FF30}\u{FF30}\u{FF32}\u{FF2F}\u{FF36}\u{FF25}\u{FF24}",
+                false,
+                UNPARSED_FEEDBACK,
+            ),
             // A marker glued to a non-ASCII letter is not a whole word.
             ("éAPPROVED", false, UNPARSED_FEEDBACK),
             ("APPROVEDé", false, UNPARSED_FEEDBACK),
@@ -155,14 +191,22 @@ mod tests {
 
     #[test]
     fn code_fences_never_count() {
-        check("```\nAPPROVED\n```\nREJECTED: tests fail", false, "tests fail");
+        check(
+            "```\nAPPROVED\n```\nREJECTED: tests fail",
+            false,
+            "tests fail",
+        );
         check("Example:\n```text\nREJECTED\n```\nAPPROVED", true, "");
         check("```\nAPPROVED\n```", false, UNPARSED_FEEDBACK);
         check("  ```rust\n// REJECTED\n  ```\napproved", true, "");
         // An unclosed fence hides everything after it.
         check("```\nAPPROVED", false, UNPARSED_FEEDBACK);
         // Multi-byte text inside a fence keeps positions right.
-        check("```\nüü REJECTED ü\n```\nREJECTED: real — reason", false, "real — reason");
+        check(
+            "```\nüü REJECTED ü\n```\nREJECTED: real — reason",
+            false,
+            "real — reason",
+        );
     }
 
     #[test]

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Sets up the services, builds the test images, and runs every test: unit tests with in-memory
+# seams and end-to-end tests against the real Docker engine and real git repositories.
+# Afterwards it checks that no forgepool container is left on the engine.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+scripts/services.sh
+scripts/build-images.sh
+
+if cargo nextest --version >/dev/null 2>&1; then
+  cargo nextest run --workspace --no-fail-fast
+else
+  cargo test --workspace --no-fail-fast
+fi
+
+left="$(docker ps -aq --filter label=forgepool.managed=true)"
+if [ -n "$left" ]; then
+  echo "forgepool containers were left after the suite:" >&2
+  docker ps -a --filter label=forgepool.managed=true >&2
+  exit 1
+fi
+echo "no forgepool container is left"
