@@ -99,6 +99,10 @@ fn rejected_then_approved_feeds_back_feedback_and_history() {
     assert_eq!(first["step"], "implement_task");
     let result = record.result.as_ref().unwrap();
     assert_eq!(result.implementation_rounds, 2);
+    // Round 2 wrote into .forge/implement_task/, which the root worker had created for cycle 1:
+    // root-owned leftovers did not block it, and none of .forge/ was delivered.
+    let files = fixture.branch_files(BRANCH).unwrap();
+    assert!(files.iter().all(|f| !f.starts_with(".forge")), "{files:?}");
     outcome.assert_no_containers_left();
 }
 
@@ -362,4 +366,70 @@ fn bad_input_is_refused_with_the_field_named() {
         "{}",
         outcome.printed()
     );
+}
+
+/// A check that fails (with a timestamp in its output) until `fixed.txt` exists.
+const NEEDS_FIX: &str = "[[commands]]\nargv = [\"sh\", \"-c\", \"test -f fixed.txt || { echo \\\"fixed.txt missing at $(date +%s%N)\\\"; exit 4; }\"]\ntimeout = 30\n";
+
+#[test]
+fn failed_checks_start_a_repair_round_with_the_failures() {
+    let fixture = Fixture::new(None, &["change"], &["approve"]);
+    let outcome = fixture.run(&format!("repair_attempts = 1\n{NEEDS_FIX}"));
+    assert_eq!(outcome.code, 0, "{}", outcome.printed());
+    let prompt = fixture.branch_file(BRANCH, "received_prompt.md");
+    assert!(prompt.contains("## Failed Checks"), "{prompt}");
+    assert!(
+        prompt.contains("exited with code 4") && prompt.contains("fixed.txt missing"),
+        "{prompt}"
+    );
+    let result = outcome.record().result.clone().unwrap();
+    assert_eq!((result.repair_budget, result.implementation_rounds), (1, 2));
+    assert_eq!(result.repair_history[0].failing[0].1, Some(4));
+    assert!(result.repair_history[1].failing.is_empty());
+    assert!(
+        outcome.stdout.contains("exit 4") && outcome.stdout.contains("exit 0"),
+        "{}",
+        outcome.printed()
+    );
+}
+
+#[test]
+fn repair_budget_zero_blocks_after_the_first_failure() {
+    let fixture = Fixture::new(None, &["change"], &["approve"]);
+    let outcome = fixture.run(&format!("repair_attempts = 0\n{NEEDS_FIX}"));
+    assert_eq!(outcome.code, 3, "{}", outcome.printed());
+    let record = outcome.record();
+    assert_eq!(record.state, RunState::Blocked);
+    assert!(
+        record
+            .states
+            .last()
+            .unwrap()
+            .1
+            .contains("repair budget of 0"),
+        "{:?}",
+        record.states
+    );
+    assert_eq!(record.result.as_ref().unwrap().implementation_rounds, 1);
+    assert!(fixture.branch_files(BRANCH).is_none());
+}
+
+#[test]
+fn no_progress_guard_stops_the_same_tree_failing_the_same_way() {
+    let fixture = Fixture::new(None, &["same"], &["approve"]);
+    let outcome = fixture.run(&format!("repair_attempts = 3\n{NEEDS_FIX}"));
+    assert_eq!(outcome.code, 3, "{}", outcome.printed());
+    let record = outcome.record();
+    assert!(
+        record.states.last().unwrap().1.contains("no progress"),
+        "{:?}",
+        record.states
+    );
+    let result = record.result.as_ref().unwrap();
+    assert_eq!(
+        result.implementation_rounds, 2,
+        "the guard trips after two identical rounds, not after the budget"
+    );
+    assert_eq!(result.repair_history[0].tree, result.repair_history[1].tree);
+    outcome.assert_no_containers_left();
 }

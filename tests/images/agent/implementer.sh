@@ -1,23 +1,33 @@
 #!/bin/sh
 # Test implementer. Usage: implementer.sh MODE
-#   change      append to feature.txt; on feedback, add tests.txt; keep the prompt it received
+#   change      append to feature.txt; on review feedback add tests.txt, on failed checks add
+#               fixed.txt; keep the prompt and history it received
 #   fail        exit 3 after printing an error
 #   own-cycles  run its own review loop: write two cycle files, the last just before exiting
-#   same        write the same content every round (for the no-progress guard)
+#   same        leave the same tree every round (for the no-progress guard)
 #   secret      print the value of $AGENT_SECRET (it must come back redacted)
 #   pause       exit 75 (provider paused)
 #   sleep N     sleep N seconds, then change
 set -eu
 mode="${1:-change}"
 cd /workspace
-cp /forge/input/prompt.md received_prompt.md
-cp /forge/input/history.json received_history.json
+if [ "$mode" != same ]; then
+  cp /forge/input/prompt.md received_prompt.md
+  cp /forge/input/history.json received_history.json
+fi
 case "$mode" in
   change)
     echo "round $FORGE_ROUND" >> feature.txt
     if grep -q '^## Reviewer Feedback' /forge/input/prompt.md; then
       echo "tests for the feature" > tests.txt
     fi
+    if grep -q '^## Failed Checks' /forge/input/prompt.md; then
+      echo "fixed" > fixed.txt
+    fi
+    # The worker (root) wrote .forge/ files after the last round; this stage user must still be
+    # able to write there, so root-owned leftovers never block a round.
+    mkdir -p ".forge/$FORGE_STEP"
+    echo "note from round $FORGE_ROUND" > ".forge/$FORGE_STEP/implementer-note-$FORGE_ROUND.txt"
     echo "implemented round $FORGE_ROUND"
     ;;
   fail)
