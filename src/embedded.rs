@@ -76,7 +76,9 @@ pub async fn run(args: RunArgs) -> i32 {
         job.ticket, job.skill
     );
 
-    let identity = Identity::for_worker(format!("embedded-{}", std::process::id()));
+    // Every embedded run on a host shares one worker name, so a run removes the containers
+    // that an earlier, killed run left behind (and never those of a live one).
+    let identity = Identity::for_worker("embedded");
     let runtime = match DockerRuntime::connect(identity).await {
         Ok(runtime) => Arc::new(runtime),
         Err(error) => {

@@ -433,3 +433,126 @@ fn no_progress_guard_stops_the_same_tree_failing_the_same_way() {
     assert_eq!(result.repair_history[0].tree, result.repair_history[1].tree);
     outcome.assert_no_containers_left();
 }
+
+#[test]
+fn containers_left_by_a_killed_run_are_removed_on_start() {
+    common::require_docker();
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .unwrap()
+        .trim()
+        .to_string();
+    let orphan_run = uuid::Uuid::new_v4().to_string();
+    // A container as a killed `forgepool run` leaves it: our labels, a process that is gone.
+    let started = std::process::Command::new("docker")
+        .args([
+            "run",
+            "-d",
+            "--label",
+            "forgepool.managed=true",
+            "--label",
+            "forgepool.worker=embedded",
+        ])
+        .args([
+            "--label",
+            "forgepool.instance=dead-instance",
+            "--label",
+            "forgepool.pid=4194303",
+        ])
+        .args([
+            "--label",
+            &format!("forgepool.host={host}"),
+            "--label",
+            &format!("forgepool.run_id={orphan_run}"),
+        ])
+        .args([common::TEST_IMAGE, "sleep", "600"])
+        .output()
+        .unwrap();
+    assert!(
+        started.status.success(),
+        "{}",
+        String::from_utf8_lossy(&started.stderr)
+    );
+    // A container of another worker must be left alone.
+    let foreign_run = uuid::Uuid::new_v4().to_string();
+    let foreign = std::process::Command::new("docker")
+        .args([
+            "run",
+            "-d",
+            "--label",
+            "forgepool.managed=true",
+            "--label",
+            "forgepool.worker=someone-else",
+        ])
+        .args([
+            "--label",
+            &format!("forgepool.run_id={foreign_run}"),
+            common::TEST_IMAGE,
+            "sleep",
+            "600",
+        ])
+        .output()
+        .unwrap();
+    let foreign_id = String::from_utf8_lossy(&foreign.stdout).trim().to_string();
+
+    let fixture = Fixture::new(None, &["change"], &["approve"]);
+    let outcome = fixture.run("");
+    assert_eq!(outcome.code, 0, "{}", outcome.printed());
+    let list = |run: &str| {
+        let output = std::process::Command::new("docker")
+            .args([
+                "ps",
+                "-aq",
+                "--filter",
+                &format!("label=forgepool.run_id={run}"),
+            ])
+            .output()
+            .unwrap();
+        String::from_utf8_lossy(&output.stdout).trim().to_string()
+    };
+    let orphan_left = list(&orphan_run);
+    let foreign_left = list(&foreign_run);
+    let _ = std::process::Command::new("docker")
+        .args(["rm", "-f", &foreign_id])
+        .output();
+    assert!(
+        orphan_left.is_empty(),
+        "the orphan of a killed run was not removed"
+    );
+    assert!(
+        !foreign_left.is_empty(),
+        "another worker's container was removed"
+    );
+}
+
+#[test]
+fn unreachable_docker_engine_says_what_to_do() {
+    let fixture = Fixture::new(None, &["change"], &["approve"]);
+    let request = fixture.dir.path().join("request.toml");
+    std::fs::write(
+        &request,
+        format!(
+            "ticket = \"TEST-1\"\nskill = \"implement-task\"\nbrief = \"b\"\n[repository]\nurl = \"file://{}\"\n",
+            fixture.bare.display()
+        ),
+    )
+    .unwrap();
+    let output = std::process::Command::new(env!("CARGO_BIN_EXE_forgepool"))
+        .arg("run")
+        .arg(&request)
+        .arg("--skills")
+        .arg(&fixture.skills)
+        .arg("--agents")
+        .arg(&fixture.agents)
+        .arg("--database")
+        .arg(fixture.dir.path().join("runs.db"))
+        .env("DOCKER_HOST", "unix:///nonexistent/docker.sock")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("cannot reach the Docker engine at unix:///nonexistent/docker.sock"),
+        "{stderr}"
+    );
+    assert!(stderr.contains("start it"), "{stderr}");
+}
