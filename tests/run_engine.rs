@@ -556,3 +556,70 @@ fn unreachable_docker_engine_says_what_to_do() {
     );
     assert!(stderr.contains("start it"), "{stderr}");
 }
+
+/// Request lines that ask for the independent final review by the profile `final`.
+const FINAL_REVIEW: &str = "[assurance]\nreview_agent = \"final\"\n";
+
+#[test]
+fn final_review_approved_is_delivered_and_recorded() {
+    let fixture = Fixture::new(None, &["change"], &["approve"]).with_final_reviewer("approve");
+    let outcome = fixture.run(FINAL_REVIEW);
+    assert_eq!(outcome.code, 0, "{}", outcome.printed());
+    let result = outcome.record().result.clone().unwrap();
+    assert_eq!(result.review, "approved");
+    assert!(
+        result.report.contains("Verdict: **approved**"),
+        "{}",
+        result.report
+    );
+    assert!(fixture.branch_files(BRANCH).is_some());
+    outcome.assert_no_containers_left();
+}
+
+#[test]
+fn final_review_changes_required_blocks_without_another_repair() {
+    let fixture = Fixture::new(None, &["change"], &["approve"]).with_final_reviewer("changes");
+    let outcome = fixture.run(&format!("repair_attempts = 3\n{FINAL_REVIEW}"));
+    assert_eq!(outcome.code, 3, "{}", outcome.printed());
+    let record = outcome.record();
+    assert_eq!(record.state, RunState::Blocked);
+    let result = record.result.as_ref().unwrap();
+    assert_eq!(result.review, "changes_required");
+    assert_eq!(
+        result.implementation_rounds, 1,
+        "changes_required starts no repair round"
+    );
+    assert!(
+        result.report.contains("`feature.txt:1`"),
+        "{}",
+        result.report
+    );
+    assert!(
+        fixture.branch_files(BRANCH).is_none(),
+        "nothing is delivered"
+    );
+}
+
+#[test]
+fn final_review_with_a_fabricated_path_is_refused() {
+    let fixture = Fixture::new(None, &["change"], &["approve"]).with_final_reviewer("fabricated");
+    let outcome = fixture.run(FINAL_REVIEW);
+    assert_eq!(outcome.code, 3, "{}", outcome.printed());
+    let record = outcome.record();
+    let reason = &record.states.last().unwrap().1;
+    assert!(
+        reason.contains("report was refused") && reason.contains("src/invented.py"),
+        "{reason}"
+    );
+    assert_eq!(record.result.as_ref().unwrap().review, "refused");
+    assert!(fixture.branch_files(BRANCH).is_none());
+}
+
+#[test]
+fn final_review_output_folder_must_hold_only_review_json() {
+    let fixture = Fixture::new(None, &["change"], &["approve"]).with_final_reviewer("extra-file");
+    let outcome = fixture.run(FINAL_REVIEW);
+    assert_eq!(outcome.code, 3, "{}", outcome.printed());
+    let reason = &outcome.record().states.last().unwrap().1;
+    assert!(reason.contains("also holds: notes.txt"), "{reason}");
+}

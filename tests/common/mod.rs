@@ -143,6 +143,16 @@ impl Fixture {
         }
     }
 
+    /// Adds the profile `final`, a final reviewer running `final.sh MODE`.
+    pub fn with_final_reviewer(self, mode: &str) -> Fixture {
+        let mut agents = std::fs::read_to_string(&self.agents).unwrap();
+        agents.push_str(&format!(
+            "\n[agents.final]\nimage = \"{TEST_IMAGE}\"\ncommand = [\"/bin/sh\", \"/agents/final.sh\", \"{mode}\"]\nmemory = \"128m\"\ntimeout_seconds = 60\n"
+        ));
+        std::fs::write(&self.agents, agents).unwrap();
+        self
+    }
+
     /// Runs `forgepool run` with a request for ticket `TEST-1` plus `extra` TOML lines.
     pub fn run(&self, extra: &str) -> Outcome {
         self.run_request(&format!(

@@ -229,7 +229,8 @@ pub struct RunResult {
     pub implementation_rounds: u32,
     /// One record per completed implementation round.
     pub repair_history: Vec<RoundRecord>,
-    /// `not_requested`, `approved` or `changes_required`.
+    /// The final review: `not_requested`, `approved`, `changes_required`, `refused` (its
+    /// report failed validation) or `not_run` (the run ended before it).
     pub review: String,
 }
 

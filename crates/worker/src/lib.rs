@@ -8,6 +8,7 @@
 pub mod collector;
 pub mod docker;
 pub mod engine;
+pub mod final_review;
 pub mod git;
 pub mod machine;
 pub mod queue;

@@ -152,6 +152,11 @@ pub enum Input {
         /// The summary or the refusal reason.
         reason: String,
     },
+    /// The final review's report was refused (malformed, fabricated, or the stage failed).
+    FinalReviewRefused {
+        /// Why.
+        reason: String,
+    },
     /// The change was committed and pushed.
     Delivered,
     /// Delivery failed or was refused.
@@ -175,6 +180,7 @@ impl Input {
             Input::ChecksFailed { .. } => "checks_failed",
             Input::Reviewed { .. } => "reviewed",
             Input::FinalReviewed { .. } => "final_reviewed",
+            Input::FinalReviewRefused { .. } => "final_review_refused",
             Input::Delivered => "delivered",
             Input::DeliveryFailed { .. } => "delivery_failed",
             Input::Resumed => "resumed",
@@ -319,6 +325,10 @@ impl RunMachine {
                     )
                 }
             }
+            (Phase::FinalReview { .. }, Input::FinalReviewRefused { reason }) => finished(
+                RunState::Blocked,
+                &format!("the final review report was refused: {reason}"),
+            ),
             (Phase::Deliver { .. }, Input::Delivered) => {
                 if self.review_exhausted {
                     finished(
