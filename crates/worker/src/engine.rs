@@ -178,7 +178,6 @@ impl<R: ContainerRuntime> Engine<R> {
                     Phase::Finished { .. } => unreachable!("handled above"),
                 }
             };
-            run.review_exhausted = machine.review_exhausted;
             machine = match machine.step(input) {
                 Ok(next) => next,
                 Err(error) => return Ok((RunState::Failed, error.to_string())),
