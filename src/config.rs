@@ -65,3 +65,127 @@ fn parse_poll_interval(text: &str) -> Result<Duration, String> {
         )),
     }
 }
+
+/// RabbitMQ URL.
+pub const ENV_AMQP_URL: &str = "FORGEPOOL_AMQP_URL";
+/// Prefix of queue and exchange names.
+pub const ENV_AMQP_PREFIX: &str = "FORGEPOOL_AMQP_PREFIX";
+/// The dispatcher's HTTP address.
+pub const ENV_LISTEN: &str = "FORGEPOOL_LISTEN";
+/// The API bearer token.
+pub const ENV_API_TOKEN: &str = "FORGEPOOL_API_TOKEN";
+/// Where clients find the dispatcher.
+pub const ENV_DISPATCHER_URL: &str = "FORGEPOOL_DISPATCHER_URL";
+/// Worker run slots.
+pub const ENV_CONCURRENCY: &str = "FORGEPOOL_CONCURRENCY";
+/// The worker's `/metrics` and `/healthz` address.
+pub const ENV_METRICS_ADDR: &str = "FORGEPOOL_METRICS_ADDR";
+/// The worker's stable name.
+pub const ENV_WORKER_ID: &str = "FORGEPOOL_WORKER_ID";
+/// Seconds in-flight runs get to finish after SIGTERM.
+pub const ENV_DRAIN_SECONDS: &str = "FORGEPOOL_DRAIN_SECONDS";
+
+/// The default RabbitMQ URL.
+pub const DEFAULT_AMQP_URL: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
+
+/// Settings shared by the services.
+#[derive(Debug, Args)]
+pub struct BrokerArgs {
+    /// RabbitMQ URL.
+    #[arg(long = "amqp-url", env = ENV_AMQP_URL, default_value = DEFAULT_AMQP_URL, hide_env_values = true)]
+    pub amqp_url: String,
+    /// Prefix of queue and exchange names.
+    #[arg(long = "amqp-prefix", env = ENV_AMQP_PREFIX, default_value = "forgepool", value_parser = parse_prefix)]
+    pub prefix: String,
+}
+
+/// `forgepool dispatcher`.
+#[derive(Debug, Args)]
+pub struct DispatcherArgs {
+    #[command(flatten)]
+    pub broker: BrokerArgs,
+    /// HTTP address for the API and `/metrics`.
+    #[arg(long, env = ENV_LISTEN, default_value = "127.0.0.1:8080")]
+    pub listen: std::net::SocketAddr,
+    /// The run store: a SQLite file path or `sqlite://PATH`.
+    #[arg(long, env = ENV_DATABASE_URL, default_value = "./forgepool.db")]
+    pub database: String,
+    /// The skills directory.
+    #[arg(long, env = ENV_SKILLS_DIR, default_value = "./skills")]
+    pub skills: PathBuf,
+    /// The agent profiles file.
+    #[arg(long, env = ENV_AGENTS_FILE, default_value = "./agents.toml")]
+    pub agents: PathBuf,
+    /// The bearer token clients must send; unset means no authentication (loopback only).
+    #[arg(long = "api-token", env = ENV_API_TOKEN, hide_env_values = true)]
+    pub api_token: Option<String>,
+}
+
+/// `forgepool worker`.
+#[derive(Debug, Args)]
+pub struct WorkerArgs {
+    #[command(flatten)]
+    pub broker: BrokerArgs,
+    /// Run slots.
+    #[arg(long, env = ENV_CONCURRENCY, default_value = "1", value_parser = clap::value_parser!(u16).range(1..=256))]
+    pub concurrency: u16,
+    /// Where run workspaces are created.
+    #[arg(long, env = ENV_WORKSPACE_DIR)]
+    pub workspace: Option<PathBuf>,
+    /// Address of `/metrics` and `/healthz`.
+    #[arg(long = "metrics-addr", env = ENV_METRICS_ADDR, default_value = "127.0.0.1:9090")]
+    pub metrics_addr: std::net::SocketAddr,
+    /// This worker's stable name (default: the host name).
+    #[arg(long = "worker-id", env = ENV_WORKER_ID)]
+    pub worker_id: Option<String>,
+    /// Seconds in-flight runs get to finish after SIGTERM before they are handed back.
+    #[arg(long = "drain-seconds", env = ENV_DRAIN_SECONDS, default_value = "30")]
+    pub drain_seconds: u64,
+    /// Seconds between scans of `.forge/` while a stage runs.
+    #[arg(long, env = ENV_POLL_INTERVAL, default_value = "0.1", value_parser = parse_poll_interval)]
+    pub poll_interval: Duration,
+}
+
+impl WorkerArgs {
+    /// The workspace root, made absolute so that it can be bind-mounted.
+    pub fn workspace_root(&self) -> Result<PathBuf, String> {
+        let root = self
+            .workspace
+            .clone()
+            .unwrap_or_else(|| std::env::temp_dir().join("forgepool"));
+        std::fs::create_dir_all(&root).map_err(|e| {
+            format!(
+                "{ENV_WORKSPACE_DIR} ({}): cannot create it: {e}",
+                root.display()
+            )
+        })?;
+        root.canonicalize()
+            .map_err(|e| format!("{ENV_WORKSPACE_DIR} ({}): {e}", root.display()))
+    }
+}
+
+/// Settings of the clients.
+#[derive(Debug, Args)]
+pub struct ClientArgs {
+    /// The dispatcher's URL.
+    #[arg(long = "dispatcher-url", env = ENV_DISPATCHER_URL, default_value = "http://127.0.0.1:8080")]
+    pub dispatcher_url: String,
+    /// The bearer token.
+    #[arg(long = "api-token", env = ENV_API_TOKEN, hide_env_values = true)]
+    pub api_token: Option<String>,
+}
+
+fn parse_prefix(text: &str) -> Result<String, String> {
+    let ok = !text.is_empty()
+        && text.len() <= 64
+        && text
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'));
+    if ok {
+        Ok(text.to_string())
+    } else {
+        Err(format!(
+            "{ENV_AMQP_PREFIX} must be 1 to 64 letters, digits, '-', '_' or '.', got {text:?}"
+        ))
+    }
+}

@@ -121,8 +121,10 @@ pub async fn run(args: RunArgs) -> i32 {
             let Some(delivery) = queue.next().await else {
                 return;
             };
-            let outcome = engine.execute(&delivery.job, &sink, cancel).await;
-            let how = if outcome.is_ok() {
+            let outcome = engine
+                .execute(&delivery.job, &sink, cancel, CancellationToken::new())
+                .await;
+            let how = if matches!(outcome, Ok(Some(_))) {
                 Settlement::Ack
             } else {
                 Settlement::Requeue

@@ -6,8 +6,11 @@
 
 pub mod agents;
 pub mod freeze;
+pub mod http;
 pub mod names;
+mod openapi;
 pub mod request;
+pub mod service;
 pub mod skills;
 pub mod store;
 

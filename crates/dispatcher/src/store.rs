@@ -9,7 +9,7 @@ use std::future::Future;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
-use proto::{CycleRecord, Event, EventKind, Job, RunResult, RunState};
+use proto::{CycleRecord, Event, EventKind, Job, RunResult, RunState, RunSummary};
 use rusqlite::{params, Connection, OptionalExtension};
 use uuid::Uuid;
 
@@ -62,6 +62,17 @@ pub trait RunStore: Send + Sync + 'static {
         &self,
         run_id: Uuid,
     ) -> impl Future<Output = Result<Option<RunRecord>, StoreError>> + Send;
+    /// Notes that a run's job reached the jobs queue.
+    fn mark_published(&self, run_id: Uuid) -> impl Future<Output = Result<(), StoreError>> + Send;
+    /// Jobs that were stored but never confirmed on the jobs queue (a crash in between).
+    fn unpublished_jobs(&self) -> impl Future<Output = Result<Vec<Job>, StoreError>> + Send;
+    /// Lists runs, newest first, optionally filtered, after a cursor from an earlier page.
+    fn list_runs(
+        &self,
+        filter: RunFilter,
+    ) -> impl Future<Output = Result<(Vec<RunSummary>, Option<String>), StoreError>> + Send;
+    /// Checks the store answers.
+    fn ping(&self) -> impl Future<Output = Result<(), StoreError>> + Send;
     /// Reads a run's events in the order they were stored, after position `after` (0 for all).
     /// Returns each event with its position.
     fn events(
@@ -69,6 +80,19 @@ pub trait RunStore: Send + Sync + 'static {
         run_id: Uuid,
         after: i64,
     ) -> impl Future<Output = Result<Vec<(i64, Event)>, StoreError>> + Send;
+}
+
+/// Which runs `list_runs` returns.
+#[derive(Debug, Clone, Default)]
+pub struct RunFilter {
+    /// Only runs in this state.
+    pub state: Option<RunState>,
+    /// Only runs of this ticket.
+    pub ticket: Option<String>,
+    /// At most this many (1..=500).
+    pub limit: u32,
+    /// Continue after this cursor.
+    pub cursor: Option<String>,
 }
 
 /// The SQLite run store. Queries run on the blocking pool, never on the async runtime.
@@ -122,6 +146,7 @@ CREATE TABLE IF NOT EXISTS runs (
     state TEXT NOT NULL,
     job TEXT NOT NULL,
     result TEXT,
+    published INTEGER NOT NULL DEFAULT 0,
     created_at TEXT NOT NULL,
     updated_at TEXT NOT NULL
 );
@@ -273,6 +298,101 @@ impl RunStore for SqliteStore {
                 cycles,
                 result: result.map(|r| serde_json::from_str(&r)).transpose()?,
             }))
+        })
+        .await
+    }
+
+    async fn mark_published(&self, run_id: Uuid) -> Result<(), StoreError> {
+        self.with(move |c| {
+            c.execute(
+                "UPDATE runs SET published = 1 WHERE run_id = ?1",
+                params![run_id.to_string()],
+            )?;
+            Ok(())
+        })
+        .await
+    }
+
+    async fn unpublished_jobs(&self) -> Result<Vec<Job>, StoreError> {
+        self.with(|c| {
+            let mut statement = c.prepare(
+                "SELECT job FROM runs WHERE published = 0 AND state = 'queued' ORDER BY created_at",
+            )?;
+            let rows = statement
+                .query_map([], |r| r.get::<_, String>(0))?
+                .collect::<Result<Vec<_>, _>>()?;
+            rows.iter()
+                .map(|body| Ok(serde_json::from_str(body)?))
+                .collect()
+        })
+        .await
+    }
+
+    async fn list_runs(
+        &self,
+        filter: RunFilter,
+    ) -> Result<(Vec<RunSummary>, Option<String>), StoreError> {
+        self.with(move |c| {
+            let limit = filter.limit.clamp(1, 500);
+            // The cursor is the rowid of the last run of the previous page.
+            let cursor: i64 = filter
+                .cursor
+                .as_deref()
+                .and_then(|c| c.parse().ok())
+                .unwrap_or(i64::MAX);
+            let mut statement = c.prepare(
+                "SELECT rowid, run_id, ticket, state, created_at, updated_at FROM runs
+                 WHERE rowid < ?1 AND (?2 IS NULL OR state = ?2) AND (?3 IS NULL OR ticket = ?3)
+                 ORDER BY rowid DESC LIMIT ?4",
+            )?;
+            let rows = statement
+                .query_map(
+                    params![
+                        cursor,
+                        filter.state.map(RunState::as_str),
+                        filter.ticket,
+                        limit + 1
+                    ],
+                    |r| {
+                        Ok((
+                            r.get::<_, i64>(0)?,
+                            r.get::<_, String>(1)?,
+                            r.get::<_, String>(2)?,
+                            r.get::<_, String>(3)?,
+                            r.get::<_, String>(4)?,
+                            r.get::<_, String>(5)?,
+                        ))
+                    },
+                )?
+                .collect::<Result<Vec<_>, _>>()?;
+            let more = rows.len() > limit as usize;
+            let rows: Vec<_> = rows.into_iter().take(limit as usize).collect();
+            let next = if more {
+                rows.last().map(|r| r.0.to_string())
+            } else {
+                None
+            };
+            let runs = rows
+                .into_iter()
+                .filter_map(|(_, id, ticket, state, created_at, updated_at)| {
+                    Some(RunSummary {
+                        run_id: Uuid::parse_str(&id).ok()?,
+                        ticket,
+                        state: RunState::parse(&state)?,
+                        created_at,
+                        updated_at,
+                    })
+                })
+                .collect();
+            Ok((runs, next))
+        })
+        .await
+    }
+
+    async fn ping(&self) -> Result<(), StoreError> {
+        self.with(|c| {
+            Ok(c.query_row("SELECT 1", [], |r| r.get::<_, i64>(0))
+                .map(|_| ())?)
         })
         .await
     }

@@ -5,11 +5,17 @@
 //! streams. Only the types in this crate are serialized; each message carries
 //! [`SCHEMA_VERSION`] so that a reader can refuse what it does not understand.
 
+#[cfg(feature = "amqp")]
+pub mod amqp;
+mod api;
 mod event;
 mod job;
 mod request;
 mod state;
 
+pub use api::{
+    ApiError, ApiErrorBody, Control, RunList, RunSummary, RunView, StateChange, SubmitResponse,
+};
 pub use event::{
     CheckResult, CycleRecord, Event, EventKind, LogStream, RoundRecord, RunResult, Stage,
 };

@@ -284,6 +284,68 @@ impl DockerRuntime {
     }
 }
 
+impl DockerRuntime {
+    /// The instances, other than this one, that own forgepool containers on this engine.
+    pub async fn other_instances(&self) -> Result<HashSet<String>, RuntimeError> {
+        let containers = self.managed_containers().await?;
+        Ok(containers
+            .into_iter()
+            .filter_map(|c| c.labels.and_then(|mut l| l.remove(LABEL_INSTANCE)))
+            .filter(|instance| *instance != self.identity.instance)
+            .collect())
+    }
+
+    /// Removes every container of a worker instance that is known to be gone.
+    pub async fn remove_instance(&self, instance: &str) -> Result<usize, RuntimeError> {
+        let mut removed = 0;
+        for container in self.managed_containers().await? {
+            let owner = container
+                .labels
+                .as_ref()
+                .and_then(|l| l.get(LABEL_INSTANCE))
+                .map(String::as_str);
+            if owner == Some(instance) {
+                if let Some(id) = container.id {
+                    self.remove(&id).await?;
+                    tracing::info!(container = %id, %instance, "removed a container of a dead worker");
+                    removed += 1;
+                }
+            }
+        }
+        Ok(removed)
+    }
+
+    async fn managed_containers(
+        &self,
+    ) -> Result<Vec<bollard::models::ContainerSummary>, RuntimeError> {
+        let mut filters = HashMap::new();
+        filters.insert("label".to_string(), vec![format!("{LABEL_MANAGED}=true")]);
+        let options = ListContainersOptions {
+            all: true,
+            filters,
+            ..Default::default()
+        };
+        bounded(
+            "list containers",
+            API_TIMEOUT,
+            self.docker.list_containers(Some(options)),
+        )
+        .await?
+        .map_err(|e| RuntimeError::Cleanup(e.to_string()))
+    }
+
+    /// Removes orphans and overdue containers (the same as the trait method, callable on the
+    /// concrete type).
+    pub async fn remove_orphans_now(&self) -> Result<usize, RuntimeError> {
+        ContainerRuntime::remove_orphans(self).await
+    }
+
+    /// This process's instance id.
+    pub fn instance(&self) -> &str {
+        &self.identity.instance
+    }
+}
+
 impl ContainerRuntime for DockerRuntime {
     async fn run_stage(
         &self,

@@ -99,12 +99,17 @@ impl<R: ContainerRuntime> Engine<R> {
     /// Performs a job to its end and returns the result. The final `result` and `state`
     /// events are published before this returns; an error means they could not be, and the
     /// job must be handed back.
+    ///
+    /// `cancel` is a user's cancel: the run ends `cancelled`. `interrupt` is a worker shutting
+    /// down: the run's containers are stopped, no final event is published, and `Ok(None)` says
+    /// the job must be handed back to the queue.
     pub async fn execute<S: EventSink>(
         &self,
         job: &Job,
         sink: &S,
         cancel: CancellationToken,
-    ) -> Result<RunResult, PublishEvent> {
+        interrupt: CancellationToken,
+    ) -> Result<Option<RunResult>, PublishEvent> {
         let span = tracing::info_span!("run", run_id = %job.run_id, ticket = %job.ticket, stage = tracing::field::Empty, cycle = tracing::field::Empty);
         async {
             let root = self.config.workspace_root.join(job.run_id.to_string());
@@ -118,11 +123,30 @@ impl<R: ContainerRuntime> Engine<R> {
                 },
             )
             .await?;
-            let (state, reason) = self.perform(&mut run, sink, &cancel).await?;
-            let result = run.result(state, &reason);
+            // Stages stop on either token; the loop tells the two apart.
+            let stop = CancellationToken::new();
+            let relay = {
+                let (stop, cancel, interrupt) = (stop.clone(), cancel.clone(), interrupt.clone());
+                tokio::spawn(async move {
+                    tokio::select! {
+                        () = cancel.cancelled() => {},
+                        () = interrupt.cancelled() => {},
+                    }
+                    stop.cancel();
+                })
+            };
+            let performed = self
+                .perform(&mut run, sink, &cancel, &interrupt, &stop)
+                .await;
+            relay.abort();
             if let Err(error) = remove_dir(&root).await {
                 warn!(%error, path = %root.display(), "cannot remove the run workspace");
             }
+            let Some((state, reason)) = performed? else {
+                info!("run interrupted; handing it back");
+                return Ok(None);
+            };
+            let result = run.result(state, &reason);
             publish(
                 sink,
                 job.run_id,
@@ -133,7 +157,7 @@ impl<R: ContainerRuntime> Engine<R> {
             .await?;
             publish(sink, job.run_id, EventKind::State { state, reason }).await?;
             info!(state = %result.state, rounds = result.implementation_rounds, "run ended");
-            Ok(result)
+            Ok(Some(result))
         }
         .instrument(span)
         .await
@@ -144,19 +168,26 @@ impl<R: ContainerRuntime> Engine<R> {
         run: &mut RunContext<'_>,
         sink: &S,
         cancel: &CancellationToken,
-    ) -> Result<(RunState, String), PublishEvent> {
+        interrupt: &CancellationToken,
+        stop: &CancellationToken,
+    ) -> Result<Option<(RunState, String)>, PublishEvent> {
         if let Err(error) = self.prepare(run).await {
-            return Ok((
+            return Ok(Some((
                 RunState::Failed,
                 format!("cannot prepare the workspace: {error}"),
-            ));
+            )));
         }
+        let cancel_user = cancel;
+        let cancel = stop;
         let mut machine = RunMachine::new(run.limits());
         loop {
             if let Some((state, reason)) = machine.finished() {
-                return Ok((state, reason.to_string()));
+                return Ok(Some((state, reason.to_string())));
             }
-            let input = if cancel.is_cancelled() {
+            if interrupt.is_cancelled() {
+                return Ok(None);
+            }
+            let input = if cancel_user.is_cancelled() {
                 Input::Cancelled
             } else {
                 match machine.phase.clone() {
@@ -174,13 +205,16 @@ impl<R: ContainerRuntime> Engine<R> {
                         self.final_review(run, sink, cancel, &tree).await?
                     }
                     Phase::Deliver { tree } => self.deliver(run, &tree).await,
-                    Phase::Paused { reason, .. } => return Ok((RunState::Paused, reason)),
+                    Phase::Paused { reason, .. } => return Ok(Some((RunState::Paused, reason))),
                     Phase::Finished { .. } => unreachable!("handled above"),
                 }
             };
+            if interrupt.is_cancelled() {
+                return Ok(None);
+            }
             machine = match machine.step(input) {
                 Ok(next) => next,
-                Err(error) => return Ok((RunState::Failed, error.to_string())),
+                Err(error) => return Ok(Some((RunState::Failed, error.to_string()))),
             };
             run.review_exhausted = machine.review_exhausted;
             run.implementation_rounds = machine.implementation_rounds;

@@ -14,6 +14,7 @@ pub mod machine;
 pub mod queue;
 pub mod report;
 pub mod runtime;
+pub mod service;
 pub mod sink;
 pub mod verdict;
 

@@ -1,0 +1,393 @@
+//! The dispatcher's HTTP API (SPEC 12): runs, their events as Server-Sent Events, health,
+//! readiness, and the OpenAPI document. Every error is `{"error": {code, message, field}}`.
+
+use std::convert::Infallible;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::body::Bytes;
+use axum::extract::{DefaultBodyLimit, Path, Query, Request, State};
+use axum::http::{header, HeaderMap, StatusCode};
+use axum::middleware::{self, Next};
+use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use futures_util::Stream;
+use proto::{ApiError, ApiErrorBody, RunList, RunState, RunView, StateChange, SubmitResponse};
+use serde::Deserialize;
+use uuid::Uuid;
+
+use crate::service::{Dispatcher, SubmitFailure};
+use crate::store::{RunFilter, RunRecord, RunStore};
+use crate::SubmitError;
+
+/// The router with every route and the bearer-token check on `/v1`.
+pub fn router(dispatcher: Arc<Dispatcher>) -> Router {
+    let api = Router::new()
+        .route("/v1/runs", post(submit).get(list))
+        .route("/v1/runs/{id}", get(show))
+        .route("/v1/runs/{id}/events", get(events))
+        .route("/v1/runs/{id}/cancel", post(cancel))
+        .route("/v1/runs/{id}/resume", post(resume))
+        .route_layer(middleware::from_fn_with_state(
+            Arc::clone(&dispatcher),
+            authenticate,
+        ));
+    Router::new()
+        .merge(api)
+        .route("/v1/openapi.json", get(openapi))
+        .route(
+            "/healthz",
+            get(|| async { Json(serde_json::json!({"status": "ok"})) }),
+        )
+        .route("/readyz", get(ready))
+        .route("/metrics", get(metrics))
+        // Bodies are checked against the 1 MiB limit by the request parser, which answers in
+        // JSON; this larger limit only stops abuse.
+        .layer(DefaultBodyLimit::max(8 * 1024 * 1024))
+        .with_state(dispatcher)
+}
+
+/// An API error with its status.
+#[derive(Debug)]
+pub struct Failure(StatusCode, ApiErrorBody);
+
+impl Failure {
+    fn new(
+        status: StatusCode,
+        code: &str,
+        message: impl Into<String>,
+        field: Option<&str>,
+    ) -> Failure {
+        Failure(
+            status,
+            ApiErrorBody {
+                code: code.into(),
+                message: message.into(),
+                field: field.map(String::from),
+            },
+        )
+    }
+}
+
+impl IntoResponse for Failure {
+    fn into_response(self) -> Response {
+        (self.0, Json(ApiError { error: self.1 })).into_response()
+    }
+}
+
+impl From<SubmitError> for Failure {
+    fn from(error: SubmitError) -> Failure {
+        let status = match error {
+            SubmitError::TooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
+            SubmitError::Io { .. } => StatusCode::INTERNAL_SERVER_ERROR,
+            _ => StatusCode::BAD_REQUEST,
+        };
+        Failure::new(status, error.code(), error.to_string(), error.field())
+    }
+}
+
+fn internal(error: impl std::fmt::Display) -> Failure {
+    Failure::new(
+        StatusCode::INTERNAL_SERVER_ERROR,
+        "internal",
+        error.to_string(),
+        None,
+    )
+}
+
+async fn authenticate(
+    State(dispatcher): State<Arc<Dispatcher>>,
+    headers: HeaderMap,
+    request: Request,
+    next: Next,
+) -> Response {
+    if let Some(token) = &dispatcher.api_token {
+        let given = headers
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "));
+        let matches =
+            given.is_some_and(|given| constant_time_eq(given.as_bytes(), token.as_bytes()));
+        if !matches {
+            let message = if given.is_none() {
+                "a bearer token is required (Authorization: Bearer TOKEN)"
+            } else {
+                "the bearer token is wrong"
+            };
+            return Failure::new(StatusCode::UNAUTHORIZED, "unauthorized", message, None)
+                .into_response();
+        }
+    }
+    next.run(request).await
+}
+
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+async fn submit(
+    State(dispatcher): State<Arc<Dispatcher>>,
+    body: Bytes,
+) -> Result<(StatusCode, Json<SubmitResponse>), Failure> {
+    let request = crate::request::from_json(&body)?;
+    match dispatcher.submit(request).await {
+        Ok(frozen) => Ok((
+            StatusCode::CREATED,
+            Json(SubmitResponse {
+                run_id: frozen.job.run_id,
+                state: RunState::Queued,
+                warnings: frozen.warnings,
+            }),
+        )),
+        Err(SubmitFailure::Invalid(error)) => Err(error.into()),
+        Err(SubmitFailure::Store(error)) => Err(internal(error)),
+    }
+}
+
+fn parse_id(id: &str) -> Result<Uuid, Failure> {
+    Uuid::parse_str(id).map_err(|_| {
+        Failure::new(
+            StatusCode::BAD_REQUEST,
+            "invalid_field",
+            format!("id: {id:?} is not a run id (a UUID)"),
+            Some("id"),
+        )
+    })
+}
+
+async fn record(dispatcher: &Dispatcher, id: &str) -> Result<RunRecord, Failure> {
+    let run_id = parse_id(id)?;
+    dispatcher
+        .store
+        .get_run(run_id)
+        .await
+        .map_err(internal)?
+        .ok_or_else(|| {
+            Failure::new(
+                StatusCode::NOT_FOUND,
+                "not_found",
+                format!("no run {run_id}"),
+                None,
+            )
+        })
+}
+
+/// The API view of a stored run.
+pub fn view(record: RunRecord) -> RunView {
+    let result = record.result;
+    RunView {
+        run_id: record.job.run_id,
+        ticket: record.job.ticket,
+        skill: record.job.skill,
+        step: record.job.step,
+        state: record.state,
+        states: record
+            .states
+            .into_iter()
+            .map(|(state, reason, time)| StateChange {
+                state,
+                reason,
+                time,
+            })
+            .collect(),
+        warnings: record.job.warnings,
+        repair_budget: record.job.repair_budget,
+        implementation_rounds: result.as_ref().map_or(0, |r| r.implementation_rounds),
+        repair_history: result
+            .as_ref()
+            .map(|r| r.repair_history.clone())
+            .unwrap_or_default(),
+        cycles: record.cycles,
+        report: result.as_ref().map(|r| r.report.clone()),
+        result,
+    }
+}
+
+async fn show(
+    State(dispatcher): State<Arc<Dispatcher>>,
+    Path(id): Path<String>,
+) -> Result<Json<RunView>, Failure> {
+    Ok(Json(view(record(&dispatcher, &id).await?)))
+}
+
+#[derive(Deserialize)]
+struct ListQuery {
+    state: Option<String>,
+    ticket: Option<String>,
+    limit: Option<String>,
+    cursor: Option<String>,
+}
+
+async fn list(
+    State(dispatcher): State<Arc<Dispatcher>>,
+    Query(query): Query<ListQuery>,
+) -> Result<Json<RunList>, Failure> {
+    let state = match query.state.as_deref() {
+        None | Some("") => None,
+        Some(name) => Some(RunState::parse(name).ok_or_else(|| {
+            Failure::new(
+                StatusCode::BAD_REQUEST,
+                "invalid_field",
+                format!("state: {name:?} is not a run state"),
+                Some("state"),
+            )
+        })?),
+    };
+    let limit = match query.limit.as_deref() {
+        None | Some("") => 50,
+        Some(text) => text
+            .parse::<u32>()
+            .ok()
+            .filter(|n| (1..=500).contains(n))
+            .ok_or_else(|| {
+                Failure::new(
+                    StatusCode::BAD_REQUEST,
+                    "invalid_field",
+                    format!("limit: must be 1..=500, got {text:?}"),
+                    Some("limit"),
+                )
+            })?,
+    };
+    let filter = RunFilter {
+        state,
+        ticket: query.ticket.filter(|t| !t.is_empty()),
+        limit,
+        cursor: query.cursor,
+    };
+    let (runs, next_cursor) = dispatcher.store.list_runs(filter).await.map_err(internal)?;
+    Ok(Json(RunList { runs, next_cursor }))
+}
+
+async fn cancel(
+    State(dispatcher): State<Arc<Dispatcher>>,
+    Path(id): Path<String>,
+) -> Result<(StatusCode, Json<serde_json::Value>), Failure> {
+    let record = record(&dispatcher, &id).await?;
+    if record.state.is_terminal() {
+        return Err(Failure::new(
+            StatusCode::CONFLICT,
+            "not_cancellable",
+            format!("run {} already ended {}", record.job.run_id, record.state),
+            None,
+        ));
+    }
+    dispatcher
+        .cancel(record.job.run_id, record.state)
+        .await
+        .map_err(|e| {
+            Failure::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "broker_unavailable",
+                e.to_string(),
+                None,
+            )
+        })?;
+    Ok((
+        StatusCode::ACCEPTED,
+        Json(serde_json::json!({"run_id": record.job.run_id, "cancel": "requested"})),
+    ))
+}
+
+async fn resume(
+    State(dispatcher): State<Arc<Dispatcher>>,
+    Path(id): Path<String>,
+) -> Result<Json<serde_json::Value>, Failure> {
+    let record = record(&dispatcher, &id).await?;
+    if record.state != RunState::Paused {
+        return Err(Failure::new(
+            StatusCode::CONFLICT,
+            "not_paused",
+            format!("run {} is {}, not paused", record.job.run_id, record.state),
+            None,
+        ));
+    }
+    Err(Failure::new(
+        StatusCode::NOT_IMPLEMENTED,
+        "not_implemented",
+        "resuming paused runs is not available in this forgepool version; submit a new run",
+        None,
+    ))
+}
+
+async fn events(
+    State(dispatcher): State<Arc<Dispatcher>>,
+    Path(id): Path<String>,
+) -> Result<Sse<impl Stream<Item = Result<SseEvent, Infallible>>>, Failure> {
+    let run_id = record(&dispatcher, &id).await?.job.run_id;
+    let wake = dispatcher.events_stored.subscribe();
+    let state = (
+        dispatcher,
+        wake,
+        0i64,
+        false,
+        std::collections::VecDeque::<SseEvent>::new(),
+    );
+    let stream = futures_util::stream::unfold(
+        state,
+        move |(dispatcher, mut wake, mut position, mut finished, mut pending)| async move {
+            loop {
+                if let Some(event) = pending.pop_front() {
+                    return Some((Ok(event), (dispatcher, wake, position, finished, pending)));
+                }
+                if finished {
+                    return None;
+                }
+                wake.borrow_and_update();
+                let stored = dispatcher
+                    .store
+                    .events(run_id, position)
+                    .await
+                    .unwrap_or_default();
+                for (at, event) in stored {
+                    position = at;
+                    if let proto::EventKind::State { state, .. } = &event.kind {
+                        if state.is_terminal() {
+                            finished = true;
+                        }
+                    }
+                    let data = serde_json::to_string(&event).unwrap_or_default();
+                    pending.push_back(
+                        SseEvent::default()
+                            .id(at.to_string())
+                            .event(event.kind.name())
+                            .data(data),
+                    );
+                }
+                if pending.is_empty() {
+                    let _ = tokio::time::timeout(Duration::from_secs(1), wake.changed()).await;
+                }
+            }
+        },
+    );
+    Ok(Sse::new(stream).keep_alive(KeepAlive::default()))
+}
+
+async fn ready(State(dispatcher): State<Arc<Dispatcher>>) -> Response {
+    let store = dispatcher.store.ping().await.is_ok();
+    let broker = dispatcher.broker_ready.load(Ordering::SeqCst);
+    let status = if store && broker {
+        StatusCode::OK
+    } else {
+        StatusCode::SERVICE_UNAVAILABLE
+    };
+    (
+        status,
+        Json(serde_json::json!({"store": store, "broker": broker})),
+    )
+        .into_response()
+}
+
+async fn metrics() -> Response {
+    (
+        [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+        String::new(),
+    )
+        .into_response()
+}
+
+async fn openapi() -> Json<serde_json::Value> {
+    Json(crate::openapi::document())
+}

@@ -1,0 +1,59 @@
+//! The OpenAPI 3.1 document served at `/v1/openapi.json`.
+
+use serde_json::{json, Value};
+
+/// The document.
+pub fn document() -> Value {
+    let error = json!({"$ref": "#/components/schemas/Error"});
+    let errors = json!({
+        "400": {"description": "invalid input; `error.field` names the field", "content": {"application/json": {"schema": error}}},
+        "401": {"description": "missing or wrong bearer token", "content": {"application/json": {"schema": error}}},
+        "404": {"description": "no such run", "content": {"application/json": {"schema": error}}}
+    });
+    let id = json!([{"name": "id", "in": "path", "required": true, "schema": {"type": "string", "format": "uuid"}}]);
+    json!({
+        "openapi": "3.1.0",
+        "info": {"title": "forgepool dispatcher", "version": env!("CARGO_PKG_VERSION")},
+        "security": [{"bearer": []}],
+        "paths": {
+            "/v1/runs": {
+                "post": {"summary": "Submit a run request", "requestBody": {"required": true, "content": {"application/json": {"schema": {"$ref": "#/components/schemas/RunRequest"}}}},
+                         "responses": {"201": {"description": "accepted: run id and warnings"}, "413": {"description": "request or brief too large"}, "400": errors["400"], "401": errors["401"]}},
+                "get": {"summary": "List runs, newest first",
+                        "parameters": [
+                            {"name": "state", "in": "query", "schema": {"type": "string"}},
+                            {"name": "ticket", "in": "query", "schema": {"type": "string"}},
+                            {"name": "limit", "in": "query", "schema": {"type": "integer", "minimum": 1, "maximum": 500}},
+                            {"name": "cursor", "in": "query", "schema": {"type": "string"}}],
+                        "responses": {"200": {"description": "a page of runs"}, "400": errors["400"], "401": errors["401"]}}
+            },
+            "/v1/runs/{id}": {"get": {"summary": "A run: state, history, rounds, cycles, result, report", "parameters": id, "responses": {"200": {"description": "the run"}, "400": errors["400"], "401": errors["401"], "404": errors["404"]}}},
+            "/v1/runs/{id}/events": {"get": {"summary": "The run's events so far, then live (Server-Sent Events)", "parameters": id, "responses": {"200": {"description": "text/event-stream"}, "404": errors["404"]}}},
+            "/v1/runs/{id}/cancel": {"post": {"summary": "Cancel a run", "parameters": id, "responses": {"202": {"description": "cancel requested"}, "409": {"description": "the run already ended"}, "404": errors["404"]}}},
+            "/v1/runs/{id}/resume": {"post": {"summary": "Resume a paused run", "parameters": id, "responses": {"409": {"description": "the run is not paused"}, "501": {"description": "not available in this version"}}}},
+            "/healthz": {"get": {"summary": "Liveness", "security": [], "responses": {"200": {"description": "alive"}}}},
+            "/readyz": {"get": {"summary": "Readiness: store and broker reachable", "security": [], "responses": {"200": {"description": "ready"}, "503": {"description": "not ready"}}}},
+            "/metrics": {"get": {"summary": "Prometheus metrics", "security": [], "responses": {"200": {"description": "text exposition format"}}}}
+        },
+        "components": {
+            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+            "schemas": {
+                "Error": {"type": "object", "required": ["error"], "properties": {"error": {"type": "object", "required": ["code", "message"],
+                          "properties": {"code": {"type": "string"}, "message": {"type": "string"}, "field": {"type": "string"}}}}},
+                "RunRequest": {"type": "object", "additionalProperties": false, "required": ["ticket", "skill", "brief", "repository"],
+                    "properties": {
+                        "ticket": {"type": "string", "pattern": "^[A-Za-z][A-Za-z0-9_]*-[0-9]+$"},
+                        "skill": {"type": "string", "pattern": "^[a-z0-9][a-z0-9-]{0,63}$"},
+                        "step": {"type": "string", "pattern": "^[a-z0-9][a-z0-9_]{0,63}$"},
+                        "brief": {"type": "string", "maxLength": 262144},
+                        "repository": {"type": "object", "additionalProperties": false, "required": ["url"], "properties": {"url": {"type": "string"}, "ref": {"type": "string"}}},
+                        "commands": {"type": "array", "items": {"type": "object", "additionalProperties": false, "required": ["argv", "timeout"],
+                                     "properties": {"argv": {"type": "array", "minItems": 1, "items": {"type": "string"}}, "timeout": {"type": "integer", "minimum": 1}}}},
+                        "repair_attempts": {"type": "integer", "minimum": 0, "maximum": 3},
+                        "agents": {"type": "object", "additionalProperties": false, "properties": {"implementer": {"type": "string"}, "reviewer": {"type": "string"}}},
+                        "assurance": {"type": "object", "additionalProperties": false, "properties": {"review_agent": {"type": "string"}}}
+                    }}
+            }
+        }
+    })
+}

@@ -1,0 +1,512 @@
+//! `forgepool dispatcher`: the HTTP API, the submission queue, and the events consumer.
+//!
+//! One process owns the run store. Submissions (HTTP or the submission queue) are frozen,
+//! stored, then published to the jobs queue with a confirm; a run stored but not yet confirmed
+//! is published again by a background task, so a broker outage loses no accepted run. Every
+//! event workers publish is stored before it is acknowledged, and wakes the watchers.
+
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures_util::StreamExt;
+use lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicNackOptions, BasicQosOptions};
+use lapin::types::FieldTable;
+use proto::amqp::{self, AmqpError, Publisher, Topology};
+use proto::{Control, Event, EventKind, Job, RunRequest, RunState, SCHEMA_VERSION};
+use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+use tracing::{info, info_span, warn, Instrument};
+use uuid::Uuid;
+
+use crate::store::{RunStore, SqliteStore, StoreError};
+use crate::{AgentBook, Freezer, Frozen, SubmitError};
+
+/// How long publishing a job or a control message may keep retrying.
+const PUBLISH_DEADLINE: Duration = Duration::from_secs(30);
+/// How often stored-but-unpublished runs are retried.
+const REPUBLISH_INTERVAL: Duration = Duration::from_secs(5);
+
+/// The dispatcher's settings, validated before it starts.
+#[derive(Debug, Clone)]
+pub struct DispatcherConfig {
+    /// RabbitMQ URL.
+    pub amqp_url: String,
+    /// Prefix of queue and exchange names.
+    pub prefix: String,
+    /// The run store (a SQLite path or `sqlite://` URL).
+    pub database_url: String,
+    /// The skills directory, read at each submission.
+    pub skills_dir: PathBuf,
+    /// The agent profiles, loaded at start.
+    pub agents: AgentBook,
+    /// The bearer token; `None` turns authentication off.
+    pub api_token: Option<String>,
+}
+
+/// A failure that stops the dispatcher.
+#[derive(Debug, thiserror::Error)]
+pub enum DispatcherError {
+    /// The store could not be opened.
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    /// The broker could not be set up.
+    #[error(transparent)]
+    Amqp(#[from] AmqpError),
+    /// The HTTP server failed.
+    #[error("HTTP server failed: {0}")]
+    Serve(std::io::Error),
+}
+
+/// Why a submission did not go through.
+#[derive(Debug, thiserror::Error)]
+pub enum SubmitFailure {
+    /// The caller's mistake.
+    #[error(transparent)]
+    Invalid(#[from] SubmitError),
+    /// The store failed.
+    #[error(transparent)]
+    Store(#[from] StoreError),
+}
+
+/// The shared state of the dispatcher's tasks and handlers.
+#[derive(Debug)]
+pub struct Dispatcher {
+    /// The run store.
+    pub store: SqliteStore,
+    /// The confirming publisher (jobs, control messages, dead letters).
+    pub publisher: Publisher,
+    /// Queue and exchange names.
+    pub topology: Topology,
+    skills_dir: PathBuf,
+    agents: AgentBook,
+    /// The bearer token, when authentication is on.
+    pub api_token: Option<String>,
+    /// Bumped after every stored event; watchers wait on it.
+    pub events_stored: watch::Sender<u64>,
+    /// Whether the events consumer is connected (for `/readyz`).
+    pub broker_ready: AtomicBool,
+    amqp_url: String,
+}
+
+impl Dispatcher {
+    /// Validates, freezes, stores and publishes a request. A run that is stored but cannot be
+    /// published yet is published later by the republisher; it is never lost.
+    pub async fn submit(&self, request: RunRequest) -> Result<Frozen, SubmitFailure> {
+        let frozen =
+            Freezer::from_process_env(&self.skills_dir, self.agents.clone()).freeze(request)?;
+        self.store.insert_run(&frozen.job).await?;
+        info!(run_id = %frozen.job.run_id, ticket = %frozen.job.ticket, "run accepted");
+        if let Err(error) = self.publish_job(&frozen.job).await {
+            warn!(run_id = %frozen.job.run_id, %error, "job stored but not yet published; it will be retried");
+        }
+        Ok(frozen)
+    }
+
+    async fn publish_job(&self, job: &Job) -> Result<(), AmqpError> {
+        let payload = serde_json::to_vec(job).unwrap_or_default();
+        self.publisher
+            .publish_reliably("", &self.topology.jobs(), &payload, PUBLISH_DEADLINE)
+            .await?;
+        if let Err(error) = self.store.mark_published(job.run_id).await {
+            warn!(run_id = %job.run_id, %error, "cannot mark the job published; it may be published twice");
+        }
+        Ok(())
+    }
+
+    /// Asks the workers to cancel a run; a queued run is cancelled in the store at once.
+    pub async fn cancel(&self, run_id: Uuid, state: RunState) -> Result<(), AmqpError> {
+        if state == RunState::Queued {
+            let event = Event::new(
+                run_id,
+                EventKind::State {
+                    state: RunState::Cancelled,
+                    reason: "cancelled by request before it started".into(),
+                },
+            );
+            if self.store.record_event(&event).await.is_ok() {
+                self.events_stored.send_modify(|n| *n += 1);
+            }
+        }
+        self.publish_cancel(run_id).await
+    }
+
+    async fn publish_cancel(&self, run_id: Uuid) -> Result<(), AmqpError> {
+        let control = Control {
+            schema_version: SCHEMA_VERSION,
+            run_id,
+            action: "cancel".into(),
+        };
+        let payload = serde_json::to_vec(&control).unwrap_or_default();
+        // Control messages are not mandatory: no worker may hold the run right now.
+        let channel = self.publisher.channel().await?;
+        let options = lapin::options::BasicPublishOptions::default();
+        let properties = lapin::BasicProperties::default().with_delivery_mode(2);
+        channel
+            .basic_publish(
+                &self.topology.control(),
+                &format!("cancel.{run_id}"),
+                options,
+                &payload,
+                properties,
+            )
+            .await
+            .map_err(|source| AmqpError::Broker {
+                operation: "publish cancel",
+                source,
+            })?;
+        Ok(())
+    }
+}
+
+/// Runs the dispatcher until `shutdown` is cancelled: HTTP on `listener`, the consumers, and
+/// the republisher. Shutdown stops accepting HTTP first, then the consumers.
+pub async fn run(
+    config: DispatcherConfig,
+    listener: tokio::net::TcpListener,
+    shutdown: CancellationToken,
+) -> Result<(), DispatcherError> {
+    let store = SqliteStore::open(&config.database_url)?;
+    let topology = Topology::new(&config.prefix);
+    let publisher = Publisher::new(&config.amqp_url, "forgepool-dispatcher-publish")?;
+    declare_with_retry(&publisher, &topology, &shutdown).await?;
+    let (events_stored, _) = watch::channel(0);
+    let dispatcher = Arc::new(Dispatcher {
+        store,
+        publisher,
+        topology,
+        skills_dir: config.skills_dir,
+        agents: config.agents,
+        api_token: config.api_token,
+        events_stored,
+        broker_ready: AtomicBool::new(false),
+        amqp_url: config.amqp_url,
+    });
+    let tasks = TaskTracker::new();
+    tasks.spawn(consume_events(Arc::clone(&dispatcher), shutdown.clone()));
+    tasks.spawn(consume_submissions(
+        Arc::clone(&dispatcher),
+        shutdown.clone(),
+    ));
+    tasks.spawn(republish(Arc::clone(&dispatcher), shutdown.clone()));
+    tasks.close();
+
+    let address = listener.local_addr().map_err(DispatcherError::Serve)?;
+    info!(%address, "dispatcher listening");
+    let app = crate::http::router(Arc::clone(&dispatcher));
+    let serve_shutdown = shutdown.clone();
+    axum::serve(listener, app)
+        .with_graceful_shutdown(async move { serve_shutdown.cancelled().await })
+        .await
+        .map_err(DispatcherError::Serve)?;
+    shutdown.cancel();
+    if tokio::time::timeout(Duration::from_secs(10), tasks.wait())
+        .await
+        .is_err()
+    {
+        warn!("background tasks did not stop within 10 s");
+    }
+    info!("dispatcher stopped");
+    Ok(())
+}
+
+async fn declare_with_retry(
+    publisher: &Publisher,
+    topology: &Topology,
+    shutdown: &CancellationToken,
+) -> Result<(), AmqpError> {
+    let mut attempts = 0;
+    loop {
+        let result = async { topology.declare(&publisher.channel().await?).await }.await;
+        match result {
+            Ok(()) => return Ok(()),
+            Err(error) if attempts < 30 && !shutdown.is_cancelled() => {
+                attempts += 1;
+                warn!(%error, "cannot set up RabbitMQ yet; retrying");
+                tokio::time::sleep(Duration::from_secs(1)).await;
+            }
+            Err(error) => return Err(error),
+        }
+    }
+}
+
+/// Consumes a queue until shutdown, reconnecting with backoff after a lost connection.
+async fn consume_forever<F, Fut>(
+    dispatcher: Arc<Dispatcher>,
+    queue: String,
+    name: &'static str,
+    shutdown: CancellationToken,
+    handle: F,
+) where
+    F: Fn(Arc<Dispatcher>, lapin::message::Delivery) -> Fut,
+    Fut: std::future::Future<Output = ()>,
+{
+    let mut backoff = Duration::from_millis(200);
+    while !shutdown.is_cancelled() {
+        let session = async {
+            let connection = amqp::connect(&dispatcher.amqp_url, name).await?;
+            let channel =
+                connection
+                    .create_channel()
+                    .await
+                    .map_err(|source| AmqpError::Broker {
+                        operation: "open channel",
+                        source,
+                    })?;
+            dispatcher.topology.declare(&channel).await?;
+            channel
+                .basic_qos(64, BasicQosOptions::default())
+                .await
+                .map_err(|source| AmqpError::Broker {
+                    operation: "qos",
+                    source,
+                })?;
+            let consumer = channel
+                .basic_consume(
+                    &queue,
+                    name,
+                    BasicConsumeOptions::default(),
+                    FieldTable::default(),
+                )
+                .await
+                .map_err(|source| AmqpError::Broker {
+                    operation: "consume",
+                    source,
+                })?;
+            Ok::<_, AmqpError>((connection, channel, consumer))
+        };
+        let (connection, channel, mut consumer) = match session.await {
+            Ok(session) => session,
+            Err(error) => {
+                warn!(%error, queue = %queue, "consumer cannot connect; retrying");
+                tokio::select! {
+                    () = tokio::time::sleep(backoff) => {},
+                    () = shutdown.cancelled() => break,
+                }
+                backoff = (backoff * 2).min(Duration::from_secs(5));
+                continue;
+            }
+        };
+        backoff = Duration::from_millis(200);
+        if name == "forgepool-dispatcher-events" {
+            dispatcher.broker_ready.store(true, Ordering::SeqCst);
+        }
+        loop {
+            tokio::select! {
+                next = consumer.next() => match next {
+                    Some(Ok(delivery)) => handle(Arc::clone(&dispatcher), delivery).await,
+                    Some(Err(error)) => { warn!(%error, queue = %queue, "consumer failed; reconnecting"); break; }
+                    None => { warn!(queue = %queue, "consumer closed; reconnecting"); break; }
+                },
+                () = shutdown.cancelled() => break,
+            }
+        }
+        if name == "forgepool-dispatcher-events" {
+            dispatcher.broker_ready.store(false, Ordering::SeqCst);
+        }
+        let _ = channel.close(200, "bye").await;
+        let _ = connection.close(200, "bye").await;
+    }
+}
+
+async fn consume_events(dispatcher: Arc<Dispatcher>, shutdown: CancellationToken) {
+    let queue = dispatcher.topology.dispatcher_events();
+    consume_forever(
+        dispatcher,
+        queue,
+        "forgepool-dispatcher-events",
+        shutdown,
+        handle_event,
+    )
+    .await;
+}
+
+async fn handle_event(dispatcher: Arc<Dispatcher>, delivery: lapin::message::Delivery) {
+    let event = match decode::<Event>(&delivery.data) {
+        Ok(event) => event,
+        Err(reason) => {
+            return dead_letter(
+                &dispatcher,
+                delivery,
+                &format!("not a valid event: {reason}"),
+            )
+            .await
+        }
+    };
+    let span = info_span!("event", run_id = %event.run_id, kind = event.kind.name());
+    async {
+        let before = dispatcher
+            .store
+            .get_run(event.run_id)
+            .await
+            .ok()
+            .flatten()
+            .map(|r| r.state);
+        let Some(before) = before else {
+            return dead_letter(
+                &dispatcher,
+                delivery,
+                &format!("event for unknown run {}", event.run_id),
+            )
+            .await;
+        };
+        match dispatcher.store.record_event(&event).await {
+            Ok(_) => {
+                dispatcher.events_stored.send_modify(|n| *n += 1);
+                // A worker picked up a run that was cancelled while queued: tell it again.
+                if before == RunState::Cancelled
+                    && matches!(
+                        event.kind,
+                        EventKind::State {
+                            state: RunState::Running,
+                            ..
+                        }
+                    )
+                {
+                    let _ = dispatcher.publish_cancel(event.run_id).await;
+                }
+                let _ = delivery.ack(BasicAckOptions::default()).await;
+            }
+            Err(error) => {
+                warn!(%error, "cannot store event; it will be delivered again");
+                tokio::time::sleep(Duration::from_millis(500)).await;
+                let _ = delivery
+                    .nack(BasicNackOptions {
+                        requeue: true,
+                        ..Default::default()
+                    })
+                    .await;
+            }
+        }
+    }
+    .instrument(span)
+    .await
+}
+
+async fn consume_submissions(dispatcher: Arc<Dispatcher>, shutdown: CancellationToken) {
+    let queue = dispatcher.topology.submissions();
+    consume_forever(
+        dispatcher,
+        queue,
+        "forgepool-dispatcher-submissions",
+        shutdown,
+        handle_submission,
+    )
+    .await;
+}
+
+async fn handle_submission(dispatcher: Arc<Dispatcher>, delivery: lapin::message::Delivery) {
+    let request = match decode::<RunRequest>(&delivery.data) {
+        Ok(request) => request,
+        Err(reason) => {
+            return dead_letter(
+                &dispatcher,
+                delivery,
+                &format!("not a valid run request: {reason}"),
+            )
+            .await
+        }
+    };
+    let reply_to = delivery
+        .properties
+        .reply_to()
+        .as_ref()
+        .map(|r| r.to_string());
+    let reply = match dispatcher.submit(request).await {
+        Ok(frozen) => {
+            let _ = delivery.ack(BasicAckOptions::default()).await;
+            serde_json::json!({"run_id": frozen.job.run_id, "state": "queued", "warnings": frozen.warnings})
+        }
+        Err(SubmitFailure::Invalid(error)) => {
+            let reason = format!("refused: {error}");
+            let body = serde_json::json!({"error": {"code": error.code(), "message": error.to_string(), "field": error.field()}});
+            dead_letter(&dispatcher, delivery, &reason).await;
+            body
+        }
+        Err(SubmitFailure::Store(error)) => {
+            warn!(%error, "cannot store a submission; it will be delivered again");
+            let _ = delivery
+                .nack(BasicNackOptions {
+                    requeue: true,
+                    ..Default::default()
+                })
+                .await;
+            return;
+        }
+    };
+    if let Some(reply_to) = reply_to {
+        let payload = serde_json::to_vec(&reply).unwrap_or_default();
+        if let Err(error) = dispatcher
+            .publisher
+            .publish("", &reply_to, &payload, None)
+            .await
+        {
+            warn!(%error, "cannot reply to the submitter");
+        }
+    }
+}
+
+/// Decodes a message, refusing a missing or unknown `schema_version` first.
+pub fn decode<T: serde::de::DeserializeOwned>(data: &[u8]) -> Result<T, String> {
+    let value: serde_json::Value =
+        serde_json::from_slice(data).map_err(|e| format!("malformed JSON: {e}"))?;
+    match value
+        .get("schema_version")
+        .and_then(serde_json::Value::as_u64)
+    {
+        Some(version) if version == u64::from(SCHEMA_VERSION) => {}
+        Some(version) => {
+            return Err(format!(
+                "unknown schema_version {version}; this dispatcher reads {SCHEMA_VERSION}"
+            ))
+        }
+        None => {
+            return Err(format!(
+                "schema_version is missing; it must be {SCHEMA_VERSION}"
+            ))
+        }
+    }
+    serde_json::from_value(value).map_err(|e| e.to_string())
+}
+
+async fn dead_letter(dispatcher: &Dispatcher, delivery: lapin::message::Delivery, reason: &str) {
+    warn!(%reason, "dead-lettering a message");
+    match dispatcher
+        .publisher
+        .dead_letter(&dispatcher.topology, &delivery.data, reason)
+        .await
+    {
+        Ok(()) => {
+            let _ = delivery.ack(BasicAckOptions::default()).await;
+        }
+        Err(error) => {
+            warn!(%error, "cannot dead-letter; rejecting instead");
+            let _ = delivery
+                .reject(lapin::options::BasicRejectOptions { requeue: false })
+                .await;
+        }
+    }
+}
+
+async fn republish(dispatcher: Arc<Dispatcher>, shutdown: CancellationToken) {
+    loop {
+        match dispatcher.store.unpublished_jobs().await {
+            Ok(jobs) => {
+                for job in jobs {
+                    if let Err(error) = dispatcher.publish_job(&job).await {
+                        warn!(run_id = %job.run_id, %error, "still cannot publish the job");
+                        break;
+                    }
+                    info!(run_id = %job.run_id, "published a stored job");
+                }
+            }
+            Err(error) => warn!(%error, "cannot read unpublished jobs"),
+        }
+        tokio::select! {
+            () = tokio::time::sleep(REPUBLISH_INTERVAL) => {},
+            () = shutdown.cancelled() => return,
+        }
+    }
+}

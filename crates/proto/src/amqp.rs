@@ -1,0 +1,467 @@
+//! The AMQP wire: queue and exchange names, their arguments, and a confirming publisher.
+//!
+//! Both services declare the whole topology on start (declarations are idempotent), so either
+//! may start first and no message is ever unroutable. Names share a prefix (`forgepool` by
+//! default) so that several installations, or tests, can share one broker.
+
+use std::time::Duration;
+
+use deadpool_lapin::lapin;
+use lapin::options::{
+    BasicPublishOptions, ConfirmSelectOptions, ExchangeDeclareOptions, QueueBindOptions,
+    QueueDeclareOptions,
+};
+use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
+use lapin::{BasicProperties, Channel, Connection, ConnectionProperties, ExchangeKind};
+use tokio::sync::Mutex;
+
+/// How often a message is delivered before the broker dead-letters it (a job that keeps
+/// killing its workers must not be retried forever).
+pub const DELIVERY_LIMIT: i64 = 5;
+/// How long a publish waits for the broker's confirm.
+pub const CONFIRM_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long connecting may take.
+pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+/// The header that carries why a message was dead-lettered.
+pub const REASON_HEADER: &str = "x-forgepool-reason";
+/// How long a job waits in the wait queue before it is offered again (its run is leased by a
+/// live worker).
+pub const WAIT_QUEUE_TTL_MS: i64 = 3_000;
+/// How long a run's completion marker is kept.
+pub const DONE_MARKER_TTL_MS: i64 = 7 * 24 * 3600 * 1000;
+
+/// A failed AMQP operation.
+#[derive(Debug, thiserror::Error)]
+pub enum AmqpError {
+    /// The broker could not be reached.
+    #[error("cannot connect to RabbitMQ at {url}: {detail}; start it (scripts/services.sh) or set FORGEPOOL_AMQP_URL")]
+    Connect {
+        /// The URL without credentials.
+        url: String,
+        /// The cause.
+        detail: String,
+    },
+    /// A broker operation failed.
+    #[error("RabbitMQ {operation} failed: {source}")]
+    Broker {
+        /// What was attempted.
+        operation: &'static str,
+        /// The cause.
+        source: lapin::Error,
+    },
+    /// The broker did not confirm a publish in time.
+    #[error("RabbitMQ did not confirm a publish to {target} within {CONFIRM_TIMEOUT:?}")]
+    ConfirmTimeout {
+        /// Exchange and routing key.
+        target: String,
+    },
+    /// The broker refused a publish, or no queue was bound to take it.
+    #[error("RabbitMQ refused a publish to {target}: {detail}")]
+    Refused {
+        /// Exchange and routing key.
+        target: String,
+        /// Nack or unroutable.
+        detail: String,
+    },
+    /// A pooled connection could not be had.
+    #[error("no RabbitMQ connection available: {0}")]
+    Pool(String),
+}
+
+/// The names of forgepool's queues and exchanges under one prefix.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Topology {
+    prefix: String,
+}
+
+impl Topology {
+    /// The topology under `prefix` (`forgepool` by default).
+    pub fn new(prefix: impl Into<String>) -> Topology {
+        Topology {
+            prefix: prefix.into(),
+        }
+    }
+
+    /// The prefix.
+    pub fn prefix(&self) -> &str {
+        &self.prefix
+    }
+
+    /// Run requests from external producers: `{prefix}.submissions`.
+    pub fn submissions(&self) -> String {
+        format!("{}.submissions", self.prefix)
+    }
+
+    /// Frozen jobs for workers: `{prefix}.jobs`.
+    pub fn jobs(&self) -> String {
+        format!("{}.jobs", self.prefix)
+    }
+
+    /// Jobs whose run is leased by a live worker wait here, then return to the jobs queue.
+    pub fn jobs_wait(&self) -> String {
+        format!("{}.jobs.wait", self.prefix)
+    }
+
+    /// Dead letters: `{prefix}.dead`, a queue behind the fanout exchange of the same name.
+    pub fn dead(&self) -> String {
+        format!("{}.dead", self.prefix)
+    }
+
+    /// The events topic exchange: `{prefix}.events`.
+    pub fn events(&self) -> String {
+        format!("{}.events", self.prefix)
+    }
+
+    /// The dispatcher's durable queue of every event.
+    pub fn dispatcher_events(&self) -> String {
+        format!("{}.dispatcher.events", self.prefix)
+    }
+
+    /// The control topic exchange (cancel requests): `{prefix}.control`.
+    pub fn control(&self) -> String {
+        format!("{}.control", self.prefix)
+    }
+
+    /// The exclusive queue that leases a run to the worker holding it.
+    pub fn lease(&self, run_id: &str) -> String {
+        format!("{}.lease.{run_id}", self.prefix)
+    }
+
+    /// The queue whose existence says a run finished and its final events were confirmed.
+    pub fn done(&self, run_id: &str) -> String {
+        format!("{}.done.{run_id}", self.prefix)
+    }
+
+    /// The exclusive queue that says a worker instance is alive.
+    pub fn presence(&self, instance: &str) -> String {
+        format!("{}.presence.{instance}", self.prefix)
+    }
+
+    /// Declares every exchange and shared queue. Idempotent.
+    pub async fn declare(&self, channel: &Channel) -> Result<(), AmqpError> {
+        let broker = |operation| move |source| AmqpError::Broker { operation, source };
+        let durable = ExchangeDeclareOptions {
+            durable: true,
+            ..Default::default()
+        };
+        channel
+            .exchange_declare(
+                &self.dead(),
+                ExchangeKind::Fanout,
+                durable,
+                FieldTable::default(),
+            )
+            .await
+            .map_err(broker("declare dead-letter exchange"))?;
+        channel
+            .exchange_declare(
+                &self.events(),
+                ExchangeKind::Topic,
+                durable,
+                FieldTable::default(),
+            )
+            .await
+            .map_err(broker("declare events exchange"))?;
+        channel
+            .exchange_declare(
+                &self.control(),
+                ExchangeKind::Topic,
+                durable,
+                FieldTable::default(),
+            )
+            .await
+            .map_err(broker("declare control exchange"))?;
+
+        let queue = QueueDeclareOptions {
+            durable: true,
+            ..Default::default()
+        };
+        channel
+            .queue_declare(&self.dead(), queue, quorum(None, None))
+            .await
+            .map_err(broker("declare dead-letter queue"))?;
+        channel
+            .queue_bind(
+                &self.dead(),
+                &self.dead(),
+                "",
+                QueueBindOptions::default(),
+                FieldTable::default(),
+            )
+            .await
+            .map_err(broker("bind dead-letter queue"))?;
+        for name in [self.jobs(), self.submissions()] {
+            channel
+                .queue_declare(
+                    &name,
+                    queue,
+                    quorum(Some(&self.dead()), Some(DELIVERY_LIMIT)),
+                )
+                .await
+                .map_err(broker("declare work queue"))?;
+        }
+        let mut wait = FieldTable::default();
+        wait.insert(
+            "x-message-ttl".into(),
+            AMQPValue::LongLongInt(WAIT_QUEUE_TTL_MS),
+        );
+        wait.insert(
+            "x-dead-letter-exchange".into(),
+            AMQPValue::LongString(LongString::from("")),
+        );
+        wait.insert(
+            "x-dead-letter-routing-key".into(),
+            AMQPValue::LongString(LongString::from(self.jobs())),
+        );
+        channel
+            .queue_declare(&self.jobs_wait(), queue, wait)
+            .await
+            .map_err(broker("declare wait queue"))?;
+        channel
+            .queue_declare(
+                &self.dispatcher_events(),
+                queue,
+                quorum(Some(&self.dead()), Some(DELIVERY_LIMIT)),
+            )
+            .await
+            .map_err(broker("declare dispatcher events queue"))?;
+        channel
+            .queue_bind(
+                &self.dispatcher_events(),
+                &self.events(),
+                "run.#",
+                QueueBindOptions::default(),
+                FieldTable::default(),
+            )
+            .await
+            .map_err(broker("bind dispatcher events queue"))?;
+        Ok(())
+    }
+}
+
+/// Quorum-queue arguments with an optional dead-letter exchange and delivery limit.
+fn quorum(dead_letter_exchange: Option<&str>, delivery_limit: Option<i64>) -> FieldTable {
+    let mut arguments = FieldTable::default();
+    arguments.insert(
+        "x-queue-type".into(),
+        AMQPValue::LongString(LongString::from("quorum")),
+    );
+    if let Some(exchange) = dead_letter_exchange {
+        arguments.insert(
+            "x-dead-letter-exchange".into(),
+            AMQPValue::LongString(LongString::from(exchange)),
+        );
+    }
+    if let Some(limit) = delivery_limit {
+        arguments.insert("x-delivery-limit".into(), AMQPValue::LongLongInt(limit));
+    }
+    arguments
+}
+
+/// Connection properties that run lapin on the current tokio runtime.
+pub fn connection_properties(name: &str) -> ConnectionProperties {
+    ConnectionProperties::default()
+        .with_executor(tokio_executor_trait::Tokio::current())
+        .with_reactor(tokio_reactor_trait::Tokio)
+        .with_connection_name(LongString::from(name.to_string()))
+}
+
+/// Opens a connection within [`CONNECT_TIMEOUT`].
+pub async fn connect(url: &str, name: &str) -> Result<Connection, AmqpError> {
+    let failed = |detail: String| AmqpError::Connect {
+        url: redact_url(url),
+        detail,
+    };
+    match tokio::time::timeout(
+        CONNECT_TIMEOUT,
+        Connection::connect(url, connection_properties(name)),
+    )
+    .await
+    {
+        Ok(Ok(connection)) => Ok(connection),
+        Ok(Err(error)) => Err(failed(error.to_string())),
+        Err(_) => Err(failed(format!("no answer within {CONNECT_TIMEOUT:?}"))),
+    }
+}
+
+/// A URL with its password hidden, for messages and logs.
+pub fn redact_url(url: &str) -> String {
+    match (url.find("://"), url.rfind('@')) {
+        (Some(scheme), Some(at)) if at > scheme => {
+            let credentials = &url[scheme + 3..at];
+            let user = credentials.split(':').next().unwrap_or("");
+            format!("{}{user}:***{}", &url[..scheme + 3], &url[at..])
+        }
+        _ => url.to_string(),
+    }
+}
+
+/// A publisher with confirms on its own pooled connection. Every publish is persistent and
+/// `mandatory`, and waits for the broker's confirm for at most [`CONFIRM_TIMEOUT`].
+#[derive(Debug)]
+pub struct Publisher {
+    pool: deadpool_lapin::Pool,
+    channel: Mutex<Option<Channel>>,
+}
+
+impl Publisher {
+    /// A publisher connecting to `url` (lazily, and again after a lost connection).
+    pub fn new(url: &str, name: &str) -> Result<Publisher, AmqpError> {
+        let manager = deadpool_lapin::Manager::new(url.to_string(), connection_properties(name));
+        let pool = deadpool_lapin::Pool::builder(manager)
+            .max_size(2)
+            .runtime(deadpool_lapin::Runtime::Tokio1)
+            .build()
+            .map_err(|e| AmqpError::Pool(e.to_string()))?;
+        Ok(Publisher {
+            pool,
+            channel: Mutex::new(None),
+        })
+    }
+
+    /// A channel in confirm mode, reusing the last one while it is healthy.
+    pub async fn channel(&self) -> Result<Channel, AmqpError> {
+        let mut slot = self.channel.lock().await;
+        if let Some(channel) = slot.as_ref() {
+            if channel.status().connected() {
+                return Ok(channel.clone());
+            }
+        }
+        let connection = tokio::time::timeout(CONNECT_TIMEOUT, self.pool.get())
+            .await
+            .map_err(|_| AmqpError::Pool(format!("no connection within {CONNECT_TIMEOUT:?}")))?
+            .map_err(|e| AmqpError::Pool(e.to_string()))?;
+        let channel = connection
+            .create_channel()
+            .await
+            .map_err(|source| AmqpError::Broker {
+                operation: "open channel",
+                source,
+            })?;
+        channel
+            .confirm_select(ConfirmSelectOptions::default())
+            .await
+            .map_err(|source| AmqpError::Broker {
+                operation: "enable confirms",
+                source,
+            })?;
+        *slot = Some(channel.clone());
+        Ok(channel)
+    }
+
+    /// Publishes once and waits for the confirm. `headers` are added to the message.
+    pub async fn publish(
+        &self,
+        exchange: &str,
+        routing_key: &str,
+        payload: &[u8],
+        headers: Option<FieldTable>,
+    ) -> Result<(), AmqpError> {
+        let target = format!("{exchange}/{routing_key}");
+        let channel = self.channel().await?;
+        let mut properties = BasicProperties::default()
+            .with_delivery_mode(2)
+            .with_content_type(ShortString::from("application/json"));
+        if let Some(headers) = headers {
+            properties = properties.with_headers(headers);
+        }
+        let options = BasicPublishOptions {
+            mandatory: true,
+            ..Default::default()
+        };
+        let confirm = channel
+            .basic_publish(exchange, routing_key, options, payload, properties)
+            .await
+            .map_err(|source| AmqpError::Broker {
+                operation: "publish",
+                source,
+            })?;
+        let confirmation = tokio::time::timeout(CONFIRM_TIMEOUT, confirm)
+            .await
+            .map_err(|_| AmqpError::ConfirmTimeout {
+                target: target.clone(),
+            })?
+            .map_err(|source| AmqpError::Broker {
+                operation: "confirm",
+                source,
+            })?;
+        if confirmation.is_nack() {
+            return Err(AmqpError::Refused {
+                target,
+                detail: "the broker nacked it".into(),
+            });
+        }
+        if let Some(returned) = confirmation.take_message() {
+            return Err(AmqpError::Refused {
+                target,
+                detail: format!("unroutable ({})", returned.reply_text),
+            });
+        }
+        Ok(())
+    }
+
+    /// Publishes, retrying with backoff (0.1 s up to 5 s) until `deadline` passes. Use it for
+    /// messages that must not be lost across a broker restart.
+    pub async fn publish_reliably(
+        &self,
+        exchange: &str,
+        routing_key: &str,
+        payload: &[u8],
+        deadline: Duration,
+    ) -> Result<(), AmqpError> {
+        let started = std::time::Instant::now();
+        let mut backoff = Duration::from_millis(100);
+        loop {
+            match self.publish(exchange, routing_key, payload, None).await {
+                Ok(()) => return Ok(()),
+                Err(error) if started.elapsed() + backoff < deadline => {
+                    tracing::warn!(%error, "publish failed; retrying");
+                    *self.channel.lock().await = None;
+                    tokio::time::sleep(backoff).await;
+                    backoff = (backoff * 2).min(Duration::from_secs(5));
+                }
+                Err(error) => return Err(error),
+            }
+        }
+    }
+
+    /// Publishes a message to the dead-letter exchange with the reason in a header.
+    pub async fn dead_letter(
+        &self,
+        topology: &Topology,
+        payload: &[u8],
+        reason: &str,
+    ) -> Result<(), AmqpError> {
+        let mut headers = FieldTable::default();
+        headers.insert(
+            REASON_HEADER.into(),
+            AMQPValue::LongString(LongString::from(reason.to_string())),
+        );
+        self.publish(&topology.dead(), "", payload, Some(headers))
+            .await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_follow_spec_11() {
+        let topology = Topology::new("forgepool");
+        assert_eq!(topology.submissions(), "forgepool.submissions");
+        assert_eq!(topology.jobs(), "forgepool.jobs");
+        assert_eq!(topology.dead(), "forgepool.dead");
+        assert_eq!(topology.events(), "forgepool.events");
+        assert_eq!(Topology::new("t1").jobs(), "t1.jobs");
+    }
+
+    #[test]
+    fn urls_lose_their_password() {
+        assert_eq!(
+            redact_url("amqp://guest:secret@host:5672/%2f"),
+            "amqp://guest:***@host:5672/%2f"
+        );
+        assert_eq!(redact_url("amqp://host"), "amqp://host");
+    }
+}

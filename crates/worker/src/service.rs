@@ -1,0 +1,666 @@
+//! `forgepool worker`: takes jobs from RabbitMQ and runs them with the engine.
+//!
+//! A job is acknowledged only after its final event is confirmed by the broker. Three broker
+//! facts make runs safe across crashes and long runs:
+//! - a **lease** (an exclusive queue per run) is held while a run executes, so a job that the
+//!   broker redelivers while its worker still lives (after a consumer-acknowledgement timeout)
+//!   waits in the wait queue instead of running twice;
+//! - a **done marker** (a durable queue per run, expiring after a week) is declared after the
+//!   final events are confirmed, so a redelivered finished job is acknowledged without running;
+//! - a **presence** queue per worker instance lets the other workers find and remove the
+//!   containers of a worker that died.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures_util::StreamExt;
+use lapin::options::{
+    BasicAckOptions, BasicConsumeOptions, BasicNackOptions, BasicQosOptions, QueueBindOptions,
+    QueueDeclareOptions, QueueDeleteOptions,
+};
+use lapin::types::{AMQPValue, FieldTable};
+use lapin::{Channel, Connection};
+use proto::amqp::{self, AmqpError, Publisher, Topology, DONE_MARKER_TTL_MS};
+use proto::{Control, Event, EventKind, Job, SCHEMA_VERSION};
+use tokio::sync::{Mutex, Semaphore};
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+use tracing::{info, info_span, warn, Instrument};
+use uuid::Uuid;
+
+use crate::docker::DockerRuntime;
+use crate::engine::Engine;
+use crate::sink::{EventSink, PublishEvent};
+
+/// The worker's settings, validated before it starts.
+#[derive(Debug, Clone)]
+pub struct WorkerConfig {
+    /// RabbitMQ URL.
+    pub amqp_url: String,
+    /// Prefix of queue and exchange names.
+    pub prefix: String,
+    /// Run slots.
+    pub concurrency: usize,
+    /// This worker's stable name.
+    pub worker_id: String,
+    /// How long in-flight runs may finish after SIGTERM before they are handed back.
+    pub drain: Duration,
+    /// How often a running run reports a heartbeat.
+    pub heartbeat: Duration,
+    /// How long publishing one event may keep retrying (a broker restart in between).
+    pub publish_deadline: Duration,
+}
+
+/// A failure that stops the worker.
+#[derive(Debug, thiserror::Error)]
+pub enum WorkerError {
+    /// The broker could not be set up.
+    #[error(transparent)]
+    Amqp(#[from] AmqpError),
+}
+
+/// Publishes a run's events to the events exchange with confirms, retrying through a broker
+/// restart for up to the publish deadline.
+#[derive(Debug)]
+pub struct AmqpSink {
+    publisher: Arc<Publisher>,
+    topology: Topology,
+    deadline: Duration,
+}
+
+impl EventSink for AmqpSink {
+    async fn publish(&self, event: Event) -> Result<(), PublishEvent> {
+        let payload = serde_json::to_vec(&event).map_err(|e| PublishEvent(e.to_string()))?;
+        self.publisher
+            .publish_reliably(
+                &self.topology.events(),
+                &event.routing_key(),
+                &payload,
+                self.deadline,
+            )
+            .await
+            .map_err(|e| PublishEvent(e.to_string()))
+    }
+}
+
+struct Shared {
+    config: WorkerConfig,
+    topology: Topology,
+    engine: Engine<DockerRuntime>,
+    sink: AmqpSink,
+    publisher: Arc<Publisher>,
+    /// The connection that holds leases and the presence queue; replaced after a loss.
+    leases: Mutex<Option<Connection>>,
+    /// Cancel tokens of the runs in flight, for cancel requests.
+    running: Mutex<HashMap<Uuid, CancellationToken>>,
+    slots: Arc<Semaphore>,
+    /// Fired when in-flight runs must stop and be handed back.
+    interrupt: CancellationToken,
+}
+
+/// Runs the worker until `shutdown` is cancelled, then drains: no new jobs, in-flight runs get
+/// `drain` to finish, then they are interrupted and handed back to the queue.
+pub async fn run(
+    config: WorkerConfig,
+    engine: Engine<DockerRuntime>,
+    shutdown: CancellationToken,
+) -> Result<(), WorkerError> {
+    let topology = Topology::new(&config.prefix);
+    let publisher = Arc::new(Publisher::new(
+        &config.amqp_url,
+        "forgepool-worker-publish",
+    )?);
+    declare(&publisher, &topology).await?;
+    let shared = Arc::new(Shared {
+        sink: AmqpSink {
+            publisher: Arc::clone(&publisher),
+            topology: topology.clone(),
+            deadline: config.publish_deadline,
+        },
+        slots: Arc::new(Semaphore::new(config.concurrency)),
+        config,
+        topology,
+        engine,
+        publisher,
+        leases: Mutex::new(None),
+        running: Mutex::new(HashMap::new()),
+        interrupt: CancellationToken::new(),
+    });
+    if let Err(error) = shared.engine.runtime().remove_orphans_now().await {
+        warn!(%error, "orphan cleanup failed");
+    }
+    let runs = TaskTracker::new();
+    let background = TaskTracker::new();
+    background.spawn(control_loop(Arc::clone(&shared), shutdown.clone()));
+    background.spawn(sweep_loop(Arc::clone(&shared), shutdown.clone()));
+    info!(worker = %shared.config.worker_id, slots = shared.config.concurrency, "worker started");
+    consume_jobs(Arc::clone(&shared), &runs, shutdown.clone()).await;
+
+    info!(in_flight = runs.len(), "draining");
+    runs.close();
+    if tokio::time::timeout(shared.config.drain, runs.wait())
+        .await
+        .is_err()
+    {
+        warn!("drain time is over; handing in-flight runs back");
+        shared.interrupt.cancel();
+        let _ = tokio::time::timeout(Duration::from_secs(60), runs.wait()).await;
+    }
+    background.close();
+    let _ = tokio::time::timeout(Duration::from_secs(5), background.wait()).await;
+    info!("worker stopped");
+    Ok(())
+}
+
+async fn declare(publisher: &Publisher, topology: &Topology) -> Result<(), AmqpError> {
+    let mut attempts = 0;
+    loop {
+        match async { topology.declare(&publisher.channel().await?).await }.await {
+            Ok(()) => return Ok(()),
+            Err(error) if attempts < 30 => {
+                attempts += 1;
+                warn!(%error, "cannot set up RabbitMQ yet; retrying");
+                tokio::time::sleep(Duration::from_secs(1)).await;
+            }
+            Err(error) => return Err(error),
+        }
+    }
+}
+
+impl Shared {
+    /// A fresh channel on the lease connection, reconnecting (and re-announcing presence) when
+    /// the connection was lost.
+    async fn lease_channel(&self) -> Result<Channel, AmqpError> {
+        let mut slot = self.leases.lock().await;
+        let healthy = slot.as_ref().is_some_and(|c| c.status().connected());
+        if !healthy {
+            let connection =
+                amqp::connect(&self.config.amqp_url, "forgepool-worker-leases").await?;
+            let channel =
+                connection
+                    .create_channel()
+                    .await
+                    .map_err(|source| AmqpError::Broker {
+                        operation: "open channel",
+                        source,
+                    })?;
+            let exclusive = QueueDeclareOptions {
+                exclusive: true,
+                auto_delete: true,
+                ..Default::default()
+            };
+            let presence = self.topology.presence(self.engine.runtime().instance());
+            channel
+                .queue_declare(&presence, exclusive, FieldTable::default())
+                .await
+                .map_err(|source| AmqpError::Broker {
+                    operation: "declare presence",
+                    source,
+                })?;
+            *slot = Some(connection);
+        }
+        let connection = slot.as_ref().expect("connected above");
+        connection
+            .create_channel()
+            .await
+            .map_err(|source| AmqpError::Broker {
+                operation: "open channel",
+                source,
+            })
+    }
+
+    /// Whether a queue exists (a passive declare; a missing queue closes only its own channel).
+    async fn queue_exists(&self, name: &str) -> Result<bool, AmqpError> {
+        let channel = self.lease_channel().await?;
+        let passive = QueueDeclareOptions {
+            passive: true,
+            ..Default::default()
+        };
+        match channel
+            .queue_declare(name, passive, FieldTable::default())
+            .await
+        {
+            Ok(_) => {
+                let _ = channel.close(200, "checked").await;
+                Ok(true)
+            }
+            Err(lapin::Error::ProtocolError(error)) if error.get_id() == 404 => Ok(false),
+            Err(source) => Err(AmqpError::Broker {
+                operation: "check queue",
+                source,
+            }),
+        }
+    }
+}
+
+async fn consume_jobs(shared: Arc<Shared>, runs: &TaskTracker, shutdown: CancellationToken) {
+    let mut backoff = Duration::from_millis(200);
+    while !shutdown.is_cancelled() {
+        let session = async {
+            let connection =
+                amqp::connect(&shared.config.amqp_url, "forgepool-worker-consume").await?;
+            let channel =
+                connection
+                    .create_channel()
+                    .await
+                    .map_err(|source| AmqpError::Broker {
+                        operation: "open channel",
+                        source,
+                    })?;
+            shared.topology.declare(&channel).await?;
+            let prefetch = u16::try_from(shared.config.concurrency).unwrap_or(u16::MAX);
+            channel
+                .basic_qos(prefetch, BasicQosOptions::default())
+                .await
+                .map_err(|source| AmqpError::Broker {
+                    operation: "qos",
+                    source,
+                })?;
+            let consumer = channel
+                .basic_consume(
+                    &shared.topology.jobs(),
+                    &format!("worker-{}", shared.config.worker_id),
+                    BasicConsumeOptions::default(),
+                    FieldTable::default(),
+                )
+                .await
+                .map_err(|source| AmqpError::Broker {
+                    operation: "consume jobs",
+                    source,
+                })?;
+            Ok::<_, AmqpError>((connection, channel, consumer))
+        };
+        let (connection, channel, mut consumer) = match session.await {
+            Ok(session) => session,
+            Err(error) => {
+                warn!(%error, "cannot consume jobs; retrying");
+                tokio::select! {
+                    () = tokio::time::sleep(backoff) => {},
+                    () = shutdown.cancelled() => break,
+                }
+                backoff = (backoff * 2).min(Duration::from_secs(5));
+                continue;
+            }
+        };
+        backoff = Duration::from_millis(200);
+        info!("consuming jobs");
+        loop {
+            tokio::select! {
+                next = consumer.next() => match next {
+                    Some(Ok(delivery)) => take_delivery(&shared, runs, delivery).await,
+                    Some(Err(error)) => { warn!(%error, "job consumer failed; reconnecting"); break; }
+                    None => { warn!("job consumer closed; reconnecting"); break; }
+                },
+                () = shutdown.cancelled() => break,
+            }
+        }
+        // Stop taking work first; deliveries in flight keep their channel until they settle.
+        let _ = channel
+            .basic_cancel(
+                &format!("worker-{}", shared.config.worker_id),
+                Default::default(),
+            )
+            .await;
+        if !shutdown.is_cancelled() {
+            drop((connection, channel));
+        } else {
+            // Keep the connection until the runs are settled: the tracker waits for them.
+            let keep = (connection, channel);
+            runs.spawn(async move {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+                drop(keep);
+            });
+        }
+    }
+}
+
+async fn take_delivery(
+    shared: &Arc<Shared>,
+    runs: &TaskTracker,
+    delivery: lapin::message::Delivery,
+) {
+    let job = match decode_job(&delivery.data) {
+        Ok(job) => job,
+        Err(reason) => {
+            warn!(%reason, "dead-lettering a job message");
+            match shared
+                .publisher
+                .dead_letter(&shared.topology, &delivery.data, &reason)
+                .await
+            {
+                Ok(()) => {
+                    let _ = delivery.ack(BasicAckOptions::default()).await;
+                }
+                Err(_) => {
+                    let _ = delivery
+                        .reject(lapin::options::BasicRejectOptions { requeue: false })
+                        .await;
+                }
+            }
+            return;
+        }
+    };
+    let Ok(permit) = Arc::clone(&shared.slots).try_acquire_owned() else {
+        // Only after a reconnect can the broker offer more than our free slots.
+        let _ = delivery
+            .nack(BasicNackOptions {
+                requeue: true,
+                ..Default::default()
+            })
+            .await;
+        return;
+    };
+    let shared = Arc::clone(shared);
+    let span = info_span!("job", run_id = %job.run_id, ticket = %job.ticket);
+    runs.spawn(
+        async move {
+            run_job(&shared, job, delivery).await;
+            drop(permit);
+        }
+        .instrument(span),
+    );
+}
+
+/// Decodes a job, refusing a missing or unknown `schema_version` first.
+pub fn decode_job(data: &[u8]) -> Result<Job, String> {
+    let value: serde_json::Value =
+        serde_json::from_slice(data).map_err(|e| format!("malformed JSON: {e}"))?;
+    match value
+        .get("schema_version")
+        .and_then(serde_json::Value::as_u64)
+    {
+        Some(version) if version == u64::from(SCHEMA_VERSION) => {}
+        Some(version) => {
+            return Err(format!(
+                "unknown schema_version {version}; this worker reads {SCHEMA_VERSION}"
+            ))
+        }
+        None => {
+            return Err(format!(
+                "schema_version is missing; it must be {SCHEMA_VERSION}"
+            ))
+        }
+    }
+    serde_json::from_value(value).map_err(|e| format!("not a valid job: {e}"))
+}
+
+async fn run_job(shared: &Shared, job: Job, delivery: lapin::message::Delivery) {
+    let run_id = job.run_id;
+    // A finished run that is delivered again is acknowledged without running.
+    match shared
+        .queue_exists(&shared.topology.done(&run_id.to_string()))
+        .await
+    {
+        Ok(true) => {
+            info!("run already finished; acknowledging the redelivered job");
+            let _ = delivery.ack(BasicAckOptions::default()).await;
+            return;
+        }
+        Ok(false) => {}
+        Err(error) => {
+            warn!(%error, "cannot check the done marker; handing the job back");
+            let _ = delivery
+                .nack(BasicNackOptions {
+                    requeue: true,
+                    ..Default::default()
+                })
+                .await;
+            return;
+        }
+    }
+    let lease = match acquire_lease(shared, run_id).await {
+        Ok(Some(channel)) => channel,
+        Ok(None) => {
+            // Another live worker holds the run (the broker redelivered it after a consumer
+            // timeout): park it in the wait queue; it comes back until that worker is done.
+            let parked = shared
+                .publisher
+                .publish("", &shared.topology.jobs_wait(), &delivery.data, None)
+                .await;
+            let _ = match parked {
+                Ok(()) => delivery.ack(BasicAckOptions::default()).await,
+                Err(_) => {
+                    delivery
+                        .nack(BasicNackOptions {
+                            requeue: true,
+                            ..Default::default()
+                        })
+                        .await
+                }
+            };
+            return;
+        }
+        Err(error) => {
+            warn!(%error, "cannot lease the run; handing the job back");
+            let _ = delivery
+                .nack(BasicNackOptions {
+                    requeue: true,
+                    ..Default::default()
+                })
+                .await;
+            return;
+        }
+    };
+    let cancel = CancellationToken::new();
+    shared.running.lock().await.insert(run_id, cancel.clone());
+    let execution = shared
+        .engine
+        .execute(&job, &shared.sink, cancel, shared.interrupt.clone());
+    tokio::pin!(execution);
+    let mut heartbeat = tokio::time::interval(shared.config.heartbeat);
+    heartbeat.tick().await;
+    let outcome = loop {
+        tokio::select! {
+            outcome = &mut execution => break outcome,
+            _ = heartbeat.tick() => {
+                let beat = Event::new(run_id, EventKind::Heartbeat { worker: shared.config.worker_id.clone() });
+                if let Err(error) = shared.sink.publish(beat).await {
+                    warn!(%error, "heartbeat not published");
+                }
+            }
+        }
+    };
+    shared.running.lock().await.remove(&run_id);
+    match outcome {
+        Ok(Some(result)) => {
+            mark_done(shared, run_id).await;
+            if let Err(error) = delivery.ack(BasicAckOptions::default()).await {
+                // The channel was closed under us (a consumer timeout or a lost connection): the
+                // broker offers the job again, and the done marker settles it then.
+                warn!(%error, "cannot acknowledge the job; the done marker will settle it");
+            }
+            info!(state = %result.state, "job done");
+        }
+        Ok(None) => {
+            let _ = delivery
+                .nack(BasicNackOptions {
+                    requeue: true,
+                    ..Default::default()
+                })
+                .await;
+        }
+        Err(error) => {
+            warn!(%error, "final events not confirmed; handing the job back");
+            let _ = delivery
+                .nack(BasicNackOptions {
+                    requeue: true,
+                    ..Default::default()
+                })
+                .await;
+        }
+    }
+    let _ = lease
+        .queue_delete(
+            &shared.topology.lease(&run_id.to_string()),
+            QueueDeleteOptions::default(),
+        )
+        .await;
+    let _ = lease.close(200, "released").await;
+}
+
+/// Declares the run's exclusive lease queue; `None` when another live worker holds it.
+async fn acquire_lease(shared: &Shared, run_id: Uuid) -> Result<Option<Channel>, AmqpError> {
+    let channel = shared.lease_channel().await?;
+    let exclusive = QueueDeclareOptions {
+        exclusive: true,
+        auto_delete: false,
+        ..Default::default()
+    };
+    match channel
+        .queue_declare(
+            &shared.topology.lease(&run_id.to_string()),
+            exclusive,
+            FieldTable::default(),
+        )
+        .await
+    {
+        Ok(_) => Ok(Some(channel)),
+        Err(lapin::Error::ProtocolError(error)) if error.get_id() == 405 => Ok(None),
+        Err(source) => Err(AmqpError::Broker {
+            operation: "lease run",
+            source,
+        }),
+    }
+}
+
+async fn mark_done(shared: &Shared, run_id: Uuid) {
+    let mut arguments = FieldTable::default();
+    arguments.insert(
+        "x-expires".into(),
+        AMQPValue::LongLongInt(DONE_MARKER_TTL_MS),
+    );
+    let durable = QueueDeclareOptions {
+        durable: true,
+        ..Default::default()
+    };
+    let declared = async {
+        let channel = shared.lease_channel().await?;
+        channel
+            .queue_declare(
+                &shared.topology.done(&run_id.to_string()),
+                durable,
+                arguments,
+            )
+            .await
+            .map_err(|source| AmqpError::Broker {
+                operation: "mark run done",
+                source,
+            })?;
+        let _ = channel.close(200, "done").await;
+        Ok::<(), AmqpError>(())
+    };
+    if let Err(error) = declared.await {
+        warn!(%error, "cannot mark the run done");
+    }
+}
+
+/// Receives cancel requests for the runs this worker holds.
+async fn control_loop(shared: Arc<Shared>, shutdown: CancellationToken) {
+    while !shutdown.is_cancelled() {
+        let session = async {
+            let connection =
+                amqp::connect(&shared.config.amqp_url, "forgepool-worker-control").await?;
+            let channel =
+                connection
+                    .create_channel()
+                    .await
+                    .map_err(|source| AmqpError::Broker {
+                        operation: "open channel",
+                        source,
+                    })?;
+            let exclusive = QueueDeclareOptions {
+                exclusive: true,
+                auto_delete: true,
+                ..Default::default()
+            };
+            let queue = channel
+                .queue_declare("", exclusive, FieldTable::default())
+                .await
+                .map_err(|source| AmqpError::Broker {
+                    operation: "declare control queue",
+                    source,
+                })?;
+            channel
+                .queue_bind(
+                    queue.name().as_str(),
+                    &shared.topology.control(),
+                    "cancel.*",
+                    QueueBindOptions::default(),
+                    FieldTable::default(),
+                )
+                .await
+                .map_err(|source| AmqpError::Broker {
+                    operation: "bind control queue",
+                    source,
+                })?;
+            let consumer = channel
+                .basic_consume(
+                    queue.name().as_str(),
+                    "control",
+                    BasicConsumeOptions {
+                        no_ack: true,
+                        ..Default::default()
+                    },
+                    FieldTable::default(),
+                )
+                .await
+                .map_err(|source| AmqpError::Broker {
+                    operation: "consume control",
+                    source,
+                })?;
+            Ok::<_, AmqpError>((connection, consumer))
+        };
+        let (_connection, mut consumer) = match session.await {
+            Ok(session) => session,
+            Err(error) => {
+                warn!(%error, "cannot receive cancel requests; retrying");
+                tokio::select! {
+                    () = tokio::time::sleep(Duration::from_secs(1)) => continue,
+                    () = shutdown.cancelled() => return,
+                }
+            }
+        };
+        loop {
+            tokio::select! {
+                next = consumer.next() => match next {
+                    Some(Ok(delivery)) => {
+                        if let Ok(control) = serde_json::from_slice::<Control>(&delivery.data) {
+                            if control.action == "cancel" {
+                                if let Some(token) = shared.running.lock().await.get(&control.run_id) {
+                                    info!(run_id = %control.run_id, "cancel requested");
+                                    token.cancel();
+                                }
+                            }
+                        }
+                    }
+                    _ => break,
+                },
+                () = shutdown.cancelled() => return,
+            }
+        }
+    }
+}
+
+/// Every 10 s: removes the containers of worker instances whose presence queue is gone.
+async fn sweep_loop(shared: Arc<Shared>, shutdown: CancellationToken) {
+    loop {
+        tokio::select! {
+            () = tokio::time::sleep(Duration::from_secs(10)) => {},
+            () = shutdown.cancelled() => return,
+        }
+        let runtime = shared.engine.runtime();
+        let _ = runtime.remove_orphans_now().await;
+        let Ok(instances) = runtime.other_instances().await else {
+            continue;
+        };
+        for instance in instances {
+            if let Ok(false) = shared
+                .queue_exists(&shared.topology.presence(&instance))
+                .await
+            {
+                let _ = runtime.remove_instance(&instance).await;
+            }
+        }
+    }
+}

@@ -1,0 +1,177 @@
+//! `forgepool dispatcher` and `forgepool worker`: validate settings, bind, and hand over to
+//! the library services with a shutdown token tied to SIGTERM and Ctrl-C.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use dispatcher::service::DispatcherConfig;
+use dispatcher::AgentBook;
+use tokio_util::sync::CancellationToken;
+use worker::docker::{DockerRuntime, Identity};
+use worker::service::WorkerConfig;
+use worker::{Engine, EngineConfig};
+
+use crate::config::{DispatcherArgs, WorkerArgs, ENV_API_TOKEN, ENV_LISTEN};
+
+/// Exit code for invalid configuration.
+const EXIT_INVALID: i32 = 2;
+
+/// Runs the dispatcher until SIGTERM or Ctrl-C.
+pub async fn dispatcher(args: DispatcherArgs) -> i32 {
+    let invalid = |message: String| {
+        eprintln!("error: {message}");
+        EXIT_INVALID
+    };
+    if args.api_token.is_none() && !args.listen.ip().is_loopback() {
+        return invalid(format!(
+            "{ENV_LISTEN} is {} (not loopback) but {ENV_API_TOKEN} is unset: set a token, or listen on 127.0.0.1",
+            args.listen
+        ));
+    }
+    if args.api_token.as_deref().is_some_and(|t| t.len() < 16) {
+        return invalid(format!("{ENV_API_TOKEN} must be at least 16 characters"));
+    }
+    if !args.skills.is_dir() {
+        return invalid(format!(
+            "skills directory {} does not exist; pass --skills DIR or set FORGEPOOL_SKILLS_DIR",
+            args.skills.display()
+        ));
+    }
+    let agents = match AgentBook::load(&args.agents) {
+        Ok(agents) => agents,
+        Err(error) => return invalid(error.to_string()),
+    };
+    let listener = match tokio::net::TcpListener::bind(args.listen).await {
+        Ok(listener) => listener,
+        Err(error) => {
+            return invalid(format!(
+                "{ENV_LISTEN} ({}): cannot listen: {error}",
+                args.listen
+            ))
+        }
+    };
+    let address = listener
+        .local_addr()
+        .map(|a| a.to_string())
+        .unwrap_or_default();
+    println!("dispatcher listening on {address}");
+    let config = DispatcherConfig {
+        amqp_url: args.broker.amqp_url,
+        prefix: args.broker.prefix,
+        database_url: args.database,
+        skills_dir: args.skills,
+        agents,
+        api_token: args.api_token,
+    };
+    let shutdown = shutdown_on_signal();
+    match dispatcher::service::run(config, listener, shutdown).await {
+        Ok(()) => 0,
+        Err(error) => {
+            eprintln!("error: {error}");
+            1
+        }
+    }
+}
+
+/// Runs a worker until SIGTERM or Ctrl-C, then drains.
+pub async fn worker(args: WorkerArgs) -> i32 {
+    let invalid = |message: String| {
+        eprintln!("error: {message}");
+        EXIT_INVALID
+    };
+    let workspace_root = match args.workspace_root() {
+        Ok(root) => root,
+        Err(message) => return invalid(message),
+    };
+    let worker_id = args.worker_id.clone().unwrap_or_else(|| {
+        std::fs::read_to_string("/proc/sys/kernel/hostname")
+            .map(|h| h.trim().to_string())
+            .unwrap_or_else(|_| "worker".into())
+    });
+    let metrics = match tokio::net::TcpListener::bind(args.metrics_addr).await {
+        Ok(listener) => listener,
+        Err(error) => {
+            return invalid(format!(
+                "FORGEPOOL_METRICS_ADDR ({}): cannot listen: {error}",
+                args.metrics_addr
+            ))
+        }
+    };
+    let runtime = match DockerRuntime::connect(Identity::for_worker(worker_id.clone())).await {
+        Ok(runtime) => Arc::new(runtime),
+        Err(error) => {
+            eprintln!("error: {error}");
+            return 1;
+        }
+    };
+    let engine = Engine::new(
+        runtime,
+        EngineConfig {
+            poll_interval: args.poll_interval,
+            ..EngineConfig::for_process(workspace_root)
+        },
+    );
+    let address = metrics
+        .local_addr()
+        .map(|a| a.to_string())
+        .unwrap_or_default();
+    println!("worker {worker_id} listening on {address}");
+    let shutdown = shutdown_on_signal();
+    let health = axum::Router::new()
+        .route(
+            "/healthz",
+            axum::routing::get(|| async { axum::Json(serde_json::json!({"status": "ok"})) }),
+        )
+        .route("/metrics", axum::routing::get(|| async { "" }));
+    let health_shutdown = shutdown.clone();
+    let health_task = tokio::spawn(async move {
+        let _ = axum::serve(metrics, health)
+            .with_graceful_shutdown(async move { health_shutdown.cancelled().await })
+            .await;
+    });
+    let config = WorkerConfig {
+        amqp_url: args.broker.amqp_url,
+        prefix: args.broker.prefix,
+        concurrency: usize::from(args.concurrency),
+        worker_id,
+        drain: Duration::from_secs(args.drain_seconds),
+        heartbeat: Duration::from_secs(10),
+        publish_deadline: Duration::from_secs(600),
+    };
+    let code = match worker::service::run(config, engine, shutdown.clone()).await {
+        Ok(()) => 0,
+        Err(error) => {
+            eprintln!("error: {error}");
+            1
+        }
+    };
+    shutdown.cancel();
+    let _ = health_task.await;
+    code
+}
+
+/// A token cancelled by the first SIGTERM or Ctrl-C; a second one exits at once.
+pub fn shutdown_on_signal() -> CancellationToken {
+    let token = CancellationToken::new();
+    let trigger = token.clone();
+    tokio::spawn(async move {
+        let Ok(mut terminate) =
+            tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+        else {
+            return;
+        };
+        for count in 0.. {
+            tokio::select! {
+                _ = tokio::signal::ctrl_c() => {},
+                _ = terminate.recv() => {},
+            }
+            if count == 0 {
+                eprintln!("shutting down: no new work; in-flight work gets its drain time (signal again to stop at once)");
+                trigger.cancel();
+            } else {
+                std::process::exit(130);
+            }
+        }
+    });
+    token
+}
