@@ -6,6 +6,8 @@
 
 #![allow(dead_code)]
 
+pub mod cluster;
+
 use std::path::{Path, PathBuf};
 use std::process::Command;
 

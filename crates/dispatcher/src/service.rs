@@ -398,6 +398,10 @@ async fn consume_submissions(dispatcher: Arc<Dispatcher>, shutdown: Cancellation
 }
 
 async fn handle_submission(dispatcher: Arc<Dispatcher>, delivery: lapin::message::Delivery) {
+    if delivery.data.len() > crate::freeze::MAX_REQUEST_BYTES {
+        let reason = format!("oversized message: {} bytes, over the request limit of {}", delivery.data.len(), crate::freeze::MAX_REQUEST_BYTES);
+        return dead_letter(&dispatcher, delivery, &reason).await;
+    }
     let request = match decode::<RunRequest>(&delivery.data) {
         Ok(request) => request,
         Err(reason) => {
@@ -448,8 +452,14 @@ async fn handle_submission(dispatcher: Arc<Dispatcher>, delivery: lapin::message
     }
 }
 
-/// Decodes a message, refusing a missing or unknown `schema_version` first.
+/// The largest message the dispatcher reads from a queue.
+pub const MAX_MESSAGE_BYTES: usize = 8 * 1024 * 1024;
+
+/// Decodes a message, refusing oversized ones and a missing or unknown `schema_version` first.
 pub fn decode<T: serde::de::DeserializeOwned>(data: &[u8]) -> Result<T, String> {
+    if data.len() > MAX_MESSAGE_BYTES {
+        return Err(format!("oversized message: {} bytes, over the limit of {MAX_MESSAGE_BYTES}", data.len()));
+    }
     let value: serde_json::Value =
         serde_json::from_slice(data).map_err(|e| format!("malformed JSON: {e}"))?;
     match value

@@ -362,8 +362,14 @@ async fn take_delivery(
     );
 }
 
-/// Decodes a job, refusing a missing or unknown `schema_version` first.
+/// The largest job message a worker reads.
+pub const MAX_JOB_BYTES: usize = 4 * 1024 * 1024;
+
+/// Decodes a job, refusing oversized messages and a missing or unknown `schema_version` first.
 pub fn decode_job(data: &[u8]) -> Result<Job, String> {
+    if data.len() > MAX_JOB_BYTES {
+        return Err(format!("oversized message: {} bytes, over the limit of {MAX_JOB_BYTES}", data.len()));
+    }
     let value: serde_json::Value =
         serde_json::from_slice(data).map_err(|e| format!("malformed JSON: {e}"))?;
     match value

@@ -1,0 +1,308 @@
+//! A distributed cluster for end-to-end tests: one dispatcher and several workers as real
+//! processes, on a real RabbitMQ under a prefix of their own, against the real Docker engine.
+
+use std::io::{BufRead, BufReader};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use lapin::options::{BasicGetOptions, BasicPublishOptions, QueueDeleteOptions};
+use lapin::{BasicProperties, Connection, ConnectionProperties};
+
+use super::Fixture;
+
+/// The broker the tests use.
+pub const AMQP_URL: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
+
+/// Fails (never skips) when RabbitMQ is not reachable.
+pub fn require_rabbitmq() {
+    if std::net::TcpStream::connect_timeout(&"127.0.0.1:5672".parse().unwrap(), Duration::from_secs(2)).is_err() {
+        panic!("RabbitMQ is not reachable on 127.0.0.1:5672: start it with `scripts/services.sh` and run the tests again");
+    }
+}
+
+/// A running process with its captured output.
+pub struct Service {
+    pub child: Child,
+    pub address: String,
+    pub log: PathBuf,
+}
+
+impl Service {
+    /// Sends SIGTERM and waits up to `limit` for the process to exit.
+    pub fn terminate(&mut self, limit: Duration) -> Option<i32> {
+        let _ = Command::new("kill").args(["-TERM", &self.child.id().to_string()]).status();
+        let started = Instant::now();
+        while started.elapsed() < limit {
+            if let Ok(Some(status)) = self.child.try_wait() {
+                return status.code();
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        let _ = self.child.kill();
+        None
+    }
+
+    /// Kills the process with SIGKILL.
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Service {
+    fn drop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            let _ = Command::new("kill").args(["-TERM", &self.child.id().to_string()]).status();
+            std::thread::sleep(Duration::from_millis(300));
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+/// A dispatcher and workers sharing a fixture.
+pub struct Cluster {
+    pub fixture: Fixture,
+    pub prefix: String,
+    pub token: Option<String>,
+    pub dispatcher: Option<Service>,
+    pub workers: Vec<Service>,
+    pub http: reqwest::Client,
+}
+
+impl Cluster {
+    /// Starts a dispatcher and `workers` workers (each with `slots` run slots).
+    pub async fn start(fixture: Fixture, workers: usize, slots: u16, token: Option<&str>) -> Cluster {
+        require_rabbitmq();
+        let prefix = format!("t{}", &uuid::Uuid::new_v4().simple().to_string()[..10]);
+        let mut cluster = Cluster { fixture, prefix, token: token.map(String::from), dispatcher: None, workers: Vec::new(), http: reqwest::Client::new() };
+        cluster.start_dispatcher();
+        for i in 0..workers {
+            cluster.start_worker(&format!("w{i}"), slots);
+        }
+        cluster
+    }
+
+    fn base_command(&self, args: &[&str], log_name: &str) -> (Command, PathBuf) {
+        let log = self.fixture.dir.path().join(log_name);
+        let mut command = Command::new(env!("CARGO_BIN_EXE_forgepool"));
+        command
+            .args(args)
+            .env("FORGEPOOL_AMQP_URL", AMQP_URL)
+            .env("FORGEPOOL_AMQP_PREFIX", &self.prefix)
+            .env("FORGEPOOL_LOG", "info")
+            .env("AGENT_SECRET", "sk-test-0123456789abcdef")
+            .env_remove("AUTO_REVIEW_MAX_RETRIES")
+            .env_remove("FORGE_REPAIR_ATTEMPTS")
+            .stdout(Stdio::piped())
+            .stderr(std::fs::File::create(&log).unwrap());
+        (command, log)
+    }
+
+    /// Starts (or restarts) the dispatcher on a free port, with the fixture's store.
+    pub fn start_dispatcher(&mut self) {
+        let database = self.fixture.dir.path().join("runs.db");
+        let (mut command, log) = self.base_command(&["dispatcher"], "dispatcher.log");
+        command
+            .arg("--listen")
+            .arg("127.0.0.1:0")
+            .arg("--skills")
+            .arg(&self.fixture.skills)
+            .arg("--agents")
+            .arg(&self.fixture.agents)
+            .arg("--database")
+            .arg(&database);
+        if let Some(token) = &self.token {
+            command.env("FORGEPOOL_API_TOKEN", token);
+        }
+        let service = spawn(command, log, "dispatcher listening on ");
+        self.dispatcher = Some(service);
+    }
+
+    /// Starts a worker called `name`.
+    pub fn start_worker(&mut self, name: &str, slots: u16) -> usize {
+        let workspace = self.fixture.dir.path().join(format!("ws-{name}"));
+        let (mut command, log) = self.base_command(&["worker"], &format!("worker-{name}.log"));
+        command
+            .arg("--metrics-addr")
+            .arg("127.0.0.1:0")
+            .arg("--worker-id")
+            .arg(format!("{}-{name}", self.prefix))
+            .arg("--concurrency")
+            .arg(slots.to_string())
+            .arg("--workspace")
+            .arg(&workspace)
+            .arg("--drain-seconds")
+            .arg("5");
+        self.workers.push(spawn(command, log, "listening on "));
+        self.workers.len() - 1
+    }
+
+    /// The dispatcher's base URL.
+    pub fn url(&self) -> String {
+        format!("http://{}", self.dispatcher.as_ref().expect("dispatcher running").address)
+    }
+
+    /// A request to the API with the cluster's token.
+    pub fn request(&self, method: reqwest::Method, path: &str) -> reqwest::RequestBuilder {
+        let builder = self.http.request(method, format!("{}{path}", self.url()));
+        match &self.token {
+            Some(token) => builder.bearer_auth(token),
+            None => builder,
+        }
+    }
+
+    /// A valid run request for `ticket`, plus extra JSON fields.
+    pub fn request_body(&self, ticket: &str, extra: serde_json::Value) -> serde_json::Value {
+        let mut body = serde_json::json!({
+            "ticket": ticket, "skill": "implement-task", "brief": "Add the feature",
+            "repository": {"url": format!("file://{}", self.fixture.bare.display()), "ref": "main"}
+        });
+        if let (Some(body), Some(extra)) = (body.as_object_mut(), extra.as_object()) {
+            for (key, value) in extra {
+                body.insert(key.clone(), value.clone());
+            }
+        }
+        body
+    }
+
+    /// Submits through the API and returns the run id.
+    pub async fn submit(&self, ticket: &str) -> String {
+        let response = self.request(reqwest::Method::POST, "/v1/runs").json(&self.request_body(ticket, serde_json::json!({}))).send().await.unwrap();
+        assert_eq!(response.status(), 201, "{}", response.text().await.unwrap_or_default());
+        let body: serde_json::Value = response.json().await.unwrap();
+        body["run_id"].as_str().unwrap().to_string()
+    }
+
+    /// The run as the API shows it.
+    pub async fn run(&self, run_id: &str) -> serde_json::Value {
+        self.request(reqwest::Method::GET, &format!("/v1/runs/{run_id}")).send().await.unwrap().json().await.unwrap()
+    }
+
+    /// Waits until every run is in a terminal state; panics with the logs after `limit`.
+    pub async fn wait_terminal(&self, run_ids: &[String], limit: Duration) -> Vec<serde_json::Value> {
+        let started = Instant::now();
+        loop {
+            let mut views = Vec::new();
+            for id in run_ids {
+                views.push(self.run(id).await);
+            }
+            let done = views.iter().all(|v| {
+                matches!(v["state"].as_str(), Some("delivered" | "delivered_with_warnings" | "blocked" | "failed" | "cancelled"))
+            });
+            if done {
+                return views;
+            }
+            if started.elapsed() > limit {
+                let states: Vec<_> = views.iter().map(|v| v["state"].clone()).collect();
+                panic!("runs did not end within {limit:?}: {states:?}\n{}", self.logs());
+            }
+            tokio::time::sleep(Duration::from_millis(300)).await;
+        }
+    }
+
+    /// Every service log, for failure messages.
+    pub fn logs(&self) -> String {
+        let mut text = String::new();
+        for entry in std::fs::read_dir(self.fixture.dir.path()).unwrap().flatten() {
+            let name = entry.file_name().to_string_lossy().to_string();
+            if name.ends_with(".log") {
+                let content = std::fs::read_to_string(entry.path()).unwrap_or_default();
+                let tail: String = content.lines().rev().take(40).collect::<Vec<_>>().into_iter().rev().collect::<Vec<_>>().join("\n");
+                text.push_str(&format!("--- {name}\n{tail}\n"));
+            }
+        }
+        text
+    }
+
+    /// A broker connection for publishing and inspecting queues directly.
+    pub async fn broker(&self) -> Connection {
+        let properties = ConnectionProperties::default()
+            .with_executor(tokio_executor_trait::Tokio::current())
+            .with_reactor(tokio_reactor_trait::Tokio);
+        Connection::connect(AMQP_URL, properties).await.unwrap()
+    }
+
+    /// Publishes raw bytes to a queue of this cluster (`jobs`, `submissions`…).
+    pub async fn publish_raw(&self, queue: &str, payload: &[u8], reply_to: Option<&str>) {
+        let connection = self.broker().await;
+        let channel = connection.create_channel().await.unwrap();
+        let mut properties = BasicProperties::default().with_delivery_mode(2);
+        if let Some(reply_to) = reply_to {
+            properties = properties.with_reply_to(reply_to.into());
+        }
+        channel
+            .basic_publish("", &format!("{}.{queue}", self.prefix), BasicPublishOptions::default(), payload, properties)
+            .await
+            .unwrap()
+            .await
+            .unwrap();
+        let _ = connection.close(200, "bye").await;
+    }
+
+    /// Takes every message from the dead-letter queue: (payload, reason header).
+    pub async fn dead_letters(&self) -> Vec<(Vec<u8>, String)> {
+        let connection = self.broker().await;
+        let channel = connection.create_channel().await.unwrap();
+        let mut found = Vec::new();
+        while let Some(message) = channel.basic_get(&format!("{}.dead", self.prefix), BasicGetOptions { no_ack: true }).await.unwrap() {
+            let reason = message
+                .delivery
+                .properties
+                .headers()
+                .as_ref()
+                .and_then(|h| h.inner().get("x-forgepool-reason").cloned())
+                .and_then(|v| if let lapin::types::AMQPValue::LongString(s) = v { Some(s.to_string()) } else { None })
+                .unwrap_or_default();
+            found.push((message.delivery.data.clone(), reason));
+        }
+        let _ = connection.close(200, "bye").await;
+        found
+    }
+
+    /// The number of commits on `branch` above `main`.
+    pub fn commits_above_main(&self, branch: &str) -> usize {
+        let output = Command::new("git")
+            .args(["--git-dir", self.fixture.bare.to_str().unwrap(), "rev-list", "--count", &format!("main..{branch}")])
+            .output()
+            .unwrap();
+        String::from_utf8_lossy(&output.stdout).trim().parse().unwrap_or(0)
+    }
+
+    /// Deletes this cluster's queues from the broker.
+    pub async fn delete_queues(&self) {
+        let connection = self.broker().await;
+        for queue in ["submissions", "jobs", "jobs.wait", "dead", "dispatcher.events"] {
+            if let Ok(channel) = connection.create_channel().await {
+                let _ = channel.queue_delete(&format!("{}.{queue}", self.prefix), QueueDeleteOptions::default()).await;
+            }
+        }
+        let _ = connection.close(200, "bye").await;
+    }
+}
+
+fn spawn(mut command: Command, log: PathBuf, ready: &str) -> Service {
+    let mut child = command.spawn().expect("the forgepool binary starts");
+    let stdout = child.stdout.take().unwrap();
+    let mut reader = BufReader::new(stdout);
+    let mut line = String::new();
+    let address = loop {
+        line.clear();
+        if reader.read_line(&mut line).unwrap_or(0) == 0 {
+            let logged = std::fs::read_to_string(&log).unwrap_or_default();
+            panic!("the service exited before it was ready:\n{logged}");
+        }
+        if let Some(at) = line.find(ready) {
+            break line[at + ready.len()..].trim().to_string();
+        }
+    };
+    // Keep draining stdout so the service never blocks on a full pipe.
+    std::thread::spawn(move || {
+        let mut sink = String::new();
+        while reader.read_line(&mut sink).unwrap_or(0) > 0 {
+            sink.clear();
+        }
+    });
+    Service { child, address, log }
+}
