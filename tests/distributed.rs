@@ -21,10 +21,23 @@ async fn thirty_runs_on_three_workers_are_each_delivered_once() {
     }
     let views = cluster.wait_terminal(&ids, Duration::from_secs(300)).await;
     for (n, view) in views.iter().enumerate() {
-        assert_eq!(view["state"], "delivered", "run {n}: {view}\n{}", cluster.logs());
-        assert_eq!(view["cycles"].as_array().unwrap().len(), 1, "one stored record per cycle: {view}");
+        assert_eq!(
+            view["state"],
+            "delivered",
+            "run {n}: {view}\n{}",
+            cluster.logs()
+        );
+        assert_eq!(
+            view["cycles"].as_array().unwrap().len(),
+            1,
+            "one stored record per cycle: {view}"
+        );
         let branch = format!("forge/load-{}", n + 1);
-        assert_eq!(cluster.commits_above_main(&branch), 1, "{branch} has exactly one delivered commit");
+        assert_eq!(
+            cluster.commits_above_main(&branch),
+            1,
+            "{branch} has exactly one delivered commit"
+        );
         assert_eq!(view["result"]["commit"].as_str().unwrap().len(), 40);
     }
     cluster.delete_queues().await;
@@ -40,42 +53,106 @@ async fn every_bad_field_gets_a_4xx_that_names_it() {
         ("skill", serde_json::json!({"skill": "no-such-skill"})),
         ("step", serde_json::json!({"step": "Bad-Step"})),
         ("brief", serde_json::json!({"brief": ""})),
-        ("brief", serde_json::json!({"brief": "x".repeat(300 * 1024)})),
-        ("repository.url", serde_json::json!({"repository": {"url": "--upload-pack=x"}})),
-        ("repository.ref", serde_json::json!({"repository": {"url": "file:///x", "ref": "a..b"}})),
-        ("commands[0].argv", serde_json::json!({"commands": [{"argv": [], "timeout": 5}]})),
-        ("commands[0].timeout", serde_json::json!({"commands": [{"argv": ["make"], "timeout": 0}]})),
+        (
+            "brief",
+            serde_json::json!({"brief": "x".repeat(300 * 1024)}),
+        ),
+        (
+            "repository.url",
+            serde_json::json!({"repository": {"url": "--upload-pack=x"}}),
+        ),
+        (
+            "repository.ref",
+            serde_json::json!({"repository": {"url": "file:///x", "ref": "a..b"}}),
+        ),
+        (
+            "commands[0].argv",
+            serde_json::json!({"commands": [{"argv": [], "timeout": 5}]}),
+        ),
+        (
+            "commands[0].timeout",
+            serde_json::json!({"commands": [{"argv": ["make"], "timeout": 0}]}),
+        ),
         ("repair_attempts", serde_json::json!({"repair_attempts": 4})),
-        ("agents.implementer", serde_json::json!({"agents": {"implementer": "ghost"}})),
-        ("assurance.review_agent", serde_json::json!({"assurance": {"review_agent": "ghost"}})),
+        (
+            "agents.implementer",
+            serde_json::json!({"agents": {"implementer": "ghost"}}),
+        ),
+        (
+            "assurance.review_agent",
+            serde_json::json!({"assurance": {"review_agent": "ghost"}}),
+        ),
         ("ticket", serde_json::json!({"ticket": 5})),
     ];
     for (field, extra) in cases {
         let body = cluster.request_body("API-1", extra.clone());
-        let response = cluster.request(reqwest::Method::POST, "/v1/runs").json(&body).send().await.unwrap();
+        let response = cluster
+            .request(reqwest::Method::POST, "/v1/runs")
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
         let status = response.status();
         let error: serde_json::Value = response.json().await.unwrap();
         assert!(status.is_client_error(), "{field}: {status} {error}");
         assert_eq!(error["error"]["field"], field, "{extra}: {error}");
-        assert!(error["error"]["message"].as_str().unwrap().contains(field.split('[').next().unwrap()), "{error}");
+        assert!(
+            error["error"]["message"]
+                .as_str()
+                .unwrap()
+                .contains(field.split('[').next().unwrap()),
+            "{error}"
+        );
     }
     // Unknown fields, and a body over 1 MiB.
     let mut body = cluster.request_body("API-1", serde_json::json!({}));
     body["colour"] = serde_json::json!("blue");
-    let response = cluster.request(reqwest::Method::POST, "/v1/runs").json(&body).send().await.unwrap();
+    let response = cluster
+        .request(reqwest::Method::POST, "/v1/runs")
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
     assert_eq!(response.status(), 400);
-    assert!(response.text().await.unwrap().contains("unknown field `colour`"));
+    assert!(response
+        .text()
+        .await
+        .unwrap()
+        .contains("unknown field `colour`"));
     let huge = vec![b' '; 1024 * 1024 + 10];
-    let response = cluster.request(reqwest::Method::POST, "/v1/runs").body(huge).send().await.unwrap();
+    let response = cluster
+        .request(reqwest::Method::POST, "/v1/runs")
+        .body(huge)
+        .send()
+        .await
+        .unwrap();
     assert_eq!(response.status(), 413);
     let error: serde_json::Value = response.json().await.unwrap();
     assert_eq!(error["error"]["code"], "too_large");
     // Unknown and malformed run ids.
-    let response = cluster.request(reqwest::Method::GET, "/v1/runs/not-a-uuid").send().await.unwrap();
+    let response = cluster
+        .request(reqwest::Method::GET, "/v1/runs/not-a-uuid")
+        .send()
+        .await
+        .unwrap();
     assert_eq!(response.status(), 400);
-    let response = cluster.request(reqwest::Method::GET, &format!("/v1/runs/{}", uuid::Uuid::new_v4())).send().await.unwrap();
+    let response = cluster
+        .request(
+            reqwest::Method::GET,
+            &format!("/v1/runs/{}", uuid::Uuid::new_v4()),
+        )
+        .send()
+        .await
+        .unwrap();
     assert_eq!(response.status(), 404);
-    let openapi: serde_json::Value = cluster.request(reqwest::Method::GET, "/v1/openapi.json").send().await.unwrap().json().await.unwrap();
+    let openapi: serde_json::Value = cluster
+        .request(reqwest::Method::GET, "/v1/openapi.json")
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
     assert!(openapi["paths"]["/v1/runs"]["post"].is_object());
     cluster.delete_queues().await;
 }
@@ -90,11 +167,27 @@ async fn missing_or_wrong_token_gets_401() {
     assert_eq!(response.status(), 401);
     let error: serde_json::Value = response.json().await.unwrap();
     assert_eq!(error["error"]["code"], "unauthorized");
-    let response = cluster.http.get(&url).bearer_auth("wrong-token-wrong-token").send().await.unwrap();
+    let response = cluster
+        .http
+        .get(&url)
+        .bearer_auth("wrong-token-wrong-token")
+        .send()
+        .await
+        .unwrap();
     assert_eq!(response.status(), 401);
-    let response = cluster.request(reqwest::Method::POST, "/v1/runs").json(&body).send().await.unwrap();
+    let response = cluster
+        .request(reqwest::Method::POST, "/v1/runs")
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
     assert_eq!(response.status(), 201);
-    let health = cluster.http.get(format!("{}/healthz", cluster.url())).send().await.unwrap();
+    let health = cluster
+        .http
+        .get(format!("{}/healthz", cluster.url()))
+        .send()
+        .await
+        .unwrap();
     assert_eq!(health.status(), 200, "health needs no token");
     cluster.delete_queues().await;
 }
@@ -104,11 +197,17 @@ async fn malformed_unknown_version_and_oversized_messages_are_dead_lettered() {
     let fixture = Fixture::new(None, &["change"], &["approve"]);
     let cluster = Cluster::start(fixture, 1, 1, None).await;
     cluster.publish_raw("jobs", b"{not json", None).await;
-    cluster.publish_raw("jobs", br#"{"schema_version": 99, "run_id": "x"}"#, None).await;
-    cluster.publish_raw("jobs", &vec![b'x'; 5 * 1024 * 1024], None).await;
+    cluster
+        .publish_raw("jobs", br#"{"schema_version": 99, "run_id": "x"}"#, None)
+        .await;
+    cluster
+        .publish_raw("jobs", &vec![b'x'; 5 * 1024 * 1024], None)
+        .await;
     let mut invalid = cluster.request_body("bad", serde_json::json!({}));
     invalid["schema_version"] = serde_json::json!(1);
-    cluster.publish_raw("submissions", &serde_json::to_vec(&invalid).unwrap(), None).await;
+    cluster
+        .publish_raw("submissions", &serde_json::to_vec(&invalid).unwrap(), None)
+        .await;
     let started = std::time::Instant::now();
     let mut dead = Vec::new();
     while dead.len() < 4 && started.elapsed() < Duration::from_secs(30) {
@@ -117,10 +216,26 @@ async fn malformed_unknown_version_and_oversized_messages_are_dead_lettered() {
     }
     let reasons: Vec<&str> = dead.iter().map(|(_, r)| r.as_str()).collect();
     assert_eq!(dead.len(), 4, "{reasons:?}\n{}", cluster.logs());
-    assert!(reasons.iter().any(|r| r.contains("malformed JSON")), "{reasons:?}");
-    assert!(reasons.iter().any(|r| r.contains("unknown schema_version 99")), "{reasons:?}");
-    assert!(reasons.iter().any(|r| r.contains("oversized message")), "{reasons:?}");
-    assert!(reasons.iter().any(|r| r.contains("refused: ticket: must match")), "{reasons:?}");
+    assert!(
+        reasons.iter().any(|r| r.contains("malformed JSON")),
+        "{reasons:?}"
+    );
+    assert!(
+        reasons
+            .iter()
+            .any(|r| r.contains("unknown schema_version 99")),
+        "{reasons:?}"
+    );
+    assert!(
+        reasons.iter().any(|r| r.contains("oversized message")),
+        "{reasons:?}"
+    );
+    assert!(
+        reasons
+            .iter()
+            .any(|r| r.contains("refused: ticket: must match")),
+        "{reasons:?}"
+    );
     // The worker keeps serving.
     let id = cluster.submit("ALIVE-1").await;
     let views = cluster.wait_terminal(&[id], Duration::from_secs(60)).await;
@@ -134,18 +249,32 @@ async fn a_run_submitted_on_the_submission_queue_is_delivered() {
     let cluster = Cluster::start(fixture, 1, 1, None).await;
     let mut body = cluster.request_body("QUEUE-7", serde_json::json!({}));
     body["schema_version"] = serde_json::json!(1);
-    cluster.publish_raw("submissions", &serde_json::to_vec(&body).unwrap(), None).await;
+    cluster
+        .publish_raw("submissions", &serde_json::to_vec(&body).unwrap(), None)
+        .await;
     let started = std::time::Instant::now();
     let run_id = loop {
-        let list: serde_json::Value =
-            cluster.request(reqwest::Method::GET, "/v1/runs?ticket=QUEUE-7").send().await.unwrap().json().await.unwrap();
+        let list: serde_json::Value = cluster
+            .request(reqwest::Method::GET, "/v1/runs?ticket=QUEUE-7")
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
         if let Some(id) = list["runs"][0]["run_id"].as_str() {
             break id.to_string();
         }
-        assert!(started.elapsed() < Duration::from_secs(30), "the submission was not accepted\n{}", cluster.logs());
+        assert!(
+            started.elapsed() < Duration::from_secs(30),
+            "the submission was not accepted\n{}",
+            cluster.logs()
+        );
         tokio::time::sleep(Duration::from_millis(200)).await;
     };
-    let views = cluster.wait_terminal(&[run_id], Duration::from_secs(60)).await;
+    let views = cluster
+        .wait_terminal(&[run_id], Duration::from_secs(60))
+        .await;
     assert_eq!(views[0]["state"], "delivered", "{}", cluster.logs());
     assert_eq!(cluster.commits_above_main("forge/queue-7"), 1);
     cluster.delete_queues().await;
@@ -163,19 +292,36 @@ async fn a_worker_killed_mid_run_loses_nothing_and_leaves_no_container() {
         if view["state"] == "running" && container_count(&id) > 0 {
             break;
         }
-        assert!(started.elapsed() < Duration::from_secs(30), "the run never started\n{}", cluster.logs());
+        assert!(
+            started.elapsed() < Duration::from_secs(30),
+            "the run never started\n{}",
+            cluster.logs()
+        );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     cluster.workers[0].kill();
     cluster.start_worker("second", 1);
-    let views = cluster.wait_terminal(std::slice::from_ref(&id), Duration::from_secs(120)).await;
+    let views = cluster
+        .wait_terminal(std::slice::from_ref(&id), Duration::from_secs(120))
+        .await;
     assert_eq!(views[0]["state"], "delivered", "{}", cluster.logs());
-    assert_eq!(views[0]["cycles"].as_array().unwrap().len(), 1, "no duplicate cycle record");
-    assert_eq!(cluster.commits_above_main("forge/kill-1"), 1, "one delivery commit");
+    assert_eq!(
+        views[0]["cycles"].as_array().unwrap().len(),
+        1,
+        "no duplicate cycle record"
+    );
+    assert_eq!(
+        cluster.commits_above_main("forge/kill-1"),
+        1,
+        "one delivery commit"
+    );
     // The killed worker's container is removed by the survivor within a bounded time.
     let started = std::time::Instant::now();
     while container_count(&id) > 0 {
-        assert!(started.elapsed() < Duration::from_secs(40), "a container of the killed worker remains");
+        assert!(
+            started.elapsed() < Duration::from_secs(40),
+            "a container of the killed worker remains"
+        );
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
     cluster.delete_queues().await;
@@ -186,20 +332,42 @@ async fn a_dispatcher_restart_keeps_runs_and_events_and_records_runs_in_flight()
     let fixture = Fixture::new(Some(REVIEW), &["sleep", "4"], &["approve"]);
     let mut cluster = Cluster::start(fixture, 1, 1, None).await;
     let done = cluster.submit("KEEP-1").await;
-    cluster.wait_terminal(std::slice::from_ref(&done), Duration::from_secs(60)).await;
+    cluster
+        .wait_terminal(std::slice::from_ref(&done), Duration::from_secs(60))
+        .await;
     let before = cluster.run(&done).await;
     let in_flight = cluster.submit("KEEP-2").await;
     tokio::time::sleep(Duration::from_secs(1)).await;
-    let code = cluster.dispatcher.as_mut().unwrap().terminate(Duration::from_secs(15));
-    assert_eq!(code, Some(0), "the dispatcher shuts down cleanly on SIGTERM\n{}", cluster.logs());
+    let code = cluster
+        .dispatcher
+        .as_mut()
+        .unwrap()
+        .terminate(Duration::from_secs(15));
+    assert_eq!(
+        code,
+        Some(0),
+        "the dispatcher shuts down cleanly on SIGTERM\n{}",
+        cluster.logs()
+    );
     tokio::time::sleep(Duration::from_secs(3)).await;
     cluster.start_dispatcher();
     let after = cluster.run(&done).await;
     assert_eq!(before, after, "a stored run is intact after a restart");
-    let views = cluster.wait_terminal(std::slice::from_ref(&in_flight), Duration::from_secs(60)).await;
+    let views = cluster
+        .wait_terminal(std::slice::from_ref(&in_flight), Duration::from_secs(60))
+        .await;
     assert_eq!(views[0]["state"], "delivered", "{}", cluster.logs());
-    let states: Vec<&str> = views[0]["states"].as_array().unwrap().iter().map(|s| s["state"].as_str().unwrap()).collect();
-    assert_eq!(states, ["queued", "running", "delivered"], "events sent while the dispatcher was down were recorded");
+    let states: Vec<&str> = views[0]["states"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s["state"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        states,
+        ["queued", "running", "delivered"],
+        "events sent while the dispatcher was down were recorded"
+    );
     cluster.delete_queues().await;
 }
 
@@ -208,7 +376,11 @@ async fn clients_submit_wait_status_and_cancel() {
     let fixture = Fixture::new(Some(REVIEW), &["change"], &["approve"]);
     let cluster = Cluster::start(fixture, 1, 1, None).await;
     let file = cluster.fixture.dir.path().join("request.json");
-    std::fs::write(&file, serde_json::to_vec(&cluster.request_body("CLI-1", serde_json::json!({}))).unwrap()).unwrap();
+    std::fs::write(
+        &file,
+        serde_json::to_vec(&cluster.request_body("CLI-1", serde_json::json!({}))).unwrap(),
+    )
+    .unwrap();
     let output = tokio::process::Command::new(env!("CARGO_BIN_EXE_forgepool"))
         .arg("submit")
         .arg(&file)
@@ -218,9 +390,21 @@ async fn clients_submit_wait_status_and_cancel() {
         .await
         .unwrap();
     let stdout = String::from_utf8_lossy(&output.stdout);
-    assert_eq!(output.status.code(), Some(0), "{stdout}\n{}", String::from_utf8_lossy(&output.stderr));
+    assert_eq!(
+        output.status.code(),
+        Some(0),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
     assert!(stdout.contains("Review cycle 1/2: APPROVED"), "{stdout}");
-    let run_id = stdout.lines().next().unwrap().split_whitespace().nth(1).unwrap().to_string();
+    let run_id = stdout
+        .lines()
+        .next()
+        .unwrap()
+        .split_whitespace()
+        .nth(1)
+        .unwrap()
+        .to_string();
     let status = tokio::process::Command::new(env!("CARGO_BIN_EXE_forgepool"))
         .args(["status", &run_id])
         .env("FORGEPOOL_DISPATCHER_URL", cluster.url())
@@ -228,14 +412,21 @@ async fn clients_submit_wait_status_and_cancel() {
         .await
         .unwrap();
     let text = String::from_utf8_lossy(&status.stdout);
-    assert!(text.contains(": delivered") && text.contains("delivered forge/cli-1"), "{text}");
+    assert!(
+        text.contains(": delivered") && text.contains("delivered forge/cli-1"),
+        "{text}"
+    );
     let cancel = tokio::process::Command::new(env!("CARGO_BIN_EXE_forgepool"))
         .args(["cancel", &run_id])
         .env("FORGEPOOL_DISPATCHER_URL", cluster.url())
         .output()
         .await
         .unwrap();
-    assert_eq!(cancel.status.code(), Some(2), "a finished run cannot be cancelled");
+    assert_eq!(
+        cancel.status.code(),
+        Some(2),
+        "a finished run cannot be cancelled"
+    );
     cluster.delete_queues().await;
 }
 
@@ -246,21 +437,40 @@ async fn cancelling_a_running_run_stops_its_container() {
     let id = cluster.submit("STOP-1").await;
     let started = std::time::Instant::now();
     while container_count(&id) == 0 {
-        assert!(started.elapsed() < Duration::from_secs(30), "the run never started\n{}", cluster.logs());
+        assert!(
+            started.elapsed() < Duration::from_secs(30),
+            "the run never started\n{}",
+            cluster.logs()
+        );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    let response = cluster.request(reqwest::Method::POST, &format!("/v1/runs/{id}/cancel")).send().await.unwrap();
+    let response = cluster
+        .request(reqwest::Method::POST, &format!("/v1/runs/{id}/cancel"))
+        .send()
+        .await
+        .unwrap();
     assert_eq!(response.status(), 202);
-    let views = cluster.wait_terminal(std::slice::from_ref(&id), Duration::from_secs(30)).await;
+    let views = cluster
+        .wait_terminal(std::slice::from_ref(&id), Duration::from_secs(30))
+        .await;
     assert_eq!(views[0]["state"], "cancelled", "{}", cluster.logs());
-    assert_eq!(container_count(&id), 0, "the container was stopped and removed");
+    assert_eq!(
+        container_count(&id),
+        0,
+        "the container was stopped and removed"
+    );
     cluster.delete_queues().await;
 }
 
 /// Containers of a run on the engine.
 fn container_count(run_id: &str) -> usize {
     let output = std::process::Command::new("docker")
-        .args(["ps", "-aq", "--filter", &format!("label=forgepool.run_id={run_id}")])
+        .args([
+            "ps",
+            "-aq",
+            "--filter",
+            &format!("label=forgepool.run_id={run_id}"),
+        ])
         .output()
         .unwrap();
     String::from_utf8_lossy(&output.stdout).lines().count()

@@ -16,7 +16,12 @@ pub const AMQP_URL: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
 
 /// Fails (never skips) when RabbitMQ is not reachable.
 pub fn require_rabbitmq() {
-    if std::net::TcpStream::connect_timeout(&"127.0.0.1:5672".parse().unwrap(), Duration::from_secs(2)).is_err() {
+    if std::net::TcpStream::connect_timeout(
+        &"127.0.0.1:5672".parse().unwrap(),
+        Duration::from_secs(2),
+    )
+    .is_err()
+    {
         panic!("RabbitMQ is not reachable on 127.0.0.1:5672: start it with `scripts/services.sh` and run the tests again");
     }
 }
@@ -31,7 +36,9 @@ pub struct Service {
 impl Service {
     /// Sends SIGTERM and waits up to `limit` for the process to exit.
     pub fn terminate(&mut self, limit: Duration) -> Option<i32> {
-        let _ = Command::new("kill").args(["-TERM", &self.child.id().to_string()]).status();
+        let _ = Command::new("kill")
+            .args(["-TERM", &self.child.id().to_string()])
+            .status();
         let started = Instant::now();
         while started.elapsed() < limit {
             if let Ok(Some(status)) = self.child.try_wait() {
@@ -53,7 +60,9 @@ impl Service {
 impl Drop for Service {
     fn drop(&mut self) {
         if let Ok(None) = self.child.try_wait() {
-            let _ = Command::new("kill").args(["-TERM", &self.child.id().to_string()]).status();
+            let _ = Command::new("kill")
+                .args(["-TERM", &self.child.id().to_string()])
+                .status();
             std::thread::sleep(Duration::from_millis(300));
             let _ = self.child.kill();
             let _ = self.child.wait();
@@ -73,10 +82,22 @@ pub struct Cluster {
 
 impl Cluster {
     /// Starts a dispatcher and `workers` workers (each with `slots` run slots).
-    pub async fn start(fixture: Fixture, workers: usize, slots: u16, token: Option<&str>) -> Cluster {
+    pub async fn start(
+        fixture: Fixture,
+        workers: usize,
+        slots: u16,
+        token: Option<&str>,
+    ) -> Cluster {
         require_rabbitmq();
         let prefix = format!("t{}", &uuid::Uuid::new_v4().simple().to_string()[..10]);
-        let mut cluster = Cluster { fixture, prefix, token: token.map(String::from), dispatcher: None, workers: Vec::new(), http: reqwest::Client::new() };
+        let mut cluster = Cluster {
+            fixture,
+            prefix,
+            token: token.map(String::from),
+            dispatcher: None,
+            workers: Vec::new(),
+            http: reqwest::Client::new(),
+        };
         cluster.start_dispatcher();
         for i in 0..workers {
             cluster.start_worker(&format!("w{i}"), slots);
@@ -91,7 +112,7 @@ impl Cluster {
             .args(args)
             .env("FORGEPOOL_AMQP_URL", AMQP_URL)
             .env("FORGEPOOL_AMQP_PREFIX", &self.prefix)
-            .env("FORGEPOOL_LOG", "info")
+            .env("FORGEPOOL_LOG", "info,lapin=off")
             .env("AGENT_SECRET", "sk-test-0123456789abcdef")
             .env_remove("AUTO_REVIEW_MAX_RETRIES")
             .env_remove("FORGE_REPAIR_ATTEMPTS")
@@ -141,7 +162,13 @@ impl Cluster {
 
     /// The dispatcher's base URL.
     pub fn url(&self) -> String {
-        format!("http://{}", self.dispatcher.as_ref().expect("dispatcher running").address)
+        format!(
+            "http://{}",
+            self.dispatcher
+                .as_ref()
+                .expect("dispatcher running")
+                .address
+        )
     }
 
     /// A request to the API with the cluster's token.
@@ -169,19 +196,39 @@ impl Cluster {
 
     /// Submits through the API and returns the run id.
     pub async fn submit(&self, ticket: &str) -> String {
-        let response = self.request(reqwest::Method::POST, "/v1/runs").json(&self.request_body(ticket, serde_json::json!({}))).send().await.unwrap();
-        assert_eq!(response.status(), 201, "{}", response.text().await.unwrap_or_default());
+        let response = self
+            .request(reqwest::Method::POST, "/v1/runs")
+            .json(&self.request_body(ticket, serde_json::json!({})))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(
+            response.status(),
+            201,
+            "{}",
+            response.text().await.unwrap_or_default()
+        );
         let body: serde_json::Value = response.json().await.unwrap();
         body["run_id"].as_str().unwrap().to_string()
     }
 
     /// The run as the API shows it.
     pub async fn run(&self, run_id: &str) -> serde_json::Value {
-        self.request(reqwest::Method::GET, &format!("/v1/runs/{run_id}")).send().await.unwrap().json().await.unwrap()
+        self.request(reqwest::Method::GET, &format!("/v1/runs/{run_id}"))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap()
     }
 
     /// Waits until every run is in a terminal state; panics with the logs after `limit`.
-    pub async fn wait_terminal(&self, run_ids: &[String], limit: Duration) -> Vec<serde_json::Value> {
+    pub async fn wait_terminal(
+        &self,
+        run_ids: &[String],
+        limit: Duration,
+    ) -> Vec<serde_json::Value> {
         let started = Instant::now();
         loop {
             let mut views = Vec::new();
@@ -189,14 +236,26 @@ impl Cluster {
                 views.push(self.run(id).await);
             }
             let done = views.iter().all(|v| {
-                matches!(v["state"].as_str(), Some("delivered" | "delivered_with_warnings" | "blocked" | "failed" | "cancelled"))
+                matches!(
+                    v["state"].as_str(),
+                    Some(
+                        "delivered"
+                            | "delivered_with_warnings"
+                            | "blocked"
+                            | "failed"
+                            | "cancelled"
+                    )
+                )
             });
             if done {
                 return views;
             }
             if started.elapsed() > limit {
                 let states: Vec<_> = views.iter().map(|v| v["state"].clone()).collect();
-                panic!("runs did not end within {limit:?}: {states:?}\n{}", self.logs());
+                panic!(
+                    "runs did not end within {limit:?}: {states:?}\n{}",
+                    self.logs()
+                );
             }
             tokio::time::sleep(Duration::from_millis(300)).await;
         }
@@ -205,11 +264,22 @@ impl Cluster {
     /// Every service log, for failure messages.
     pub fn logs(&self) -> String {
         let mut text = String::new();
-        for entry in std::fs::read_dir(self.fixture.dir.path()).unwrap().flatten() {
+        for entry in std::fs::read_dir(self.fixture.dir.path())
+            .unwrap()
+            .flatten()
+        {
             let name = entry.file_name().to_string_lossy().to_string();
             if name.ends_with(".log") {
                 let content = std::fs::read_to_string(entry.path()).unwrap_or_default();
-                let tail: String = content.lines().rev().take(40).collect::<Vec<_>>().into_iter().rev().collect::<Vec<_>>().join("\n");
+                let tail: String = content
+                    .lines()
+                    .rev()
+                    .take(40)
+                    .collect::<Vec<_>>()
+                    .into_iter()
+                    .rev()
+                    .collect::<Vec<_>>()
+                    .join("\n");
                 text.push_str(&format!("--- {name}\n{tail}\n"));
             }
         }
@@ -233,7 +303,13 @@ impl Cluster {
             properties = properties.with_reply_to(reply_to.into());
         }
         channel
-            .basic_publish("", &format!("{}.{queue}", self.prefix), BasicPublishOptions::default(), payload, properties)
+            .basic_publish(
+                "",
+                &format!("{}.{queue}", self.prefix),
+                BasicPublishOptions::default(),
+                payload,
+                properties,
+            )
             .await
             .unwrap()
             .await
@@ -246,14 +322,27 @@ impl Cluster {
         let connection = self.broker().await;
         let channel = connection.create_channel().await.unwrap();
         let mut found = Vec::new();
-        while let Some(message) = channel.basic_get(&format!("{}.dead", self.prefix), BasicGetOptions { no_ack: true }).await.unwrap() {
+        while let Some(message) = channel
+            .basic_get(
+                &format!("{}.dead", self.prefix),
+                BasicGetOptions { no_ack: true },
+            )
+            .await
+            .unwrap()
+        {
             let reason = message
                 .delivery
                 .properties
                 .headers()
                 .as_ref()
                 .and_then(|h| h.inner().get("x-forgepool-reason").cloned())
-                .and_then(|v| if let lapin::types::AMQPValue::LongString(s) = v { Some(s.to_string()) } else { None })
+                .and_then(|v| {
+                    if let lapin::types::AMQPValue::LongString(s) = v {
+                        Some(s.to_string())
+                    } else {
+                        None
+                    }
+                })
                 .unwrap_or_default();
             found.push((message.delivery.data.clone(), reason));
         }
@@ -264,18 +353,38 @@ impl Cluster {
     /// The number of commits on `branch` above `main`.
     pub fn commits_above_main(&self, branch: &str) -> usize {
         let output = Command::new("git")
-            .args(["--git-dir", self.fixture.bare.to_str().unwrap(), "rev-list", "--count", &format!("main..{branch}")])
+            .args([
+                "--git-dir",
+                self.fixture.bare.to_str().unwrap(),
+                "rev-list",
+                "--count",
+                &format!("main..{branch}"),
+            ])
             .output()
             .unwrap();
-        String::from_utf8_lossy(&output.stdout).trim().parse().unwrap_or(0)
+        String::from_utf8_lossy(&output.stdout)
+            .trim()
+            .parse()
+            .unwrap_or(0)
     }
 
     /// Deletes this cluster's queues from the broker.
     pub async fn delete_queues(&self) {
         let connection = self.broker().await;
-        for queue in ["submissions", "jobs", "jobs.wait", "dead", "dispatcher.events"] {
+        for queue in [
+            "submissions",
+            "jobs",
+            "jobs.wait",
+            "dead",
+            "dispatcher.events",
+        ] {
             if let Ok(channel) = connection.create_channel().await {
-                let _ = channel.queue_delete(&format!("{}.{queue}", self.prefix), QueueDeleteOptions::default()).await;
+                let _ = channel
+                    .queue_delete(
+                        &format!("{}.{queue}", self.prefix),
+                        QueueDeleteOptions::default(),
+                    )
+                    .await;
             }
         }
         let _ = connection.close(200, "bye").await;
@@ -304,5 +413,9 @@ fn spawn(mut command: Command, log: PathBuf, ready: &str) -> Service {
             sink.clear();
         }
     });
-    Service { child, address, log }
+    Service {
+        child,
+        address,
+        log,
+    }
 }

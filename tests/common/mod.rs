@@ -130,7 +130,7 @@ impl Fixture {
             &agents,
             format!(
                 "[defaults]\nimplementer = \"impl\"\nreviewer = \"rev\"\n\n\
-                 [agents.impl]\nimage = \"{image}\"\ncommand = [\"/bin/sh\", \"/agents/implementer.sh\", {}]\nmemory = \"128m\"\ncpus = 0.5\ntimeout_seconds = 60\nenv = [\"AGENT_SECRET\"]\n\n\
+                 [agents.impl]\nimage = \"{image}\"\ncommand = [\"/bin/sh\", \"/agents/implementer.sh\", {}]\nmemory = \"128m\"\ncpus = 0.5\ntimeout_seconds = 120\nenv = [\"AGENT_SECRET\"]\n\n\
                  [agents.rev]\nimage = \"{TEST_IMAGE}\"\ncommand = [\"/bin/sh\", \"/agents/reviewer.sh\", {}]\nmemory = \"128m\"\ncpus = 0.5\ntimeout_seconds = 60\n",
                 quote(implementer_args),
                 quote(reviewer_args)

@@ -11,7 +11,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures_util::StreamExt;
-use lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicNackOptions, BasicQosOptions};
+use lapin::options::{BasicConsumeOptions, BasicQosOptions};
 use lapin::types::FieldTable;
 use proto::amqp::{self, AmqpError, Publisher, Topology};
 use proto::{Control, Event, EventKind, Job, RunRequest, RunState, SCHEMA_VERSION};
@@ -367,17 +367,12 @@ async fn handle_event(dispatcher: Arc<Dispatcher>, delivery: lapin::message::Del
                 {
                     let _ = dispatcher.publish_cancel(event.run_id).await;
                 }
-                let _ = delivery.ack(BasicAckOptions::default()).await;
+                let _ = amqp::ack(&delivery).await;
             }
             Err(error) => {
                 warn!(%error, "cannot store event; it will be delivered again");
                 tokio::time::sleep(Duration::from_millis(500)).await;
-                let _ = delivery
-                    .nack(BasicNackOptions {
-                        requeue: true,
-                        ..Default::default()
-                    })
-                    .await;
+                let _ = amqp::requeue(&delivery).await;
             }
         }
     }
@@ -399,7 +394,11 @@ async fn consume_submissions(dispatcher: Arc<Dispatcher>, shutdown: Cancellation
 
 async fn handle_submission(dispatcher: Arc<Dispatcher>, delivery: lapin::message::Delivery) {
     if delivery.data.len() > crate::freeze::MAX_REQUEST_BYTES {
-        let reason = format!("oversized message: {} bytes, over the request limit of {}", delivery.data.len(), crate::freeze::MAX_REQUEST_BYTES);
+        let reason = format!(
+            "oversized message: {} bytes, over the request limit of {}",
+            delivery.data.len(),
+            crate::freeze::MAX_REQUEST_BYTES
+        );
         return dead_letter(&dispatcher, delivery, &reason).await;
     }
     let request = match decode::<RunRequest>(&delivery.data) {
@@ -420,7 +419,7 @@ async fn handle_submission(dispatcher: Arc<Dispatcher>, delivery: lapin::message
         .map(|r| r.to_string());
     let reply = match dispatcher.submit(request).await {
         Ok(frozen) => {
-            let _ = delivery.ack(BasicAckOptions::default()).await;
+            let _ = amqp::ack(&delivery).await;
             serde_json::json!({"run_id": frozen.job.run_id, "state": "queued", "warnings": frozen.warnings})
         }
         Err(SubmitFailure::Invalid(error)) => {
@@ -431,12 +430,7 @@ async fn handle_submission(dispatcher: Arc<Dispatcher>, delivery: lapin::message
         }
         Err(SubmitFailure::Store(error)) => {
             warn!(%error, "cannot store a submission; it will be delivered again");
-            let _ = delivery
-                .nack(BasicNackOptions {
-                    requeue: true,
-                    ..Default::default()
-                })
-                .await;
+            let _ = amqp::requeue(&delivery).await;
             return;
         }
     };
@@ -458,7 +452,10 @@ pub const MAX_MESSAGE_BYTES: usize = 8 * 1024 * 1024;
 /// Decodes a message, refusing oversized ones and a missing or unknown `schema_version` first.
 pub fn decode<T: serde::de::DeserializeOwned>(data: &[u8]) -> Result<T, String> {
     if data.len() > MAX_MESSAGE_BYTES {
-        return Err(format!("oversized message: {} bytes, over the limit of {MAX_MESSAGE_BYTES}", data.len()));
+        return Err(format!(
+            "oversized message: {} bytes, over the limit of {MAX_MESSAGE_BYTES}",
+            data.len()
+        ));
     }
     let value: serde_json::Value =
         serde_json::from_slice(data).map_err(|e| format!("malformed JSON: {e}"))?;
@@ -489,13 +486,11 @@ async fn dead_letter(dispatcher: &Dispatcher, delivery: lapin::message::Delivery
         .await
     {
         Ok(()) => {
-            let _ = delivery.ack(BasicAckOptions::default()).await;
+            let _ = amqp::ack(&delivery).await;
         }
         Err(error) => {
             warn!(%error, "cannot dead-letter; rejecting instead");
-            let _ = delivery
-                .reject(lapin::options::BasicRejectOptions { requeue: false })
-                .await;
+            let _ = amqp::reject(&delivery).await;
         }
     }
 }

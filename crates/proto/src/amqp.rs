@@ -442,6 +442,38 @@ impl Publisher {
     }
 }
 
+/// The limit on settling a delivery; a dead connection must not hang the task holding it.
+pub const SETTLE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Acknowledges a delivery within [`SETTLE_TIMEOUT`].
+pub async fn ack(delivery: &lapin::message::Delivery) -> Result<(), String> {
+    settle(delivery.ack(lapin::options::BasicAckOptions::default())).await
+}
+
+/// Hands a delivery back to the queue within [`SETTLE_TIMEOUT`].
+pub async fn requeue(delivery: &lapin::message::Delivery) -> Result<(), String> {
+    settle(delivery.nack(lapin::options::BasicNackOptions {
+        requeue: true,
+        ..Default::default()
+    }))
+    .await
+}
+
+/// Rejects a delivery without requeue (the broker dead-letters it) within [`SETTLE_TIMEOUT`].
+pub async fn reject(delivery: &lapin::message::Delivery) -> Result<(), String> {
+    settle(delivery.reject(lapin::options::BasicRejectOptions { requeue: false })).await
+}
+
+async fn settle(
+    operation: impl std::future::Future<Output = lapin::Result<()>>,
+) -> Result<(), String> {
+    match tokio::time::timeout(SETTLE_TIMEOUT, operation).await {
+        Ok(Ok(())) => Ok(()),
+        Ok(Err(error)) => Err(error.to_string()),
+        Err(_) => Err(format!("no answer within {SETTLE_TIMEOUT:?}")),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

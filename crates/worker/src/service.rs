@@ -16,12 +16,11 @@ use std::time::Duration;
 
 use futures_util::StreamExt;
 use lapin::options::{
-    BasicAckOptions, BasicConsumeOptions, BasicNackOptions, BasicQosOptions, QueueBindOptions,
-    QueueDeclareOptions, QueueDeleteOptions,
+    BasicConsumeOptions, BasicQosOptions, QueueBindOptions, QueueDeclareOptions, QueueDeleteOptions,
 };
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{Channel, Connection};
-use proto::amqp::{self, AmqpError, Publisher, Topology, DONE_MARKER_TTL_MS};
+use proto::amqp::{self, ack, reject, requeue, AmqpError, Publisher, Topology, DONE_MARKER_TTL_MS};
 use proto::{Control, Event, EventKind, Job, SCHEMA_VERSION};
 use tokio::sync::{Mutex, Semaphore};
 use tokio_util::sync::CancellationToken;
@@ -135,7 +134,7 @@ pub async fn run(
     background.spawn(control_loop(Arc::clone(&shared), shutdown.clone()));
     background.spawn(sweep_loop(Arc::clone(&shared), shutdown.clone()));
     info!(worker = %shared.config.worker_id, slots = shared.config.concurrency, "worker started");
-    consume_jobs(Arc::clone(&shared), &runs, shutdown.clone()).await;
+    let consuming = consume_jobs(Arc::clone(&shared), &runs, shutdown.clone()).await;
 
     info!(in_flight = runs.len(), "draining");
     runs.close();
@@ -146,6 +145,10 @@ pub async fn run(
         warn!("drain time is over; handing in-flight runs back");
         shared.interrupt.cancel();
         let _ = tokio::time::timeout(Duration::from_secs(60), runs.wait()).await;
+    }
+    if let Some((connection, channel)) = consuming {
+        let _ = tokio::time::timeout(Duration::from_secs(5), channel.close(200, "bye")).await;
+        let _ = tokio::time::timeout(Duration::from_secs(5), connection.close(200, "bye")).await;
     }
     background.close();
     let _ = tokio::time::timeout(Duration::from_secs(5), background.wait()).await;
@@ -198,6 +201,20 @@ impl Shared {
                     operation: "declare presence",
                     source,
                 })?;
+            // Leases die with their connection: take them again for the runs still in flight.
+            let held = QueueDeclareOptions {
+                exclusive: true,
+                ..Default::default()
+            };
+            for run_id in self.running.lock().await.keys() {
+                let lease = self.topology.lease(&run_id.to_string());
+                if let Err(error) = channel
+                    .queue_declare(&lease, held, FieldTable::default())
+                    .await
+                {
+                    warn!(%run_id, %error, "cannot take the lease of a run in flight again");
+                }
+            }
             *slot = Some(connection);
         }
         let connection = slot.as_ref().expect("connected above");
@@ -226,6 +243,8 @@ impl Shared {
                 Ok(true)
             }
             Err(lapin::Error::ProtocolError(error)) if error.get_id() == 404 => Ok(false),
+            // An exclusive queue of another connection exists, and is locked to us.
+            Err(lapin::Error::ProtocolError(error)) if error.get_id() == 405 => Ok(true),
             Err(source) => Err(AmqpError::Broker {
                 operation: "check queue",
                 source,
@@ -234,7 +253,13 @@ impl Shared {
     }
 }
 
-async fn consume_jobs(shared: Arc<Shared>, runs: &TaskTracker, shutdown: CancellationToken) {
+/// Consumes jobs until shutdown; returns the consuming connection so that the runs in flight
+/// can still settle their deliveries on it.
+async fn consume_jobs(
+    shared: Arc<Shared>,
+    runs: &TaskTracker,
+    shutdown: CancellationToken,
+) -> Option<(Connection, Channel)> {
     let mut backoff = Duration::from_millis(200);
     while !shutdown.is_cancelled() {
         let session = async {
@@ -302,17 +327,12 @@ async fn consume_jobs(shared: Arc<Shared>, runs: &TaskTracker, shutdown: Cancell
                 Default::default(),
             )
             .await;
-        if !shutdown.is_cancelled() {
-            drop((connection, channel));
-        } else {
-            // Keep the connection until the runs are settled: the tracker waits for them.
-            let keep = (connection, channel);
-            runs.spawn(async move {
-                tokio::time::sleep(Duration::from_millis(10)).await;
-                drop(keep);
-            });
+        if shutdown.is_cancelled() {
+            // Deliveries in flight are settled on this channel: keep it until they are.
+            return Some((connection, channel));
         }
     }
+    None
 }
 
 async fn take_delivery(
@@ -330,12 +350,10 @@ async fn take_delivery(
                 .await
             {
                 Ok(()) => {
-                    let _ = delivery.ack(BasicAckOptions::default()).await;
+                    let _ = ack(&delivery).await;
                 }
                 Err(_) => {
-                    let _ = delivery
-                        .reject(lapin::options::BasicRejectOptions { requeue: false })
-                        .await;
+                    let _ = reject(&delivery).await;
                 }
             }
             return;
@@ -343,12 +361,7 @@ async fn take_delivery(
     };
     let Ok(permit) = Arc::clone(&shared.slots).try_acquire_owned() else {
         // Only after a reconnect can the broker offer more than our free slots.
-        let _ = delivery
-            .nack(BasicNackOptions {
-                requeue: true,
-                ..Default::default()
-            })
-            .await;
+        let _ = requeue(&delivery).await;
         return;
     };
     let shared = Arc::clone(shared);
@@ -368,7 +381,10 @@ pub const MAX_JOB_BYTES: usize = 4 * 1024 * 1024;
 /// Decodes a job, refusing oversized messages and a missing or unknown `schema_version` first.
 pub fn decode_job(data: &[u8]) -> Result<Job, String> {
     if data.len() > MAX_JOB_BYTES {
-        return Err(format!("oversized message: {} bytes, over the limit of {MAX_JOB_BYTES}", data.len()));
+        return Err(format!(
+            "oversized message: {} bytes, over the limit of {MAX_JOB_BYTES}",
+            data.len()
+        ));
     }
     let value: serde_json::Value =
         serde_json::from_slice(data).map_err(|e| format!("malformed JSON: {e}"))?;
@@ -400,24 +416,25 @@ async fn run_job(shared: &Shared, job: Job, delivery: lapin::message::Delivery) 
     {
         Ok(true) => {
             info!("run already finished; acknowledging the redelivered job");
-            let _ = delivery.ack(BasicAckOptions::default()).await;
+            let _ = ack(&delivery).await;
             return;
         }
         Ok(false) => {}
         Err(error) => {
             warn!(%error, "cannot check the done marker; handing the job back");
-            let _ = delivery
-                .nack(BasicNackOptions {
-                    requeue: true,
-                    ..Default::default()
-                })
-                .await;
+            let _ = requeue(&delivery).await;
             return;
         }
     }
-    let lease = match acquire_lease(shared, run_id).await {
-        Ok(Some(channel)) => channel,
-        Ok(None) => {
+    let leased = if shared.running.lock().await.contains_key(&run_id) {
+        // This worker runs it already (the broker redelivered it after a lost connection).
+        Ok(false)
+    } else {
+        acquire_lease(shared, run_id).await
+    };
+    match leased {
+        Ok(true) => {}
+        Ok(false) => {
             // Another live worker holds the run (the broker redelivered it after a consumer
             // timeout): park it in the wait queue; it comes back until that worker is done.
             let parked = shared
@@ -425,29 +442,17 @@ async fn run_job(shared: &Shared, job: Job, delivery: lapin::message::Delivery) 
                 .publish("", &shared.topology.jobs_wait(), &delivery.data, None)
                 .await;
             let _ = match parked {
-                Ok(()) => delivery.ack(BasicAckOptions::default()).await,
-                Err(_) => {
-                    delivery
-                        .nack(BasicNackOptions {
-                            requeue: true,
-                            ..Default::default()
-                        })
-                        .await
-                }
+                Ok(()) => ack(&delivery).await,
+                Err(_) => requeue(&delivery).await,
             };
             return;
         }
         Err(error) => {
             warn!(%error, "cannot lease the run; handing the job back");
-            let _ = delivery
-                .nack(BasicNackOptions {
-                    requeue: true,
-                    ..Default::default()
-                })
-                .await;
+            let _ = requeue(&delivery).await;
             return;
         }
-    };
+    }
     let cancel = CancellationToken::new();
     shared.running.lock().await.insert(run_id, cancel.clone());
     let execution = shared
@@ -471,7 +476,7 @@ async fn run_job(shared: &Shared, job: Job, delivery: lapin::message::Delivery) 
     match outcome {
         Ok(Some(result)) => {
             mark_done(shared, run_id).await;
-            if let Err(error) = delivery.ack(BasicAckOptions::default()).await {
+            if let Err(error) = ack(&delivery).await {
                 // The channel was closed under us (a consumer timeout or a lost connection): the
                 // broker offers the job again, and the done marker settles it then.
                 warn!(%error, "cannot acknowledge the job; the done marker will settle it");
@@ -479,34 +484,29 @@ async fn run_job(shared: &Shared, job: Job, delivery: lapin::message::Delivery) 
             info!(state = %result.state, "job done");
         }
         Ok(None) => {
-            let _ = delivery
-                .nack(BasicNackOptions {
-                    requeue: true,
-                    ..Default::default()
-                })
-                .await;
+            let _ = requeue(&delivery).await;
         }
         Err(error) => {
             warn!(%error, "final events not confirmed; handing the job back");
-            let _ = delivery
-                .nack(BasicNackOptions {
-                    requeue: true,
-                    ..Default::default()
-                })
-                .await;
+            let _ = requeue(&delivery).await;
         }
     }
-    let _ = lease
-        .queue_delete(
-            &shared.topology.lease(&run_id.to_string()),
-            QueueDeleteOptions::default(),
-        )
-        .await;
-    let _ = lease.close(200, "released").await;
+    release_lease(shared, run_id).await;
 }
 
-/// Declares the run's exclusive lease queue; `None` when another live worker holds it.
-async fn acquire_lease(shared: &Shared, run_id: Uuid) -> Result<Option<Channel>, AmqpError> {
+/// Deletes the run's lease queue through a fresh channel (the one that took it may be gone).
+async fn release_lease(shared: &Shared, run_id: Uuid) {
+    if let Ok(channel) = shared.lease_channel().await {
+        let lease = shared.topology.lease(&run_id.to_string());
+        let _ = channel
+            .queue_delete(&lease, QueueDeleteOptions::default())
+            .await;
+        let _ = channel.close(200, "released").await;
+    }
+}
+
+/// Declares the run's exclusive lease queue; `false` when another live worker holds it.
+async fn acquire_lease(shared: &Shared, run_id: Uuid) -> Result<bool, AmqpError> {
     let channel = shared.lease_channel().await?;
     let exclusive = QueueDeclareOptions {
         exclusive: true,
@@ -521,8 +521,11 @@ async fn acquire_lease(shared: &Shared, run_id: Uuid) -> Result<Option<Channel>,
         )
         .await
     {
-        Ok(_) => Ok(Some(channel)),
-        Err(lapin::Error::ProtocolError(error)) if error.get_id() == 405 => Ok(None),
+        Ok(_) => {
+            let _ = channel.close(200, "leased").await;
+            Ok(true)
+        }
+        Err(lapin::Error::ProtocolError(error)) if error.get_id() == 405 => Ok(false),
         Err(source) => Err(AmqpError::Broker {
             operation: "lease run",
             source,

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Starts a local cluster: one dispatcher on 127.0.0.1:8080 and N workers (default 2), using
+# RabbitMQ and Docker from scripts/services.sh. Logs and the store go to ./cluster/.
+#   scripts/cluster.sh [WORKERS] [SKILLS_DIR] [AGENTS_FILE]
+# Stop it with: pkill -TERM -f 'forgepool (dispatcher|worker)'
+set -euo pipefail
+cd "$(dirname "$0")/.."
+workers="${1:-2}"
+skills="${2:-examples/skills}"
+agents="${3:-examples/agents.toml}"
+
+scripts/services.sh
+cargo build --release --quiet
+mkdir -p cluster
+./target/release/forgepool dispatcher --skills "$skills" --agents "$agents" \
+  --database cluster/forgepool.db > cluster/dispatcher.log 2>&1 &
+echo "dispatcher: pid $!, http://127.0.0.1:8080, log cluster/dispatcher.log"
+for i in $(seq 1 "$workers"); do
+  ./target/release/forgepool worker --worker-id "local-$i" --metrics-addr "127.0.0.1:$((9090 + i))" \
+    --workspace "cluster/workspaces-$i" > "cluster/worker-$i.log" 2>&1 &
+  echo "worker local-$i: pid $!, metrics http://127.0.0.1:$((9090 + i))/metrics, log cluster/worker-$i.log"
+done
+echo "submit with: ./target/release/forgepool submit REQUEST.toml --wait"

@@ -1,0 +1,165 @@
+//! Fault tests that disturb the shared broker: a RabbitMQ restart, a consumer-acknowledgement
+//! timeout shorter than a run, and a worker drained by SIGTERM. `scripts/test.sh` runs this
+//! binary on its own, after the rest of the suite, one test at a time.
+
+mod common;
+
+use std::process::Command;
+use std::time::Duration;
+
+use common::cluster::Cluster;
+use common::Fixture;
+
+const REVIEW: &str = "---\nmax_retries: 2\n---\n# Check\n";
+
+fn rabbitmqctl(args: &[&str]) {
+    let output = Command::new("rabbitmqctl")
+        .args(args)
+        .output()
+        .expect("rabbitmqctl runs");
+    assert!(
+        output.status.success(),
+        "rabbitmqctl {args:?}: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_broker_restart_loses_no_accepted_run() {
+    let fixture = Fixture::new(Some(REVIEW), &["sleep", "3"], &["approve"]);
+    let cluster = Cluster::start(fixture, 2, 2, None).await;
+    let mut ids = Vec::new();
+    for n in 1..=6 {
+        ids.push(cluster.submit(&format!("BOUNCE-{n}")).await);
+    }
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    rabbitmqctl(&["stop_app"]);
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    rabbitmqctl(&["start_app"]);
+    rabbitmqctl(&["await_startup"]);
+    let views = cluster.wait_terminal(&ids, Duration::from_secs(240)).await;
+    for (n, view) in views.iter().enumerate() {
+        assert_eq!(
+            view["state"],
+            "delivered",
+            "run {n}: {}\n{}",
+            view["states"],
+            cluster.logs()
+        );
+        assert_eq!(
+            cluster.commits_above_main(&format!("forge/bounce-{}", n + 1)),
+            1
+        );
+    }
+    // Both services reconnected by themselves: a new run goes through.
+    let id = cluster.submit("BOUNCE-99").await;
+    let views = cluster.wait_terminal(&[id], Duration::from_secs(60)).await;
+    assert_eq!(views[0]["state"], "delivered", "{}", cluster.logs());
+    cluster.delete_queues().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_longer_than_the_consumer_timeout_completes_exactly_once() {
+    // Channels opened from now on get a 5 s acknowledgement timeout.
+    rabbitmqctl(&[
+        "eval",
+        "application:set_env(rabbit, consumer_timeout, 5000).",
+    ]);
+    let restore = scopeguard(|| {
+        let _ = Command::new("rabbitmqctl")
+            .args([
+                "eval",
+                "application:set_env(rabbit, consumer_timeout, 1800000).",
+            ])
+            .output();
+    });
+    // RabbitMQ checks the timeout about once a minute, so the run must outlast that.
+    let fixture = Fixture::new(Some(REVIEW), &["sleep", "75"], &["approve"]);
+    let cluster = Cluster::start(fixture, 2, 1, None).await;
+    let id = cluster.submit("LONG-1").await;
+    let views = cluster
+        .wait_terminal(std::slice::from_ref(&id), Duration::from_secs(180))
+        .await;
+    drop(restore);
+    assert_eq!(views[0]["state"], "delivered", "{}", cluster.logs());
+    let states: Vec<&str> = views[0]["states"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s["state"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        states,
+        ["queued", "running", "delivered"],
+        "the run started once and ended once\n{}",
+        cluster.logs()
+    );
+    assert_eq!(views[0]["result"]["implementation_rounds"], 1);
+    assert_eq!(cluster.commits_above_main("forge/long-1"), 1);
+    let logs = cluster.logs();
+    assert!(
+        logs.contains("consumer failed")
+            || logs.contains("consumer closed")
+            || logs.contains("cannot acknowledge"),
+        "the broker's consumer timeout did not fire, so the test proves nothing:\n{logs}"
+    );
+    cluster.delete_queues().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_drains_a_worker_and_hands_its_run_back() {
+    let fixture = Fixture::new(Some(REVIEW), &["sleep", "30"], &["approve"]);
+    let mut cluster = Cluster::start(fixture, 1, 1, None).await;
+    let id = cluster.submit("DRAIN-1").await;
+    let started = std::time::Instant::now();
+    while cluster.run(&id).await["state"] != "running" {
+        assert!(
+            started.elapsed() < Duration::from_secs(30),
+            "{}",
+            cluster.logs()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    // The drain time is 5 s: the run cannot finish, so it is stopped and handed back.
+    let code = cluster.workers[0].terminate(Duration::from_secs(60));
+    assert_eq!(
+        code,
+        Some(0),
+        "the worker exits cleanly after draining\n{}",
+        cluster.logs()
+    );
+    let output = Command::new("docker")
+        .args([
+            "ps",
+            "-aq",
+            "--filter",
+            &format!("label=forgepool.run_id={id}"),
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        String::from_utf8_lossy(&output.stdout).trim().is_empty(),
+        "the drained worker left its container"
+    );
+    cluster.start_worker("after", 1);
+    let views = cluster
+        .wait_terminal(std::slice::from_ref(&id), Duration::from_secs(120))
+        .await;
+    assert_eq!(views[0]["state"], "delivered", "{}", cluster.logs());
+    assert_eq!(cluster.commits_above_main("forge/drain-1"), 1);
+    cluster.delete_queues().await;
+}
+
+/// Runs `f` when dropped, so a failed assertion still restores the broker's setting.
+fn scopeguard<F: FnOnce()>(f: F) -> impl Drop {
+    struct Guard<F: FnOnce()>(Option<F>);
+    impl<F: FnOnce()> Drop for Guard<F> {
+        fn drop(&mut self) {
+            if let Some(f) = self.0.take() {
+                f();
+            }
+        }
+    }
+    Guard(Some(f))
+}
