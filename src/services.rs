@@ -97,7 +97,11 @@ pub async fn worker(args: WorkerArgs) -> i32 {
             ))
         }
     };
-    let runtime = match DockerRuntime::connect(Identity::for_worker(worker_id.clone())).await {
+    let runtime = match DockerRuntime::connect(
+        Identity::for_worker(worker_id.clone()).in_cluster(args.broker.prefix.clone()),
+    )
+    .await
+    {
         Ok(runtime) => Arc::new(runtime),
         Err(error) => {
             eprintln!("error: {error}");

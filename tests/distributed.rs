@@ -19,7 +19,7 @@ async fn thirty_runs_on_three_workers_are_each_delivered_once() {
     for n in 1..=30 {
         ids.push(cluster.submit(&format!("LOAD-{n}")).await);
     }
-    let views = cluster.wait_terminal(&ids, Duration::from_secs(300)).await;
+    let views = cluster.wait_terminal(&ids, Duration::from_secs(200)).await;
     for (n, view) in views.iter().enumerate() {
         assert_eq!(
             view["state"],

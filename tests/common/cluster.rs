@@ -298,6 +298,11 @@ impl Cluster {
     pub async fn publish_raw(&self, queue: &str, payload: &[u8], reply_to: Option<&str>) {
         let connection = self.broker().await;
         let channel = connection.create_channel().await.unwrap();
+        // Confirms make sure the broker has the message before the connection closes.
+        channel
+            .confirm_select(lapin::options::ConfirmSelectOptions::default())
+            .await
+            .unwrap();
         let mut properties = BasicProperties::default().with_delivery_mode(2);
         if let Some(reply_to) = reply_to {
             properties = properties.with_reply_to(reply_to.into());

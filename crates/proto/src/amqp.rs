@@ -27,8 +27,10 @@ pub const REASON_HEADER: &str = "x-forgepool-reason";
 /// How long a job waits in the wait queue before it is offered again (its run is leased by a
 /// live worker).
 pub const WAIT_QUEUE_TTL_MS: i64 = 3_000;
-/// How long a run's completion marker is kept.
-pub const DONE_MARKER_TTL_MS: i64 = 7 * 24 * 3600 * 1000;
+/// How long a run's completion marker is kept: long enough for every copy of a finished job
+/// that is still circulating (redelivered after a consumer timeout or a lost connection) to
+/// come back and be settled, short enough that markers do not pile up on the broker.
+pub const DONE_MARKER_TTL_MS: i64 = 3600 * 1000;
 
 /// A failed AMQP operation.
 #[derive(Debug, thiserror::Error)]

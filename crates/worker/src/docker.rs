@@ -24,8 +24,8 @@ use tokio_util::sync::CancellationToken;
 
 use crate::runtime::{
     redact, tail, ContainerRuntime, LogChunk, RuntimeError, StageExit, StageOutput, StageSpec,
-    LABEL_DEADLINE, LABEL_HOST, LABEL_INSTANCE, LABEL_MANAGED, LABEL_PID, LABEL_WORKER,
-    MAX_CAPTURED_STDOUT, TAIL_BYTES,
+    LABEL_CLUSTER, LABEL_DEADLINE, LABEL_HOST, LABEL_INSTANCE, LABEL_MANAGED, LABEL_PID,
+    LABEL_WORKER, MAX_CAPTURED_STDOUT, TAIL_BYTES,
 };
 
 /// The limit on any single Docker API call (create, start, remove, list, inspect).
@@ -46,6 +46,9 @@ pub struct Identity {
     pub host: String,
     /// This process's id.
     pub pid: u32,
+    /// The installation the worker belongs to (its queue prefix, or `embedded`): the dead-worker
+    /// sweep only ever touches containers of its own cluster.
+    pub cluster: String,
 }
 
 impl Identity {
@@ -59,7 +62,14 @@ impl Identity {
             instance: uuid::Uuid::new_v4().to_string(),
             host,
             pid: std::process::id(),
+            cluster: "embedded".to_string(),
         }
+    }
+
+    /// The same identity in another cluster.
+    pub fn in_cluster(mut self, cluster: impl Into<String>) -> Identity {
+        self.cluster = cluster.into();
+        self
     }
 }
 
@@ -161,6 +171,7 @@ impl DockerRuntime {
         labels.insert(LABEL_INSTANCE.into(), self.identity.instance.clone());
         labels.insert(LABEL_HOST.into(), self.identity.host.clone());
         labels.insert(LABEL_PID.into(), self.identity.pid.to_string());
+        labels.insert(LABEL_CLUSTER.into(), self.identity.cluster.clone());
         let deadline = unix_now() + spec.timeout.as_secs() + OVERDUE_GRACE.as_secs();
         labels.insert(LABEL_DEADLINE.into(), deadline.to_string());
         let binds = spec
@@ -285,12 +296,14 @@ impl DockerRuntime {
 }
 
 impl DockerRuntime {
-    /// The instances, other than this one, that own forgepool containers on this engine.
+    /// The instances of this cluster, other than this one, that own containers on this engine.
     pub async fn other_instances(&self) -> Result<HashSet<String>, RuntimeError> {
         let containers = self.managed_containers().await?;
         Ok(containers
             .into_iter()
-            .filter_map(|c| c.labels.and_then(|mut l| l.remove(LABEL_INSTANCE)))
+            .filter_map(|c| c.labels)
+            .filter(|labels| labels.get(LABEL_CLUSTER) == Some(&self.identity.cluster))
+            .filter_map(|mut labels| labels.remove(LABEL_INSTANCE))
             .filter(|instance| *instance != self.identity.instance)
             .collect())
     }

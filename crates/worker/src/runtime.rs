@@ -25,6 +25,8 @@ pub const LABEL_WORKER: &str = "forgepool.worker";
 pub const LABEL_INSTANCE: &str = "forgepool.instance";
 /// The label naming the host the worker runs on.
 pub const LABEL_HOST: &str = "forgepool.host";
+/// The label naming the cluster (queue prefix) of the worker.
+pub const LABEL_CLUSTER: &str = "forgepool.cluster";
 /// The label holding the worker's process id.
 pub const LABEL_PID: &str = "forgepool.pid";
 /// The label holding the Unix time after which the container is overdue and may be removed

@@ -5,7 +5,7 @@
 //! - a **lease** (an exclusive queue per run) is held while a run executes, so a job that the
 //!   broker redelivers while its worker still lives (after a consumer-acknowledgement timeout)
 //!   waits in the wait queue instead of running twice;
-//! - a **done marker** (a durable queue per run, expiring after a week) is declared after the
+//! - a **done marker** (a durable queue per run, expiring after an hour) is declared after the
 //!   final events are confirmed, so a redelivered finished job is acknowledged without running;
 //! - a **presence** queue per worker instance lets the other workers find and remove the
 //!   containers of a worker that died.
@@ -359,15 +359,17 @@ async fn take_delivery(
             return;
         }
     };
-    let Ok(permit) = Arc::clone(&shared.slots).try_acquire_owned() else {
-        // Only after a reconnect can the broker offer more than our free slots.
-        let _ = requeue(&delivery).await;
-        return;
-    };
+    // The prefetch keeps deliveries within our slots, but the next delivery can arrive just
+    // before the slot of the run that was acknowledged is released: it waits for that slot
+    // instead of bouncing back to the queue (which would count against the delivery limit).
     let shared = Arc::clone(shared);
     let span = info_span!("job", run_id = %job.run_id, ticket = %job.ticket);
     runs.spawn(
         async move {
+            let Ok(permit) = Arc::clone(&shared.slots).acquire_owned().await else {
+                let _ = requeue(&delivery).await;
+                return;
+            };
             run_job(&shared, job, delivery).await;
             drop(permit);
         }
