@@ -50,11 +50,6 @@ pub async fn dispatcher(args: DispatcherArgs) -> i32 {
             ))
         }
     };
-    let address = listener
-        .local_addr()
-        .map(|a| a.to_string())
-        .unwrap_or_default();
-    println!("dispatcher listening on {address}");
     let config = DispatcherConfig {
         amqp_url: args.broker.amqp_url,
         prefix: args.broker.prefix,
@@ -64,7 +59,9 @@ pub async fn dispatcher(args: DispatcherArgs) -> i32 {
         api_token: args.api_token,
     };
     let shutdown = shutdown_on_signal();
-    match dispatcher::service::run(config, listener, shutdown).await {
+    // The line tests and scripts wait for: printed once the broker topology exists.
+    let ready = |address| println!("dispatcher listening on {address}");
+    match dispatcher::service::run(config, listener, shutdown, ready).await {
         Ok(()) => 0,
         Err(error) => {
             eprintln!("error: {error}");

@@ -17,6 +17,9 @@ use proto::amqp::{self, AmqpError, Publisher, Topology};
 use proto::{Control, Event, EventKind, Job, RunRequest, RunState, SCHEMA_VERSION};
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
+
+/// The limit on connecting, declaring and starting a consumer.
+const SESSION_TIMEOUT: Duration = Duration::from_secs(30);
 use tokio_util::task::TaskTracker;
 use tracing::{info, info_span, warn, Instrument};
 use uuid::Uuid;
@@ -162,11 +165,13 @@ impl Dispatcher {
 }
 
 /// Runs the dispatcher until `shutdown` is cancelled: HTTP on `listener`, the consumers, and
-/// the republisher. Shutdown stops accepting HTTP first, then the consumers.
+/// the republisher. `ready` is called once the broker topology exists and HTTP is about to be
+/// served. Shutdown stops accepting HTTP first, then the consumers.
 pub async fn run(
     config: DispatcherConfig,
     listener: tokio::net::TcpListener,
     shutdown: CancellationToken,
+    ready: impl FnOnce(std::net::SocketAddr),
 ) -> Result<(), DispatcherError> {
     let store = SqliteStore::open(&config.database_url)?;
     let topology = Topology::new(&config.prefix);
@@ -195,6 +200,7 @@ pub async fn run(
 
     let address = listener.local_addr().map_err(DispatcherError::Serve)?;
     info!(%address, "dispatcher listening");
+    ready(address);
     let app = crate::http::router(Arc::clone(&dispatcher));
     let serve_shutdown = shutdown.clone();
     axum::serve(listener, app)
@@ -277,6 +283,14 @@ async fn consume_forever<F, Fut>(
                 })?;
             Ok::<_, AmqpError>((connection, channel, consumer))
         };
+        // Every broker call is bounded: a broker that stops answering is retried, never waited on.
+        let session = async {
+            tokio::time::timeout(SESSION_TIMEOUT, session)
+                .await
+                .map_err(|_| {
+                    AmqpError::Pool(format!("no consumer set up within {SESSION_TIMEOUT:?}"))
+                })?
+        };
         let (connection, channel, mut consumer) = match session.await {
             Ok(session) => session,
             Err(error) => {
@@ -290,6 +304,7 @@ async fn consume_forever<F, Fut>(
             }
         };
         backoff = Duration::from_millis(200);
+        info!(queue = %queue, "consuming");
         if name == "forgepool-dispatcher-events" {
             dispatcher.broker_ready.store(true, Ordering::SeqCst);
         }
@@ -497,7 +512,14 @@ async fn dead_letter(dispatcher: &Dispatcher, delivery: lapin::message::Delivery
 
 async fn republish(dispatcher: Arc<Dispatcher>, shutdown: CancellationToken) {
     loop {
-        match dispatcher.store.unpublished_jobs().await {
+        // Only runs older than the inline publish's own deadline: a run being published right now
+        // must not be published twice.
+        let cutoff = std::time::SystemTime::now() - PUBLISH_DEADLINE - Duration::from_secs(5);
+        match dispatcher
+            .store
+            .unpublished_jobs(proto::format_timestamp(cutoff))
+            .await
+        {
             Ok(jobs) => {
                 for job in jobs {
                     if let Err(error) = dispatcher.publish_job(&job).await {

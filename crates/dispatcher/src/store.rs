@@ -64,8 +64,12 @@ pub trait RunStore: Send + Sync + 'static {
     ) -> impl Future<Output = Result<Option<RunRecord>, StoreError>> + Send;
     /// Notes that a run's job reached the jobs queue.
     fn mark_published(&self, run_id: Uuid) -> impl Future<Output = Result<(), StoreError>> + Send;
-    /// Jobs that were stored but never confirmed on the jobs queue (a crash in between).
-    fn unpublished_jobs(&self) -> impl Future<Output = Result<Vec<Job>, StoreError>> + Send;
+    /// Jobs accepted before `accepted_before` (RFC 3339) that were stored but never confirmed
+    /// on the jobs queue (a crash or a broker outage in between).
+    fn unpublished_jobs(
+        &self,
+        accepted_before: String,
+    ) -> impl Future<Output = Result<Vec<Job>, StoreError>> + Send;
     /// Lists runs, newest first, optionally filtered, after a cursor from an earlier page.
     fn list_runs(
         &self,
@@ -313,13 +317,14 @@ impl RunStore for SqliteStore {
         .await
     }
 
-    async fn unpublished_jobs(&self) -> Result<Vec<Job>, StoreError> {
-        self.with(|c| {
+    async fn unpublished_jobs(&self, accepted_before: String) -> Result<Vec<Job>, StoreError> {
+        self.with(move |c| {
             let mut statement = c.prepare(
-                "SELECT job FROM runs WHERE published = 0 AND state = 'queued' ORDER BY created_at",
+                "SELECT job FROM runs WHERE published = 0 AND state = 'queued' AND created_at < ?1
+                 ORDER BY created_at",
             )?;
             let rows = statement
-                .query_map([], |r| r.get::<_, String>(0))?
+                .query_map(params![accepted_before], |r| r.get::<_, String>(0))?
                 .collect::<Result<Vec<_>, _>>()?;
             rows.iter()
                 .map(|body| Ok(serde_json::from_str(body)?))

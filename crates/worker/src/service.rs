@@ -24,6 +24,9 @@ use proto::amqp::{self, ack, reject, requeue, AmqpError, Publisher, Topology, DO
 use proto::{Control, Event, EventKind, Job, SCHEMA_VERSION};
 use tokio::sync::{Mutex, Semaphore};
 use tokio_util::sync::CancellationToken;
+
+/// The limit on connecting, declaring and starting a consumer.
+const SESSION_TIMEOUT: Duration = Duration::from_secs(30);
 use tokio_util::task::TaskTracker;
 use tracing::{info, info_span, warn, Instrument};
 use uuid::Uuid;
@@ -296,6 +299,14 @@ async fn consume_jobs(
                 })?;
             Ok::<_, AmqpError>((connection, channel, consumer))
         };
+        // Every broker call is bounded: a broker that stops answering is retried, never waited on.
+        let session = async {
+            tokio::time::timeout(SESSION_TIMEOUT, session)
+                .await
+                .map_err(|_| {
+                    AmqpError::Pool(format!("no consumer set up within {SESSION_TIMEOUT:?}"))
+                })?
+        };
         let (connection, channel, mut consumer) = match session.await {
             Ok(session) => session,
             Err(error) => {
@@ -428,11 +439,28 @@ async fn run_job(shared: &Shared, job: Job, delivery: lapin::message::Delivery) 
             return;
         }
     }
-    let leased = if shared.running.lock().await.contains_key(&run_id) {
+    // Claim the run in this process first: the lease is exclusive per connection, so it cannot
+    // tell two deliveries to this same worker apart.
+    let cancel = CancellationToken::new();
+    let claimed = {
+        let mut running = shared.running.lock().await;
+        match running.entry(run_id) {
+            std::collections::hash_map::Entry::Occupied(_) => false,
+            std::collections::hash_map::Entry::Vacant(slot) => {
+                slot.insert(cancel.clone());
+                true
+            }
+        }
+    };
+    let leased = if claimed {
+        let leased = acquire_lease(shared, run_id).await;
+        if !matches!(leased, Ok(true)) {
+            shared.running.lock().await.remove(&run_id);
+        }
+        leased
+    } else {
         // This worker runs it already (the broker redelivered it after a lost connection).
         Ok(false)
-    } else {
-        acquire_lease(shared, run_id).await
     };
     match leased {
         Ok(true) => {}
@@ -455,8 +483,6 @@ async fn run_job(shared: &Shared, job: Job, delivery: lapin::message::Delivery) 
             return;
         }
     }
-    let cancel = CancellationToken::new();
-    shared.running.lock().await.insert(run_id, cancel.clone());
     let execution = shared
         .engine
         .execute(&job, &shared.sink, cancel, shared.interrupt.clone());

@@ -1,0 +1,196 @@
+#!/usr/bin/env python3
+"""Benchmark of the distributed mode: a dispatcher, RabbitMQ and 2 workers (2 slots each).
+
+Measures, for N runs with two trivial stages each (implement: write a file; review: print
+APPROVED):
+  - submission to first container: from the start of POST /v1/runs to the Docker `create`
+    event of the run's first container (nanosecond timestamps from `docker events`), p50/p99;
+  - throughput: runs per second from the first submission to the last run's end;
+  - the baseline: the same 2N containers (same image, commands, mounts) created, started,
+    waited for and removed straight through the Docker Engine API, 4 at a time;
+  - peak resident memory (VmHWM) of the dispatcher and of each worker.
+
+Run: scripts/services.sh && scripts/build-images.sh && cargo build --release &&
+     python3 scripts/bench-cluster.py [N]        (default N = 50)
+"""
+import concurrent.futures
+import http.client
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+import uuid
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BINARY = os.path.join(ROOT, "target", "release", "forgepool")
+IMAGE = "forgepool-test-agent:dev"
+IMPLEMENT = ["/bin/sh", "-c", "echo change > /workspace/feature.txt"]
+REVIEW = ["/bin/sh", "-c", "echo APPROVED"]
+
+
+class DockerSocket(http.client.HTTPConnection):
+    def __init__(self):
+        super().__init__("localhost", timeout=60)
+
+    def connect(self):
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.connect("/var/run/docker.sock")
+
+
+def docker(method, path, body=None):
+    connection = DockerSocket()
+    payload = json.dumps(body).encode() if body is not None else None
+    connection.request(method, "/v1.41" + path, body=payload, headers={"Content-Type": "application/json"})
+    response = connection.getresponse()
+    data = response.read()
+    connection.close()
+    if response.status >= 300:
+        raise RuntimeError(f"{method} {path}: {response.status} {data[:200]}")
+    return json.loads(data) if data else None
+
+
+def baseline_stage(command, workspace):
+    started = time.perf_counter()
+    host = {"NetworkMode": "none", "CapDrop": ["ALL"], "SecurityOpt": ["no-new-privileges"], "PidsLimit": 512,
+            "Memory": 128 << 20, "MemorySwap": 128 << 20, "NanoCpus": 500_000_000, "Init": True}
+    if workspace:
+        host["Binds"] = [f"{workspace}:/workspace:rw"]
+    created = docker("POST", "/containers/create", {"Image": IMAGE, "Cmd": command, "User": "0:0", "HostConfig": host,
+                                                    "Labels": {"forgepool.bench": "baseline"}})
+    docker("POST", f"/containers/{created['Id']}/start")
+    docker("POST", f"/containers/{created['Id']}/wait")
+    docker("DELETE", f"/containers/{created['Id']}?force=true")
+    return time.perf_counter() - started
+
+
+def baseline(n):
+    workspace = tempfile.mkdtemp(prefix="forgepool-baseline-")
+
+    def one_run(_):
+        baseline_stage(IMPLEMENT, workspace)
+        baseline_stage(REVIEW, None)
+
+    started = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(max_workers=4) as pool:
+        list(pool.map(one_run, range(n)))
+    return time.perf_counter() - started
+
+
+def git(*args, cwd=None):
+    subprocess.run(["git", *args], cwd=cwd, check=True, capture_output=True)
+
+
+def spawn(args, env, log):
+    process = subprocess.Popen([BINARY, *args], env=env, stdout=subprocess.PIPE, stderr=open(log, "w"), text=True)
+    line = process.stdout.readline()
+    address = line.strip().split("listening on ")[-1]
+    threading.Thread(target=lambda: process.stdout.read(), daemon=True).start()
+    return process, address
+
+
+def peak_rss_mb(pid):
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def percentile(values, p):
+    values = sorted(values)
+    return values[min(len(values) - 1, int(round((len(values) - 1) * p / 100)))]
+
+
+def main():
+    n = int(sys.argv[1]) if len(sys.argv) > 1 else 50
+    work = tempfile.mkdtemp(prefix="forgepool-bench-")
+    bare = os.path.join(work, "repo.git")
+    git("init", "--quiet", "--bare", "--initial-branch=main", bare)
+    seed = os.path.join(work, "seed")
+    git("clone", "--quiet", bare, seed)
+    with open(os.path.join(seed, "README.md"), "w") as f:
+        f.write("bench\n")
+    git("add", "-A", cwd=seed)
+    git("-c", "user.name=b", "-c", "user.email=b@b", "commit", "--quiet", "-m", "start", cwd=seed)
+    git("push", "--quiet", "origin", "HEAD:main", cwd=seed)
+    skill = os.path.join(work, "skills", "default", "implement-task")
+    os.makedirs(skill)
+    open(os.path.join(skill, "SKILL.md"), "w").write("# Implement\n")
+    open(os.path.join(skill, "review.md"), "w").write("---\nmax_retries: 1\n---\nCheck.\n")
+    agents = os.path.join(work, "agents.toml")
+    open(agents, "w").write(
+        "[defaults]\nimplementer = \"i\"\nreviewer = \"r\"\n"
+        f"[agents.i]\nimage = \"{IMAGE}\"\ncommand = {json.dumps(IMPLEMENT)}\nmemory = \"128m\"\ncpus = 0.5\n"
+        f"[agents.r]\nimage = \"{IMAGE}\"\ncommand = {json.dumps(REVIEW)}\nmemory = \"128m\"\ncpus = 0.5\n")
+    prefix = "bench" + uuid.uuid4().hex[:8]
+    env = dict(os.environ, FORGEPOOL_AMQP_PREFIX=prefix, FORGEPOOL_LOG="warn,lapin=off")
+
+    creates = {}
+    events = subprocess.Popen(["docker", "events", "--format", "{{json .}}", "--filter", "type=container",
+                               "--filter", "event=create", "--filter", f"label=forgepool.cluster={prefix}"],
+                              stdout=subprocess.PIPE, text=True)
+
+    def read_events():
+        for line in events.stdout:
+            event = json.loads(line)
+            run_id = event.get("Actor", {}).get("Attributes", {}).get("forgepool.run_id")
+            if run_id and run_id not in creates:
+                creates[run_id] = event["timeNano"]
+
+    threading.Thread(target=read_events, daemon=True).start()
+
+    dispatcher, address = spawn(["dispatcher", "--listen", "127.0.0.1:0", "--skills", os.path.join(work, "skills"),
+                                 "--agents", agents, "--database", os.path.join(work, "runs.db")], env,
+                                os.path.join(work, "dispatcher.log"))
+    workers = [spawn(["worker", "--metrics-addr", "127.0.0.1:0", "--worker-id", f"{prefix}-{i}", "--concurrency", "2",
+                      "--workspace", os.path.join(work, f"ws{i}")], env, os.path.join(work, f"worker{i}.log"))[0]
+               for i in range(2)]
+    time.sleep(2)
+    base = f"http://{address}"
+    submitted = {}
+    first = time.time()
+    for k in range(n):
+        body = json.dumps({"ticket": f"BENCH-{k + 1}", "skill": "implement-task", "brief": "bench",
+                           "repository": {"url": f"file://{bare}", "ref": "main"}}).encode()
+        started_ns = time.time_ns()
+        request = urllib.request.Request(base + "/v1/runs", data=body, headers={"Content-Type": "application/json"})
+        run_id = json.loads(urllib.request.urlopen(request).read())["run_id"]
+        submitted[run_id] = started_ns
+    while True:
+        listing = json.loads(urllib.request.urlopen(base + "/v1/runs?limit=500").read())
+        states = [r["state"] for r in listing["runs"]]
+        if len(states) == n and all(s in ("delivered", "delivered_with_warnings", "blocked", "failed", "cancelled") for s in states):
+            break
+        time.sleep(0.05)
+    elapsed = time.time() - first
+    failed = [s for s in states if s != "delivered"]
+    memory = {"dispatcher": peak_rss_mb(dispatcher.pid)}
+    for i, worker in enumerate(workers):
+        memory[f"worker {i}"] = peak_rss_mb(worker.pid)
+    for process in [dispatcher, *workers]:
+        process.terminate()
+    for process in [dispatcher, *workers]:
+        process.wait(timeout=60)
+    events.terminate()
+
+    latencies = [(creates[r] - s) / 1e6 for r, s in submitted.items() if r in creates]
+    base_elapsed = baseline(n)
+    print(f"runs: {n} (2 stages each), not delivered: {len(failed)}")
+    print(f"submission to first container: p50 {percentile(latencies, 50):.1f} ms, p99 {percentile(latencies, 99):.1f} ms "
+          f"(mean {statistics.mean(latencies):.1f} ms, {len(latencies)} samples)")
+    print(f"forgepool: {elapsed:.2f} s, {n / elapsed:.2f} runs/s")
+    print(f"baseline (same {2 * n} containers straight through the Docker API, 4 at a time): "
+          f"{base_elapsed:.2f} s, {n / base_elapsed:.2f} runs/s")
+    print(f"throughput ratio forgepool/baseline: {(n / elapsed) / (n / base_elapsed):.2f}")
+    for name, mb in memory.items():
+        print(f"peak resident memory of {name}: {mb:.1f} MB")
+
+
+if __name__ == "__main__":
+    main()
