@@ -4,7 +4,8 @@
 Measures, for N runs with two trivial stages each (implement: write a file; review: print
 APPROVED):
   - submission to first container: from the start of POST /v1/runs to the Docker `create`
-    event of the run's first container (nanosecond timestamps from `docker events`), p50/p99;
+    event of the run's first container (nanosecond timestamps from `docker events`), p50/p99,
+    both for 20 runs submitted one at a time to an idle cluster and for the N-run burst;
   - throughput: runs per second from the first submission to the last run's end;
   - the baseline: the same 2N containers (same image, commands, mounts) created, started,
     waited for and removed straight through the Docker Engine API, 4 at a time;
@@ -170,6 +171,23 @@ def main():
         time.sleep(0.05)
     elapsed = time.time() - first
     failed = [s for s in states if s != "delivered"]
+
+    # Idle latency: one run at a time, so no run waits for a slot.
+    idle = []
+    for k in range(20):
+        body = json.dumps({"ticket": f"IDLE-{k + 1}", "skill": "implement-task", "brief": "bench",
+                           "repository": {"url": f"file://{bare}", "ref": "main"}}).encode()
+        started_ns = time.time_ns()
+        request = urllib.request.Request(base + "/v1/runs", data=body, headers={"Content-Type": "application/json"})
+        run_id = json.loads(urllib.request.urlopen(request).read())["run_id"]
+        while True:
+            state = json.loads(urllib.request.urlopen(f"{base}/v1/runs/{run_id}").read())["state"]
+            if state in ("delivered", "delivered_with_warnings", "blocked", "failed", "cancelled"):
+                break
+            time.sleep(0.05)
+        time.sleep(0.2)
+        if run_id in creates:
+            idle.append((creates[run_id] - started_ns) / 1e6)
     memory = {"dispatcher": peak_rss_mb(dispatcher.pid)}
     for i, worker in enumerate(workers):
         memory[f"worker {i}"] = peak_rss_mb(worker.pid)
@@ -182,8 +200,10 @@ def main():
     latencies = [(creates[r] - s) / 1e6 for r, s in submitted.items() if r in creates]
     base_elapsed = baseline(n)
     print(f"runs: {n} (2 stages each), not delivered: {len(failed)}")
-    print(f"submission to first container: p50 {percentile(latencies, 50):.1f} ms, p99 {percentile(latencies, 99):.1f} ms "
-          f"(mean {statistics.mean(latencies):.1f} ms, {len(latencies)} samples)")
+    print(f"submission to first container, idle cluster: p50 {percentile(idle, 50):.1f} ms, "
+          f"p99 {percentile(idle, 99):.1f} ms ({len(idle)} samples)")
+    print(f"submission to first container, {n} submitted at once to 4 slots: p50 {percentile(latencies, 50):.1f} ms, "
+          f"p99 {percentile(latencies, 99):.1f} ms (mean {statistics.mean(latencies):.1f} ms; queueing included)")
     print(f"forgepool: {elapsed:.2f} s, {n / elapsed:.2f} runs/s")
     print(f"baseline (same {2 * n} containers straight through the Docker API, 4 at a time): "
           f"{base_elapsed:.2f} s, {n / base_elapsed:.2f} runs/s")
