@@ -11,15 +11,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures_util::StreamExt;
-use lapin::options::{BasicConsumeOptions, BasicQosOptions};
-use lapin::types::FieldTable;
 use proto::amqp::{self, AmqpError, Publisher, Topology};
 use proto::{Control, Event, EventKind, Job, RunRequest, RunState, SCHEMA_VERSION};
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
-/// The limit on connecting, declaring and starting a consumer.
-const SESSION_TIMEOUT: Duration = Duration::from_secs(30);
 use tokio_util::task::TaskTracker;
 use tracing::{info, info_span, warn, Instrument};
 use uuid::Uuid;
@@ -251,46 +247,8 @@ async fn consume_forever<F, Fut>(
 {
     let mut backoff = Duration::from_millis(200);
     while !shutdown.is_cancelled() {
-        let session = async {
-            let connection = amqp::connect(&dispatcher.amqp_url, name).await?;
-            let channel =
-                connection
-                    .create_channel()
-                    .await
-                    .map_err(|source| AmqpError::Broker {
-                        operation: "open channel",
-                        source,
-                    })?;
-            dispatcher.topology.declare(&channel).await?;
-            channel
-                .basic_qos(64, BasicQosOptions::default())
-                .await
-                .map_err(|source| AmqpError::Broker {
-                    operation: "qos",
-                    source,
-                })?;
-            let consumer = channel
-                .basic_consume(
-                    &queue,
-                    name,
-                    BasicConsumeOptions::default(),
-                    FieldTable::default(),
-                )
-                .await
-                .map_err(|source| AmqpError::Broker {
-                    operation: "consume",
-                    source,
-                })?;
-            Ok::<_, AmqpError>((connection, channel, consumer))
-        };
-        // Every broker call is bounded: a broker that stops answering is retried, never waited on.
-        let session = async {
-            tokio::time::timeout(SESSION_TIMEOUT, session)
-                .await
-                .map_err(|_| {
-                    AmqpError::Pool(format!("no consumer set up within {SESSION_TIMEOUT:?}"))
-                })?
-        };
+        let session =
+            amqp::open_consumer(&dispatcher.amqp_url, name, &dispatcher.topology, &queue, 64);
         let (connection, channel, mut consumer) = match session.await {
             Ok(session) => session,
             Err(error) => {

@@ -444,6 +444,49 @@ impl Publisher {
     }
 }
 
+/// The limit on connecting, declaring the topology and starting a consumer.
+pub const SESSION_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Opens a connection of its own, declares the topology, sets the prefetch and starts a
+/// consumer on `queue`, all within [`SESSION_TIMEOUT`]: a broker that stops answering is
+/// retried by the caller, never waited on.
+pub async fn open_consumer(
+    url: &str,
+    name: &str,
+    topology: &Topology,
+    queue: &str,
+    prefetch: u16,
+) -> Result<(Connection, Channel, lapin::Consumer), AmqpError> {
+    let session = async {
+        let connection = connect(url, name).await?;
+        let broker = |operation| move |source| AmqpError::Broker { operation, source };
+        let channel = connection
+            .create_channel()
+            .await
+            .map_err(broker("open channel"))?;
+        topology.declare(&channel).await?;
+        channel
+            .basic_qos(prefetch, lapin::options::BasicQosOptions::default())
+            .await
+            .map_err(broker("set prefetch"))?;
+        let consumer = channel
+            .basic_consume(
+                queue,
+                name,
+                lapin::options::BasicConsumeOptions::default(),
+                FieldTable::default(),
+            )
+            .await
+            .map_err(broker("start consumer"))?;
+        Ok((connection, channel, consumer))
+    };
+    tokio::time::timeout(SESSION_TIMEOUT, session)
+        .await
+        .map_err(|_| {
+            AmqpError::Pool(format!("no consumer on {queue} within {SESSION_TIMEOUT:?}"))
+        })?
+}
+
 /// The limit on settling a delivery; a dead connection must not hang the task holding it.
 pub const SETTLE_TIMEOUT: Duration = Duration::from_secs(10);
 

@@ -16,7 +16,7 @@ use std::time::Duration;
 
 use futures_util::StreamExt;
 use lapin::options::{
-    BasicConsumeOptions, BasicQosOptions, QueueBindOptions, QueueDeclareOptions, QueueDeleteOptions,
+    BasicConsumeOptions, QueueBindOptions, QueueDeclareOptions, QueueDeleteOptions,
 };
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{Channel, Connection};
@@ -25,8 +25,6 @@ use proto::{Control, Event, EventKind, Job, SCHEMA_VERSION};
 use tokio::sync::{Mutex, Semaphore};
 use tokio_util::sync::CancellationToken;
 
-/// The limit on connecting, declaring and starting a consumer.
-const SESSION_TIMEOUT: Duration = Duration::from_secs(30);
 use tokio_util::task::TaskTracker;
 use tracing::{info, info_span, warn, Instrument};
 use uuid::Uuid;
@@ -265,48 +263,16 @@ async fn consume_jobs(
 ) -> Option<(Connection, Channel)> {
     let mut backoff = Duration::from_millis(200);
     while !shutdown.is_cancelled() {
-        let session = async {
-            let connection =
-                amqp::connect(&shared.config.amqp_url, "forgepool-worker-consume").await?;
-            let channel =
-                connection
-                    .create_channel()
-                    .await
-                    .map_err(|source| AmqpError::Broker {
-                        operation: "open channel",
-                        source,
-                    })?;
-            shared.topology.declare(&channel).await?;
-            let prefetch = u16::try_from(shared.config.concurrency).unwrap_or(u16::MAX);
-            channel
-                .basic_qos(prefetch, BasicQosOptions::default())
-                .await
-                .map_err(|source| AmqpError::Broker {
-                    operation: "qos",
-                    source,
-                })?;
-            let consumer = channel
-                .basic_consume(
-                    &shared.topology.jobs(),
-                    &format!("worker-{}", shared.config.worker_id),
-                    BasicConsumeOptions::default(),
-                    FieldTable::default(),
-                )
-                .await
-                .map_err(|source| AmqpError::Broker {
-                    operation: "consume jobs",
-                    source,
-                })?;
-            Ok::<_, AmqpError>((connection, channel, consumer))
-        };
-        // Every broker call is bounded: a broker that stops answering is retried, never waited on.
-        let session = async {
-            tokio::time::timeout(SESSION_TIMEOUT, session)
-                .await
-                .map_err(|_| {
-                    AmqpError::Pool(format!("no consumer set up within {SESSION_TIMEOUT:?}"))
-                })?
-        };
+        let prefetch = u16::try_from(shared.config.concurrency).unwrap_or(u16::MAX);
+        let tag = format!("worker-{}", shared.config.worker_id);
+        let jobs = shared.topology.jobs();
+        let session = amqp::open_consumer(
+            &shared.config.amqp_url,
+            &tag,
+            &shared.topology,
+            &jobs,
+            prefetch,
+        );
         let (connection, channel, mut consumer) = match session.await {
             Ok(session) => session,
             Err(error) => {
@@ -332,12 +298,7 @@ async fn consume_jobs(
             }
         }
         // Stop taking work first; deliveries in flight keep their channel until they settle.
-        let _ = channel
-            .basic_cancel(
-                &format!("worker-{}", shared.config.worker_id),
-                Default::default(),
-            )
-            .await;
+        let _ = channel.basic_cancel(&tag, Default::default()).await;
         if shutdown.is_cancelled() {
             // Deliveries in flight are settled on this channel: keep it until they are.
             return Some((connection, channel));
