@@ -424,31 +424,7 @@ pub const MAX_MESSAGE_BYTES: usize = 8 * 1024 * 1024;
 
 /// Decodes a message, refusing oversized ones and a missing or unknown `schema_version` first.
 pub fn decode<T: serde::de::DeserializeOwned>(data: &[u8]) -> Result<T, String> {
-    if data.len() > MAX_MESSAGE_BYTES {
-        return Err(format!(
-            "oversized message: {} bytes, over the limit of {MAX_MESSAGE_BYTES}",
-            data.len()
-        ));
-    }
-    let value: serde_json::Value =
-        serde_json::from_slice(data).map_err(|e| format!("malformed JSON: {e}"))?;
-    match value
-        .get("schema_version")
-        .and_then(serde_json::Value::as_u64)
-    {
-        Some(version) if version == u64::from(SCHEMA_VERSION) => {}
-        Some(version) => {
-            return Err(format!(
-                "unknown schema_version {version}; this dispatcher reads {SCHEMA_VERSION}"
-            ))
-        }
-        None => {
-            return Err(format!(
-                "schema_version is missing; it must be {SCHEMA_VERSION}"
-            ))
-        }
-    }
-    serde_json::from_value(value).map_err(|e| e.to_string())
+    proto::decode_message(data, MAX_MESSAGE_BYTES)
 }
 
 async fn dead_letter(dispatcher: &Dispatcher, delivery: lapin::message::Delivery, reason: &str) {

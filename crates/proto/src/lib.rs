@@ -26,6 +26,40 @@ pub use state::RunState;
 /// The version of every message schema in this crate. Bumped on any incompatible change.
 pub const SCHEMA_VERSION: u32 = 1;
 
+/// Decodes a message read from a queue: refuses one over `max_bytes`, malformed JSON, and a
+/// missing or unknown `schema_version` before the shape is checked. The error is the reason a
+/// dead letter carries.
+pub fn decode_message<T: serde::de::DeserializeOwned>(
+    data: &[u8],
+    max_bytes: usize,
+) -> Result<T, String> {
+    if data.len() > max_bytes {
+        return Err(format!(
+            "oversized message: {} bytes, over the limit of {max_bytes}",
+            data.len()
+        ));
+    }
+    let value: serde_json::Value =
+        serde_json::from_slice(data).map_err(|e| format!("malformed JSON: {e}"))?;
+    match value
+        .get("schema_version")
+        .and_then(serde_json::Value::as_u64)
+    {
+        Some(version) if version == u64::from(SCHEMA_VERSION) => {}
+        Some(version) => {
+            return Err(format!(
+            "unknown schema_version {version}; this version of forgepool reads {SCHEMA_VERSION}"
+        ))
+        }
+        None => {
+            return Err(format!(
+                "schema_version is missing; it must be {SCHEMA_VERSION}"
+            ))
+        }
+    }
+    serde_json::from_value(value).map_err(|e| format!("not a valid message: {e}"))
+}
+
 /// The current time as an RFC 3339 UTC timestamp with second precision (`2024-01-15T10:30:00Z`).
 pub fn timestamp_now() -> String {
     format_timestamp(std::time::SystemTime::now())

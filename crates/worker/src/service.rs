@@ -21,7 +21,7 @@ use lapin::options::{
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{Channel, Connection};
 use proto::amqp::{self, ack, reject, requeue, AmqpError, Publisher, Topology, DONE_MARKER_TTL_MS};
-use proto::{Control, Event, EventKind, Job, SCHEMA_VERSION};
+use proto::{Control, Event, EventKind, Job};
 use tokio::sync::{Mutex, Semaphore};
 use tokio_util::sync::CancellationToken;
 
@@ -354,31 +354,7 @@ pub const MAX_JOB_BYTES: usize = 4 * 1024 * 1024;
 
 /// Decodes a job, refusing oversized messages and a missing or unknown `schema_version` first.
 pub fn decode_job(data: &[u8]) -> Result<Job, String> {
-    if data.len() > MAX_JOB_BYTES {
-        return Err(format!(
-            "oversized message: {} bytes, over the limit of {MAX_JOB_BYTES}",
-            data.len()
-        ));
-    }
-    let value: serde_json::Value =
-        serde_json::from_slice(data).map_err(|e| format!("malformed JSON: {e}"))?;
-    match value
-        .get("schema_version")
-        .and_then(serde_json::Value::as_u64)
-    {
-        Some(version) if version == u64::from(SCHEMA_VERSION) => {}
-        Some(version) => {
-            return Err(format!(
-                "unknown schema_version {version}; this worker reads {SCHEMA_VERSION}"
-            ))
-        }
-        None => {
-            return Err(format!(
-                "schema_version is missing; it must be {SCHEMA_VERSION}"
-            ))
-        }
-    }
-    serde_json::from_value(value).map_err(|e| format!("not a valid job: {e}"))
+    proto::decode_message(data, MAX_JOB_BYTES)
 }
 
 async fn run_job(shared: &Shared, job: Job, delivery: lapin::message::Delivery) {
