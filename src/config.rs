@@ -42,18 +42,7 @@ pub struct RunArgs {
 impl RunArgs {
     /// The workspace root, made absolute so that it can be bind-mounted.
     pub fn workspace_root(&self) -> Result<PathBuf, String> {
-        let root = self
-            .workspace
-            .clone()
-            .unwrap_or_else(|| std::env::temp_dir().join("forgepool"));
-        std::fs::create_dir_all(&root).map_err(|e| {
-            format!(
-                "{ENV_WORKSPACE_DIR} ({}): cannot create it: {e}",
-                root.display()
-            )
-        })?;
-        root.canonicalize()
-            .map_err(|e| format!("{ENV_WORKSPACE_DIR} ({}): {e}", root.display()))
+        workspace_root(self.workspace.as_deref())
     }
 }
 
@@ -149,18 +138,7 @@ pub struct WorkerArgs {
 impl WorkerArgs {
     /// The workspace root, made absolute so that it can be bind-mounted.
     pub fn workspace_root(&self) -> Result<PathBuf, String> {
-        let root = self
-            .workspace
-            .clone()
-            .unwrap_or_else(|| std::env::temp_dir().join("forgepool"));
-        std::fs::create_dir_all(&root).map_err(|e| {
-            format!(
-                "{ENV_WORKSPACE_DIR} ({}): cannot create it: {e}",
-                root.display()
-            )
-        })?;
-        root.canonicalize()
-            .map_err(|e| format!("{ENV_WORKSPACE_DIR} ({}): {e}", root.display()))
+        workspace_root(self.workspace.as_deref())
     }
 }
 
@@ -188,4 +166,18 @@ fn parse_prefix(text: &str) -> Result<String, String> {
             "{ENV_AMQP_PREFIX} must be 1 to 64 letters, digits, '-', '_' or '.', got {text:?}"
         ))
     }
+}
+
+/// The workspace root (`FORGEPOOL_WORKSPACE_DIR`, else a folder under the system temp dir),
+/// created and made absolute so that it can be bind-mounted into stage containers.
+fn workspace_root(configured: Option<&std::path::Path>) -> Result<PathBuf, String> {
+    let root = configured.map_or_else(|| std::env::temp_dir().join("forgepool"), PathBuf::from);
+    std::fs::create_dir_all(&root).map_err(|e| {
+        format!(
+            "{ENV_WORKSPACE_DIR} ({}): cannot create it: {e}",
+            root.display()
+        )
+    })?;
+    root.canonicalize()
+        .map_err(|e| format!("{ENV_WORKSPACE_DIR} ({}): {e}", root.display()))
 }
