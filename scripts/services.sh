@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs (when missing) and starts the services forgepool's tests and examples use:
-# the Docker engine and RabbitMQ. Safe to run again: running services are left alone.
+# the Docker engine, RabbitMQ and PostgreSQL (for the PostgreSQL run store). Safe to run again: running services are left alone.
 # RABBITMQ_CONSUMER_TIMEOUT_MS sets the broker's consumer acknowledgement timeout (default:
 # RabbitMQ's own, 30 minutes).
 # Needs root on Debian 12.
@@ -20,6 +20,7 @@ missing=()
 command -v dockerd >/dev/null || missing+=(docker.io)
 command -v rabbitmq-server >/dev/null || missing+=(rabbitmq-server)
 command -v git >/dev/null || missing+=(git)
+command -v pg_ctlcluster >/dev/null || missing+=(postgresql)
 (ldd /bin/busybox 2>&1 || true) | grep -q "not a dynamic" || missing+=(busybox-static)
 if [ ${#missing[@]} -gt 0 ]; then
   log "installing ${missing[*]}"
@@ -52,3 +53,28 @@ if ! rabbitmq-diagnostics -q ping >/dev/null 2>&1; then
   rabbitmqctl await_startup >/dev/null 2>&1 || true
 fi
 log "rabbitmq ready ($(rabbitmqctl version 2>/dev/null))"
+
+# PostgreSQL: a role and a database `forgepool` (password `forgepool`) on 127.0.0.1:5432. The
+# role may create databases: the store tests make a fresh one per test.
+if ! pg_isready -q -h 127.0.0.1 -p 5432; then
+  version=$(ls /usr/lib/postgresql | sort -n | tail -1)
+  if ! pg_lsclusters -h | awk '{print $1"/"$2}' | grep -qx "$version/main"; then
+    log "creating the PostgreSQL $version cluster"
+    pg_createcluster "$version" main >/dev/null
+  fi
+  log "starting postgresql $version"
+  pg_ctlcluster "$version" main start
+  for _ in $(seq 1 60); do
+    pg_isready -q -h 127.0.0.1 -p 5432 && break
+    sleep 0.5
+  done
+  pg_isready -q -h 127.0.0.1 -p 5432 || { log "postgresql did not start; see /var/log/postgresql/"; exit 1; }
+fi
+as_postgres() { su postgres -s /bin/sh -c "$1"; }
+if ! as_postgres "psql -tAc \"SELECT 1 FROM pg_roles WHERE rolname = 'forgepool'\"" | grep -q 1; then
+  as_postgres "psql -qc \"CREATE ROLE forgepool LOGIN CREATEDB PASSWORD 'forgepool'\""
+fi
+if ! as_postgres "psql -tAc \"SELECT 1 FROM pg_database WHERE datname = 'forgepool'\"" | grep -q 1; then
+  as_postgres "createdb -O forgepool forgepool"
+fi
+log "postgresql ready (postgres://forgepool:forgepool@127.0.0.1:5432/forgepool)"

@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use dispatcher::store::{RunStore, SqliteStore};
+use dispatcher::store::{RunStore, Store};
 use dispatcher::{AgentBook, Freezer};
 use proto::{EventKind, RunState};
 use tokio_util::sync::CancellationToken;
@@ -61,7 +61,7 @@ pub async fn run(args: RunArgs) -> i32 {
     for warning in &frozen.warnings {
         eprintln!("warning: {warning}");
     }
-    let store = match SqliteStore::open(&args.database) {
+    let store = match Store::open(&args.database).await {
         Ok(store) => store,
         Err(error) => return invalid(error.to_string()),
     };

@@ -7,6 +7,7 @@ mod common;
 use std::time::Duration;
 
 use common::cluster::Cluster;
+use common::postgres::TestDatabase;
 use common::Fixture;
 
 const REVIEW: &str = "---\nmax_retries: 2\n---\n# Check\n";
@@ -330,7 +331,78 @@ async fn a_worker_killed_mid_run_loses_nothing_and_leaves_no_container() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dispatcher_restart_keeps_runs_and_events_and_records_runs_in_flight() {
     let fixture = Fixture::new(Some(REVIEW), &["sleep", "4"], &["approve"]);
-    let mut cluster = Cluster::start(fixture, 1, 1, None).await;
+    let cluster = Cluster::start(fixture, 1, 1, None).await;
+    dispatcher_restart_keeps_runs(cluster).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dispatcher_on_postgres_keeps_runs_and_events_across_a_restart() {
+    let database = TestDatabase::create().await;
+    let fixture = Fixture::new(Some(REVIEW), &["sleep", "4"], &["approve"]);
+    let cluster = Cluster::start_on(fixture, 1, 1, None, database.url.clone()).await;
+    dispatcher_restart_keeps_runs(cluster).await;
+    database.drop_database().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_the_broker_gives_up_on_fails_its_run() {
+    let fixture = Fixture::new(None, &["change"], &[]);
+    // No worker: the test itself plays a worker that crashes on the job every time.
+    let cluster = Cluster::start(fixture, 0, 1, None).await;
+    let run_id = cluster.submit("GIVEUP-1").await;
+    let broker = cluster.broker().await;
+    let channel = broker.create_channel().await.unwrap();
+    let jobs = format!("{}.jobs", cluster.prefix);
+    let mut deliveries = 0;
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while std::time::Instant::now() < deadline {
+        let message = channel
+            .basic_get(&jobs, lapin::options::BasicGetOptions::default())
+            .await
+            .unwrap();
+        let Some(message) = message else {
+            if deliveries > 0 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            continue;
+        };
+        deliveries += 1;
+        message
+            .delivery
+            .nack(lapin::options::BasicNackOptions {
+                requeue: true,
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+    }
+    assert!(
+        deliveries > 5,
+        "the broker dead-letters after its delivery limit, not before ({deliveries} deliveries)"
+    );
+    let views = cluster
+        .wait_terminal(std::slice::from_ref(&run_id), Duration::from_secs(30))
+        .await;
+    assert_eq!(views[0]["state"], "failed", "{}", cluster.logs());
+    let reason = views[0]["states"].as_array().unwrap().last().unwrap()["reason"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert!(
+        reason.contains("dead-lettered") && reason.contains("delivery_limit"),
+        "the reason says what happened: {reason}"
+    );
+    let dead = cluster.dead_letters().await;
+    assert!(
+        dead.iter()
+            .any(|(body, _)| String::from_utf8_lossy(body).contains(&run_id)),
+        "the job itself is kept in the dead-letter queue"
+    );
+    cluster.delete_queues().await;
+}
+
+async fn dispatcher_restart_keeps_runs(mut cluster: Cluster) {
     let done = cluster.submit("KEEP-1").await;
     cluster
         .wait_terminal(std::slice::from_ref(&done), Duration::from_secs(60))

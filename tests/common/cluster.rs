@@ -75,6 +75,8 @@ pub struct Cluster {
     pub fixture: Fixture,
     pub prefix: String,
     pub token: Option<String>,
+    /// The dispatcher's `--database`: a SQLite file in the fixture unless a test chose one.
+    pub database: String,
     pub dispatcher: Option<Service>,
     pub workers: Vec<Service>,
     pub http: reqwest::Client,
@@ -88,12 +90,25 @@ impl Cluster {
         slots: u16,
         token: Option<&str>,
     ) -> Cluster {
+        let database = fixture.dir.path().join("runs.db").display().to_string();
+        Cluster::start_on(fixture, workers, slots, token, database).await
+    }
+
+    /// Like [`Cluster::start`], with the dispatcher's store at `database` (a path or URL).
+    pub async fn start_on(
+        fixture: Fixture,
+        workers: usize,
+        slots: u16,
+        token: Option<&str>,
+        database: String,
+    ) -> Cluster {
         require_rabbitmq();
         let prefix = format!("t{}", &uuid::Uuid::new_v4().simple().to_string()[..10]);
         let mut cluster = Cluster {
             fixture,
             prefix,
             token: token.map(String::from),
+            database,
             dispatcher: None,
             workers: Vec::new(),
             http: reqwest::Client::new(),
@@ -123,7 +138,6 @@ impl Cluster {
 
     /// Starts (or restarts) the dispatcher on a free port, with the fixture's store.
     pub fn start_dispatcher(&mut self) {
-        let database = self.fixture.dir.path().join("runs.db");
         let (mut command, log) = self.base_command(&["dispatcher"], "dispatcher.log");
         command
             .arg("--listen")
@@ -133,7 +147,7 @@ impl Cluster {
             .arg("--agents")
             .arg(&self.fixture.agents)
             .arg("--database")
-            .arg(&database);
+            .arg(&self.database);
         if let Some(token) = &self.token {
             command.env("FORGEPOOL_API_TOKEN", token);
         }
@@ -381,6 +395,7 @@ impl Cluster {
             "jobs",
             "jobs.wait",
             "dead",
+            "dispatcher.dead",
             "dispatcher.events",
         ] {
             if let Ok(channel) = connection.create_channel().await {

@@ -7,6 +7,7 @@
 #![allow(dead_code)]
 
 pub mod cluster;
+pub mod postgres;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;

@@ -20,7 +20,7 @@ use tokio_util::task::TaskTracker;
 use tracing::{info, info_span, warn, Instrument};
 use uuid::Uuid;
 
-use crate::store::{RunStore, SqliteStore, StoreError};
+use crate::store::{RunStore, Store, StoreError};
 use crate::{AgentBook, Freezer, Frozen, SubmitError};
 
 /// How long publishing a job or a control message may keep retrying.
@@ -35,7 +35,7 @@ pub struct DispatcherConfig {
     pub amqp_url: String,
     /// Prefix of queue and exchange names.
     pub prefix: String,
-    /// The run store (a SQLite path or `sqlite://` URL).
+    /// The run store: a SQLite path or `sqlite://` URL, or a `postgres://` URL.
     pub database_url: String,
     /// The skills directory, read at each submission.
     pub skills_dir: PathBuf,
@@ -74,7 +74,7 @@ pub enum SubmitFailure {
 #[derive(Debug)]
 pub struct Dispatcher {
     /// The run store.
-    pub store: SqliteStore,
+    pub store: Store,
     /// The confirming publisher (jobs, control messages, dead letters).
     pub publisher: Publisher,
     /// Queue and exchange names.
@@ -169,7 +169,8 @@ pub async fn run(
     shutdown: CancellationToken,
     ready: impl FnOnce(std::net::SocketAddr),
 ) -> Result<(), DispatcherError> {
-    let store = SqliteStore::open(&config.database_url)?;
+    let store = Store::open(&config.database_url).await?;
+    info!(store = store.kind(), "run store open");
     let topology = Topology::new(&config.prefix);
     let publisher = Publisher::new(&config.amqp_url, "forgepool-dispatcher-publish")?;
     declare_with_retry(&publisher, &topology, &shutdown).await?;
@@ -188,6 +189,10 @@ pub async fn run(
     let tasks = TaskTracker::new();
     tasks.spawn(consume_events(Arc::clone(&dispatcher), shutdown.clone()));
     tasks.spawn(consume_submissions(
+        Arc::clone(&dispatcher),
+        shutdown.clone(),
+    ));
+    tasks.spawn(consume_dead_letters(
         Arc::clone(&dispatcher),
         shutdown.clone(),
     ));
@@ -302,6 +307,7 @@ async fn handle_event(dispatcher: Arc<Dispatcher>, delivery: lapin::message::Del
         Err(reason) => {
             return dead_letter(
                 &dispatcher,
+                &dispatcher.topology.dispatcher_events(),
                 delivery,
                 &format!("not a valid event: {reason}"),
             )
@@ -320,6 +326,7 @@ async fn handle_event(dispatcher: Arc<Dispatcher>, delivery: lapin::message::Del
         let Some(before) = before else {
             return dead_letter(
                 &dispatcher,
+                &dispatcher.topology.dispatcher_events(),
                 delivery,
                 &format!("event for unknown run {}", event.run_id),
             )
@@ -372,13 +379,20 @@ async fn handle_submission(dispatcher: Arc<Dispatcher>, delivery: lapin::message
             delivery.data.len(),
             crate::freeze::MAX_REQUEST_BYTES
         );
-        return dead_letter(&dispatcher, delivery, &reason).await;
+        return dead_letter(
+            &dispatcher,
+            &dispatcher.topology.submissions(),
+            delivery,
+            &reason,
+        )
+        .await;
     }
     let request = match decode::<RunRequest>(&delivery.data) {
         Ok(request) => request,
         Err(reason) => {
             return dead_letter(
                 &dispatcher,
+                &dispatcher.topology.submissions(),
                 delivery,
                 &format!("not a valid run request: {reason}"),
             )
@@ -398,7 +412,13 @@ async fn handle_submission(dispatcher: Arc<Dispatcher>, delivery: lapin::message
         Err(SubmitFailure::Invalid(error)) => {
             let reason = format!("refused: {error}");
             let body = serde_json::json!({"error": {"code": error.code(), "message": error.to_string(), "field": error.field()}});
-            dead_letter(&dispatcher, delivery, &reason).await;
+            dead_letter(
+                &dispatcher,
+                &dispatcher.topology.submissions(),
+                delivery,
+                &reason,
+            )
+            .await;
             body
         }
         Err(SubmitFailure::Store(error)) => {
@@ -427,11 +447,16 @@ pub fn decode<T: serde::de::DeserializeOwned>(data: &[u8]) -> Result<T, String> 
     proto::decode_message(data, MAX_MESSAGE_BYTES)
 }
 
-async fn dead_letter(dispatcher: &Dispatcher, delivery: lapin::message::Delivery, reason: &str) {
+async fn dead_letter(
+    dispatcher: &Dispatcher,
+    source: &str,
+    delivery: lapin::message::Delivery,
+    reason: &str,
+) {
     warn!(%reason, "dead-lettering a message");
     match dispatcher
         .publisher
-        .dead_letter(&dispatcher.topology, &delivery.data, reason)
+        .dead_letter(&dispatcher.topology, source, &delivery.data, reason)
         .await
     {
         Ok(()) => {
@@ -442,6 +467,66 @@ async fn dead_letter(dispatcher: &Dispatcher, delivery: lapin::message::Delivery
             let _ = amqp::reject(&delivery).await;
         }
     }
+}
+
+async fn consume_dead_letters(dispatcher: Arc<Dispatcher>, shutdown: CancellationToken) {
+    let queue = dispatcher.topology.dispatcher_dead();
+    consume_forever(
+        dispatcher,
+        queue,
+        "forgepool-dispatcher-dead",
+        shutdown,
+        handle_dead_letter,
+    )
+    .await;
+}
+
+/// A job taken off the jobs queue for good (refused by a worker, or given up on by the broker
+/// after its delivery limit) fails its run, which would otherwise stay `queued` for ever. Other
+/// dead letters are only kept in `{prefix}.dead` for operators.
+async fn handle_dead_letter(dispatcher: Arc<Dispatcher>, delivery: lapin::message::Delivery) {
+    let (source, reason) = amqp::dead_letter_origin(&delivery.properties);
+    let from_jobs = source.is_some_and(|queue| {
+        queue == dispatcher.topology.jobs() || queue == dispatcher.topology.jobs_wait()
+    });
+    let run_id = serde_json::from_slice::<serde_json::Value>(&delivery.data)
+        .ok()
+        .and_then(|message| Uuid::parse_str(message.get("run_id")?.as_str()?).ok());
+    if let (true, Some(run_id)) = (from_jobs, run_id) {
+        match dispatcher.store.get_run(run_id).await {
+            Ok(Some(record)) if !record.state.is_terminal() => {
+                let event = Event::new(
+                    run_id,
+                    EventKind::State {
+                        state: RunState::Failed,
+                        reason: format!(
+                            "the job was dead-lettered: {reason}; it stays in the dead-letter queue for inspection, and the ticket can be submitted again"
+                        ),
+                    },
+                );
+                match dispatcher.store.record_event(&event).await {
+                    Ok(_) => {
+                        warn!(%run_id, %reason, "a dead-lettered job failed its run");
+                        dispatcher.events_stored.send_modify(|n| *n += 1);
+                    }
+                    Err(error) => {
+                        warn!(%error, "cannot fail a dead-lettered run; it will be retried");
+                        tokio::time::sleep(Duration::from_millis(500)).await;
+                        let _ = amqp::requeue(&delivery).await;
+                        return;
+                    }
+                }
+            }
+            Ok(_) => {}
+            Err(error) => {
+                warn!(%error, "cannot read a dead-lettered run; it will be retried");
+                tokio::time::sleep(Duration::from_millis(500)).await;
+                let _ = amqp::requeue(&delivery).await;
+                return;
+            }
+        }
+    }
+    let _ = amqp::ack(&delivery).await;
 }
 
 async fn republish(dispatcher: Arc<Dispatcher>, shutdown: CancellationToken) {

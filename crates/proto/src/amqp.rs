@@ -24,6 +24,8 @@ pub const CONFIRM_TIMEOUT: Duration = Duration::from_secs(10);
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 /// The header that carries why a message was dead-lettered.
 pub const REASON_HEADER: &str = "x-forgepool-reason";
+/// The header that names the queue a dead-lettered message was taken from.
+pub const SOURCE_HEADER: &str = "x-forgepool-source";
 /// How long a job waits in the wait queue before it is offered again (its run is leased by a
 /// live worker).
 pub const WAIT_QUEUE_TTL_MS: i64 = 3_000;
@@ -114,6 +116,12 @@ impl Topology {
         format!("{}.events", self.prefix)
     }
 
+    /// The dispatcher's copy of every dead letter (bound to the dead-letter exchange), so a job
+    /// the broker gave up on fails its run instead of staying queued: `{prefix}.dispatcher.dead`.
+    pub fn dispatcher_dead(&self) -> String {
+        format!("{}.dispatcher.dead", self.prefix)
+    }
+
     /// The dispatcher's durable queue of every event.
     pub fn dispatcher_events(&self) -> String {
         format!("{}.dispatcher.events", self.prefix)
@@ -178,20 +186,22 @@ impl Topology {
             durable: true,
             ..Default::default()
         };
-        channel
-            .queue_declare(&self.dead(), queue, quorum(None, None))
-            .await
-            .map_err(broker("declare dead-letter queue"))?;
-        channel
-            .queue_bind(
-                &self.dead(),
-                &self.dead(),
-                "",
-                QueueBindOptions::default(),
-                FieldTable::default(),
-            )
-            .await
-            .map_err(broker("bind dead-letter queue"))?;
+        for name in [self.dead(), self.dispatcher_dead()] {
+            channel
+                .queue_declare(&name, queue, quorum(None, None))
+                .await
+                .map_err(broker("declare dead-letter queue"))?;
+            channel
+                .queue_bind(
+                    &name,
+                    &self.dead(),
+                    "",
+                    QueueBindOptions::default(),
+                    FieldTable::default(),
+                )
+                .await
+                .map_err(broker("bind dead-letter queue"))?;
+        }
         for name in [self.jobs(), self.submissions()] {
             channel
                 .queue_declare(
@@ -427,10 +437,12 @@ impl Publisher {
         }
     }
 
-    /// Publishes a message to the dead-letter exchange with the reason in a header.
+    /// Publishes a message taken from `source` (a queue name) to the dead-letter exchange,
+    /// with the reason and the source in headers.
     pub async fn dead_letter(
         &self,
         topology: &Topology,
+        source: &str,
         payload: &[u8],
         reason: &str,
     ) -> Result<(), AmqpError> {
@@ -439,9 +451,38 @@ impl Publisher {
             REASON_HEADER.into(),
             AMQPValue::LongString(LongString::from(reason.to_string())),
         );
+        headers.insert(
+            SOURCE_HEADER.into(),
+            AMQPValue::LongString(LongString::from(source.to_string())),
+        );
         self.publish(&topology.dead(), "", payload, Some(headers))
             .await
     }
+}
+
+/// Where a dead letter came from and why: our own headers for messages forgepool refused, the
+/// broker's `x-first-death-*` headers for messages it gave up on (`delivery_limit`, `rejected`,
+/// `expired`). Returns `(source queue, reason)`.
+pub fn dead_letter_origin(properties: &BasicProperties) -> (Option<String>, String) {
+    let header = |name: &str| -> Option<String> {
+        match properties.headers().as_ref()?.inner().get(name)? {
+            AMQPValue::LongString(value) => Some(value.to_string()),
+            AMQPValue::ShortString(value) => Some(value.to_string()),
+            _ => None,
+        }
+    };
+    let source = header(SOURCE_HEADER).or_else(|| header("x-first-death-queue"));
+    let reason = header(REASON_HEADER)
+        .or_else(|| {
+            header("x-first-death-reason").map(|reason| match reason.as_str() {
+                "delivery_limit" => format!(
+                    "the broker gave up after {DELIVERY_LIMIT} deliveries without an acknowledgement (delivery_limit)"
+                ),
+                other => format!("the broker dead-lettered it ({other})"),
+            })
+        })
+        .unwrap_or_else(|| "dead-lettered for an unknown reason".into());
+    (source, reason)
 }
 
 /// The limit on connecting, declaring the topology and starting a consumer.

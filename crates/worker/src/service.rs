@@ -318,7 +318,12 @@ async fn take_delivery(
             warn!(%reason, "dead-lettering a job message");
             match shared
                 .publisher
-                .dead_letter(&shared.topology, &delivery.data, &reason)
+                .dead_letter(
+                    &shared.topology,
+                    &shared.topology.jobs(),
+                    &delivery.data,
+                    &reason,
+                )
                 .await
             {
                 Ok(()) => {

@@ -1,103 +1,13 @@
-//! The run store: every run, its state history, its cycle files, its result and every event.
-//!
-//! [`RunStore`] is the seam; [`SqliteStore`] is the embedded, durable implementation used by
-//! `forgepool run` and by default by the dispatcher. Recording an event is idempotent (keyed by
-//! its `event_id`), and a cycle file is stored once per `(run, step, file)`, so a redelivered
-//! job never produces duplicate records.
+//! The SQLite run store: one file, WAL mode, queries on the blocking pool.
 
-use std::future::Future;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
-use proto::{CycleRecord, Event, EventKind, Job, RunResult, RunState, RunSummary};
+use proto::{CycleRecord, Event, EventKind, Job, RunState, RunSummary};
 use rusqlite::{params, Connection, OptionalExtension};
 use uuid::Uuid;
 
-/// A failed store operation.
-#[derive(Debug, thiserror::Error)]
-pub enum StoreError {
-    /// The database could not be opened.
-    #[error("cannot open the run store at {path}: {source}; check FORGEPOOL_DATABASE_URL")]
-    Open {
-        /// The database file.
-        path: PathBuf,
-        /// The cause.
-        source: rusqlite::Error,
-    },
-    /// A query failed.
-    #[error("run store query failed: {0}")]
-    Query(#[from] rusqlite::Error),
-    /// A stored document could not be decoded.
-    #[error("run store holds an unreadable record: {0}")]
-    Decode(#[from] serde_json::Error),
-    /// The blocking task running the query panicked or was cancelled.
-    #[error("run store task failed: {0}")]
-    Task(String),
-}
-
-/// A stored run, as read back from the store.
-#[derive(Debug, Clone)]
-pub struct RunRecord {
-    /// The frozen job.
-    pub job: Job,
-    /// The current state.
-    pub state: RunState,
-    /// Every state change: state, reason, time.
-    pub states: Vec<(RunState, String, String)>,
-    /// Every collected cycle file, ordered by step and cycle.
-    pub cycles: Vec<CycleRecord>,
-    /// The result, once the run ended.
-    pub result: Option<RunResult>,
-}
-
-/// Where runs and events are kept.
-pub trait RunStore: Send + Sync + 'static {
-    /// Stores a newly frozen job in state `queued`.
-    fn insert_run(&self, job: &Job) -> impl Future<Output = Result<(), StoreError>> + Send;
-    /// Stores an event and applies it to the run (state, cycles, result). Returns `false` when the
-    /// event was already stored.
-    fn record_event(&self, event: &Event) -> impl Future<Output = Result<bool, StoreError>> + Send;
-    /// Reads a run.
-    fn get_run(
-        &self,
-        run_id: Uuid,
-    ) -> impl Future<Output = Result<Option<RunRecord>, StoreError>> + Send;
-    /// Notes that a run's job reached the jobs queue.
-    fn mark_published(&self, run_id: Uuid) -> impl Future<Output = Result<(), StoreError>> + Send;
-    /// Jobs accepted before `accepted_before` (RFC 3339) that were stored but never confirmed
-    /// on the jobs queue (a crash or a broker outage in between).
-    fn unpublished_jobs(
-        &self,
-        accepted_before: String,
-    ) -> impl Future<Output = Result<Vec<Job>, StoreError>> + Send;
-    /// Lists runs, newest first, optionally filtered, after a cursor from an earlier page.
-    fn list_runs(
-        &self,
-        filter: RunFilter,
-    ) -> impl Future<Output = Result<(Vec<RunSummary>, Option<String>), StoreError>> + Send;
-    /// Checks the store answers.
-    fn ping(&self) -> impl Future<Output = Result<(), StoreError>> + Send;
-    /// Reads a run's events in the order they were stored, after position `after` (0 for all).
-    /// Returns each event with its position.
-    fn events(
-        &self,
-        run_id: Uuid,
-        after: i64,
-    ) -> impl Future<Output = Result<Vec<(i64, Event)>, StoreError>> + Send;
-}
-
-/// Which runs `list_runs` returns.
-#[derive(Debug, Clone, Default)]
-pub struct RunFilter {
-    /// Only runs in this state.
-    pub state: Option<RunState>,
-    /// Only runs of this ticket.
-    pub ticket: Option<String>,
-    /// At most this many (1..=500).
-    pub limit: u32,
-    /// Continue after this cursor.
-    pub cursor: Option<String>,
-}
+use super::{RunFilter, RunRecord, RunStore, StoreError};
 
 /// The SQLite run store. Queries run on the blocking pool, never on the async runtime.
 #[derive(Debug, Clone)]
@@ -119,8 +29,8 @@ impl SqliteStore {
             Ok(connection)
         };
         let connection = open().map_err(|source| StoreError::Open {
-            path: path.clone(),
-            source,
+            target: path.display().to_string(),
+            reason: source.to_string(),
         })?;
         Ok(SqliteStore {
             connection: Arc::new(Mutex::new(connection)),
@@ -189,21 +99,19 @@ impl RunStore for SqliteStore {
             job.ticket.clone(),
             job.submitted_at.clone(),
         );
-        let reason = if job.warnings.is_empty() {
-            "accepted".to_string()
-        } else {
-            format!("accepted with {} warning(s)", job.warnings.len())
-        };
+        let reason = super::accepted_reason(job);
         self.with(move |c| {
             let tx = c.transaction()?;
-            tx.execute(
+            let inserted = tx.execute(
                 "INSERT OR IGNORE INTO runs (run_id, ticket, state, job, created_at, updated_at) VALUES (?1, ?2, 'queued', ?3, ?4, ?4)",
                 params![run_id, ticket, body, time],
             )?;
-            tx.execute(
-                "INSERT INTO state_history (run_id, state, reason, time) VALUES (?1, 'queued', ?2, ?3)",
-                params![run_id, reason, time],
-            )?;
+            if inserted > 0 {
+                tx.execute(
+                    "INSERT INTO state_history (run_id, state, reason, time) VALUES (?1, 'queued', ?2, ?3)",
+                    params![run_id, reason, time],
+                )?;
+            }
             tx.commit()?;
             Ok(())
         })
@@ -424,106 +332,4 @@ pub fn sqlite_path(url: &str) -> PathBuf {
         .or_else(|| url.strip_prefix("sqlite:"))
         .unwrap_or(url);
     Path::new(path).to_path_buf()
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn job() -> Job {
-        serde_json::from_value(serde_json::json!({
-            "schema_version": 1, "run_id": Uuid::new_v4(), "ticket": "SHOP-1", "project": "shop",
-            "skill": "implement-task", "step": "implement_task", "brief": "b",
-            "repository": {"url": "file:///r.git"}, "commands": [], "skill_md": "s", "review": null,
-            "repair_budget": 2,
-            "implementer": {"name": "i", "image": "i", "command": [], "env": [], "network": "none",
-                            "memory_bytes": 1073741824u64, "cpus": 1.0, "timeout_seconds": 60, "user": null},
-            "reviewer": null, "final_reviewer": null, "warnings": [], "submitted_at": "2024-01-15T10:30:00Z"
-        }))
-        .unwrap()
-    }
-
-    fn cycle_event(run_id: Uuid, n: u32, verdict: &str) -> Event {
-        Event::new(
-            run_id,
-            EventKind::Cycle {
-                cycle: CycleRecord {
-                    step: "implement_task".into(),
-                    file: format!("review_cycle_{n}.json"),
-                    cycle: n,
-                    max_cycles: Some(3),
-                    verdict: verdict.into(),
-                    feedback: String::new(),
-                    content: serde_json::json!({"cycle": n}),
-                },
-            },
-        )
-    }
-
-    #[tokio::test]
-    async fn runs_survive_reopening_and_events_are_stored_once() {
-        let dir = tempfile::tempdir().unwrap();
-        let url = format!("sqlite://{}", dir.path().join("runs.db").display());
-        let job = job();
-        {
-            let store = SqliteStore::open(&url).unwrap();
-            store.insert_run(&job).await.unwrap();
-            let running = Event::new(
-                job.run_id,
-                EventKind::State {
-                    state: RunState::Running,
-                    reason: "go".into(),
-                },
-            );
-            assert!(store.record_event(&running).await.unwrap());
-            assert!(
-                !store.record_event(&running).await.unwrap(),
-                "a redelivered event is stored once"
-            );
-            store
-                .record_event(&cycle_event(job.run_id, 1, "rejected"))
-                .await
-                .unwrap();
-            store
-                .record_event(&cycle_event(job.run_id, 1, "rejected"))
-                .await
-                .unwrap();
-            store
-                .record_event(&cycle_event(job.run_id, 2, "approved"))
-                .await
-                .unwrap();
-            let done = Event::new(
-                job.run_id,
-                EventKind::State {
-                    state: RunState::Delivered,
-                    reason: "ok".into(),
-                },
-            );
-            store.record_event(&done).await.unwrap();
-            let late = Event::new(
-                job.run_id,
-                EventKind::State {
-                    state: RunState::Running,
-                    reason: "late".into(),
-                },
-            );
-            store.record_event(&late).await.unwrap();
-        }
-        let store = SqliteStore::open(&url).unwrap();
-        let record = store.get_run(job.run_id).await.unwrap().unwrap();
-        assert_eq!(
-            record.state,
-            RunState::Delivered,
-            "a terminal state is never left"
-        );
-        let states: Vec<RunState> = record.states.iter().map(|s| s.0).collect();
-        assert_eq!(
-            states,
-            [RunState::Queued, RunState::Running, RunState::Delivered]
-        );
-        assert_eq!(record.cycles.len(), 2, "one record per cycle file");
-        assert_eq!(record.cycles[1].verdict, "approved");
-        assert_eq!(store.events(job.run_id, 0).await.unwrap().len(), 6);
-        assert!(store.get_run(Uuid::new_v4()).await.unwrap().is_none());
-    }
 }

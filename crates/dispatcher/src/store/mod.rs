@@ -1,0 +1,196 @@
+//! The run store: every run, its state history, its cycle files, its result and every event.
+//!
+//! [`RunStore`] is the seam. [`SqliteStore`] is the default, used by `forgepool run` and by a
+//! dispatcher whose `FORGEPOOL_DATABASE_URL` is a path or `sqlite://` URL; [`PostgresStore`] is
+//! used when it is a `postgres://` URL. [`Store`] is whichever of the two the URL names.
+//! In both, recording an event is idempotent (keyed by its `event_id`), a cycle file is stored
+//! once per `(run, step, file)`, and a terminal state is never left, so a redelivered job never
+//! produces duplicate records.
+
+use std::future::Future;
+
+use proto::{CycleRecord, Event, Job, RunResult, RunState, RunSummary};
+use uuid::Uuid;
+
+mod postgres;
+mod sqlite;
+
+pub use postgres::PostgresStore;
+pub use sqlite::{sqlite_path, SqliteStore};
+
+/// A failed store operation.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    /// The database could not be opened.
+    #[error("cannot open the run store at {target}: {reason}; check FORGEPOOL_DATABASE_URL")]
+    Open {
+        /// The database file or URL, without its password.
+        target: String,
+        /// The cause.
+        reason: String,
+    },
+    /// A SQLite query failed.
+    #[error("run store query failed: {0}")]
+    Query(#[from] rusqlite::Error),
+    /// A PostgreSQL query failed.
+    #[error("run store query failed: {0}")]
+    Postgres(#[from] tokio_postgres::Error),
+    /// No PostgreSQL connection could be had, or an operation took too long.
+    #[error("run store unavailable: {0}")]
+    Unavailable(String),
+    /// A stored document could not be decoded.
+    #[error("run store holds an unreadable record: {0}")]
+    Decode(#[from] serde_json::Error),
+    /// The blocking task running the query panicked or was cancelled.
+    #[error("run store task failed: {0}")]
+    Task(String),
+}
+
+/// A stored run, as read back from the store.
+#[derive(Debug, Clone)]
+pub struct RunRecord {
+    /// The frozen job.
+    pub job: Job,
+    /// The current state.
+    pub state: RunState,
+    /// Every state change: state, reason, time.
+    pub states: Vec<(RunState, String, String)>,
+    /// Every collected cycle file, ordered by step and cycle.
+    pub cycles: Vec<CycleRecord>,
+    /// The result, once the run ended.
+    pub result: Option<RunResult>,
+}
+
+/// Where runs and events are kept.
+pub trait RunStore: Send + Sync + 'static {
+    /// Stores a newly frozen job in state `queued`.
+    fn insert_run(&self, job: &Job) -> impl Future<Output = Result<(), StoreError>> + Send;
+    /// Stores an event and applies it to the run (state, cycles, result). Returns `false` when the
+    /// event was already stored.
+    fn record_event(&self, event: &Event) -> impl Future<Output = Result<bool, StoreError>> + Send;
+    /// Reads a run.
+    fn get_run(
+        &self,
+        run_id: Uuid,
+    ) -> impl Future<Output = Result<Option<RunRecord>, StoreError>> + Send;
+    /// Notes that a run's job reached the jobs queue.
+    fn mark_published(&self, run_id: Uuid) -> impl Future<Output = Result<(), StoreError>> + Send;
+    /// Jobs accepted before `accepted_before` (RFC 3339) that were stored but never confirmed
+    /// on the jobs queue (a crash or a broker outage in between).
+    fn unpublished_jobs(
+        &self,
+        accepted_before: String,
+    ) -> impl Future<Output = Result<Vec<Job>, StoreError>> + Send;
+    /// Lists runs, newest first, optionally filtered, after a cursor from an earlier page.
+    fn list_runs(
+        &self,
+        filter: RunFilter,
+    ) -> impl Future<Output = Result<(Vec<RunSummary>, Option<String>), StoreError>> + Send;
+    /// Checks the store answers.
+    fn ping(&self) -> impl Future<Output = Result<(), StoreError>> + Send;
+    /// Reads a run's events in the order they were stored, after position `after` (0 for all).
+    /// Returns each event with its position.
+    fn events(
+        &self,
+        run_id: Uuid,
+        after: i64,
+    ) -> impl Future<Output = Result<Vec<(i64, Event)>, StoreError>> + Send;
+}
+
+/// Which runs `list_runs` returns.
+#[derive(Debug, Clone, Default)]
+pub struct RunFilter {
+    /// Only runs in this state.
+    pub state: Option<RunState>,
+    /// Only runs of this ticket.
+    pub ticket: Option<String>,
+    /// At most this many (1..=500).
+    pub limit: u32,
+    /// Continue after this cursor.
+    pub cursor: Option<String>,
+}
+
+/// The run store a `FORGEPOOL_DATABASE_URL` names: PostgreSQL for `postgres://` and
+/// `postgresql://` URLs, SQLite for anything else (a path or a `sqlite://` URL).
+#[derive(Debug, Clone)]
+pub enum Store {
+    /// A SQLite file.
+    Sqlite(SqliteStore),
+    /// A PostgreSQL database.
+    Postgres(PostgresStore),
+}
+
+impl Store {
+    /// Opens the store `url` names, creating its tables when needed.
+    pub async fn open(url: &str) -> Result<Store, StoreError> {
+        if is_postgres_url(url) {
+            return Ok(Store::Postgres(PostgresStore::open(url).await?));
+        }
+        let url = url.to_string();
+        tokio::task::spawn_blocking(move || SqliteStore::open(&url))
+            .await
+            .map_err(|e| StoreError::Task(e.to_string()))?
+            .map(Store::Sqlite)
+    }
+
+    /// `"sqlite"` or `"postgres"`, for logs.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Store::Sqlite(_) => "sqlite",
+            Store::Postgres(_) => "postgres",
+        }
+    }
+}
+
+/// Whether a database URL names PostgreSQL.
+pub fn is_postgres_url(url: &str) -> bool {
+    url.starts_with("postgres://") || url.starts_with("postgresql://")
+}
+
+macro_rules! delegate {
+    ($self:ident, $store:ident => $call:expr) => {
+        match $self {
+            Store::Sqlite($store) => $call,
+            Store::Postgres($store) => $call,
+        }
+    };
+}
+
+impl RunStore for Store {
+    async fn insert_run(&self, job: &Job) -> Result<(), StoreError> {
+        delegate!(self, s => s.insert_run(job).await)
+    }
+    async fn record_event(&self, event: &Event) -> Result<bool, StoreError> {
+        delegate!(self, s => s.record_event(event).await)
+    }
+    async fn get_run(&self, run_id: Uuid) -> Result<Option<RunRecord>, StoreError> {
+        delegate!(self, s => s.get_run(run_id).await)
+    }
+    async fn mark_published(&self, run_id: Uuid) -> Result<(), StoreError> {
+        delegate!(self, s => s.mark_published(run_id).await)
+    }
+    async fn unpublished_jobs(&self, accepted_before: String) -> Result<Vec<Job>, StoreError> {
+        delegate!(self, s => s.unpublished_jobs(accepted_before).await)
+    }
+    async fn list_runs(
+        &self,
+        filter: RunFilter,
+    ) -> Result<(Vec<RunSummary>, Option<String>), StoreError> {
+        delegate!(self, s => s.list_runs(filter).await)
+    }
+    async fn ping(&self) -> Result<(), StoreError> {
+        delegate!(self, s => s.ping().await)
+    }
+    async fn events(&self, run_id: Uuid, after: i64) -> Result<Vec<(i64, Event)>, StoreError> {
+        delegate!(self, s => s.events(run_id, after).await)
+    }
+}
+
+/// The reason recorded with the first state of a run.
+fn accepted_reason(job: &Job) -> String {
+    if job.warnings.is_empty() {
+        "accepted".to_string()
+    } else {
+        format!("accepted with {} warning(s)", job.warnings.len())
+    }
+}

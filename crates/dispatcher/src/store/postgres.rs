@@ -1,0 +1,405 @@
+//! The PostgreSQL run store, for a dispatcher whose `FORGEPOOL_DATABASE_URL` is a
+//! `postgres://` URL. Connections come from a bounded pool; every operation, including waiting
+//! for a connection, is bounded by [`OPERATION_TIMEOUT`].
+//!
+//! Events are inserted under a transaction-scoped advisory lock, so their positions commit in
+//! order and a Server-Sent Events reader that asks for "everything after position N" never
+//! skips one that committed late.
+
+use std::future::Future;
+use std::time::Duration;
+
+use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod, Runtime};
+use proto::{CycleRecord, Event, EventKind, Job, RunState, RunSummary};
+use tokio_postgres::NoTls;
+use uuid::Uuid;
+
+use super::{RunFilter, RunRecord, RunStore, StoreError};
+
+/// The longest any store operation may take, waiting for a connection included.
+const OPERATION_TIMEOUT: Duration = Duration::from_secs(15);
+/// Connections kept open at most.
+const POOL_SIZE: usize = 8;
+/// The advisory lock that orders event inserts (an arbitrary constant: "fpevents").
+const EVENTS_LOCK: i64 = 0x6670_6576_656e_7473;
+/// The advisory lock that serialises creating the schema between dispatchers starting at once.
+const SCHEMA_LOCK: i64 = 0x6670_7363_6865_6d61;
+/// How long opening waits for a database that is still starting.
+const OPEN_PATIENCE: Duration = Duration::from_secs(30);
+
+const SCHEMA: &str = "
+CREATE TABLE IF NOT EXISTS runs (
+    seq BIGSERIAL UNIQUE,
+    run_id TEXT PRIMARY KEY,
+    ticket TEXT NOT NULL,
+    state TEXT NOT NULL,
+    job TEXT NOT NULL,
+    result TEXT,
+    published BOOLEAN NOT NULL DEFAULT FALSE,
+    created_at TEXT NOT NULL,
+    updated_at TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS runs_by_state ON runs(state);
+CREATE INDEX IF NOT EXISTS runs_by_ticket ON runs(ticket);
+CREATE TABLE IF NOT EXISTS events (
+    position BIGSERIAL PRIMARY KEY,
+    event_id TEXT NOT NULL UNIQUE,
+    run_id TEXT NOT NULL REFERENCES runs(run_id),
+    kind TEXT NOT NULL,
+    time TEXT NOT NULL,
+    body TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS events_by_run ON events(run_id, position);
+CREATE TABLE IF NOT EXISTS state_history (
+    id BIGSERIAL PRIMARY KEY,
+    run_id TEXT NOT NULL REFERENCES runs(run_id),
+    state TEXT NOT NULL,
+    reason TEXT NOT NULL,
+    time TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS state_history_by_run ON state_history(run_id, id);
+CREATE TABLE IF NOT EXISTS cycles (
+    run_id TEXT NOT NULL REFERENCES runs(run_id),
+    step TEXT NOT NULL,
+    file TEXT NOT NULL,
+    cycle INTEGER NOT NULL,
+    body TEXT NOT NULL,
+    PRIMARY KEY (run_id, step, file)
+);
+";
+
+/// The PostgreSQL run store.
+#[derive(Clone)]
+pub struct PostgresStore {
+    pool: Pool,
+    target: String,
+}
+
+impl std::fmt::Debug for PostgresStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PostgresStore")
+            .field("target", &self.target)
+            .finish_non_exhaustive()
+    }
+}
+
+impl PostgresStore {
+    /// Connects to `url` and creates the tables when needed. A database that is still starting
+    /// is waited for up to 30 s.
+    pub async fn open(url: &str) -> Result<PostgresStore, StoreError> {
+        let target = proto::amqp::redact_url(url);
+        let failed = |reason: String| StoreError::Open {
+            target: target.clone(),
+            reason,
+        };
+        let config: tokio_postgres::Config = url
+            .parse()
+            .map_err(|e: tokio_postgres::Error| failed(format!("not a PostgreSQL URL: {e}")))?;
+        let manager = Manager::from_config(
+            config,
+            NoTls,
+            ManagerConfig {
+                recycling_method: RecyclingMethod::Fast,
+            },
+        );
+        let pool = Pool::builder(manager)
+            .max_size(POOL_SIZE)
+            .runtime(Runtime::Tokio1)
+            .wait_timeout(Some(OPERATION_TIMEOUT))
+            .create_timeout(Some(Duration::from_secs(5)))
+            .recycle_timeout(Some(Duration::from_secs(5)))
+            .build()
+            .map_err(|e| failed(e.to_string()))?;
+        let store = PostgresStore {
+            pool,
+            target: target.clone(),
+        };
+        let started = std::time::Instant::now();
+        loop {
+            match store.create_schema().await {
+                Ok(()) => return Ok(store),
+                Err(error) if started.elapsed() < OPEN_PATIENCE => {
+                    tracing::warn!(%error, target = %target, "PostgreSQL not ready yet; retrying");
+                    tokio::time::sleep(Duration::from_secs(1)).await;
+                }
+                Err(error) => return Err(failed(error.to_string())),
+            }
+        }
+    }
+
+    async fn create_schema(&self) -> Result<(), StoreError> {
+        self.bounded(async {
+            let mut client = self.client().await?;
+            let tx = client.transaction().await?;
+            tx.execute("SELECT pg_advisory_xact_lock($1)", &[&SCHEMA_LOCK])
+                .await?;
+            tx.batch_execute(SCHEMA).await?;
+            tx.commit().await?;
+            Ok(())
+        })
+        .await
+    }
+
+    async fn client(&self) -> Result<deadpool_postgres::Object, StoreError> {
+        self.pool
+            .get()
+            .await
+            .map_err(|e| StoreError::Unavailable(format!("no connection to {}: {e}", self.target)))
+    }
+
+    async fn bounded<T>(
+        &self,
+        work: impl Future<Output = Result<T, StoreError>>,
+    ) -> Result<T, StoreError> {
+        tokio::time::timeout(OPERATION_TIMEOUT, work)
+            .await
+            .unwrap_or_else(|_| {
+                Err(StoreError::Unavailable(format!(
+                    "{} did not answer within {OPERATION_TIMEOUT:?}",
+                    self.target
+                )))
+            })
+    }
+}
+
+impl RunStore for PostgresStore {
+    async fn insert_run(&self, job: &Job) -> Result<(), StoreError> {
+        let body = serde_json::to_string(job)?;
+        let run_id = job.run_id.to_string();
+        let reason = super::accepted_reason(job);
+        self.bounded(async {
+            let mut client = self.client().await?;
+            let tx = client.transaction().await?;
+            let inserted = tx
+                .execute(
+                    "INSERT INTO runs (run_id, ticket, state, job, created_at, updated_at)
+                     VALUES ($1, $2, 'queued', $3, $4, $4) ON CONFLICT (run_id) DO NOTHING",
+                    &[&run_id, &job.ticket, &body, &job.submitted_at],
+                )
+                .await?;
+            if inserted > 0 {
+                tx.execute(
+                    "INSERT INTO state_history (run_id, state, reason, time) VALUES ($1, 'queued', $2, $3)",
+                    &[&run_id, &reason, &job.submitted_at],
+                )
+                .await?;
+            }
+            tx.commit().await?;
+            Ok(())
+        })
+        .await
+    }
+
+    async fn record_event(&self, event: &Event) -> Result<bool, StoreError> {
+        let body = serde_json::to_string(event)?;
+        let run_id = event.run_id.to_string();
+        self.bounded(async {
+            let mut client = self.client().await?;
+            let tx = client.transaction().await?;
+            tx.execute("SELECT pg_advisory_xact_lock($1)", &[&EVENTS_LOCK])
+                .await?;
+            let inserted = tx
+                .execute(
+                    "INSERT INTO events (event_id, run_id, kind, time, body) VALUES ($1, $2, $3, $4, $5)
+                     ON CONFLICT (event_id) DO NOTHING",
+                    &[&event.event_id.to_string(), &run_id, &event.kind.name(), &event.time, &body],
+                )
+                .await?;
+            if inserted == 0 {
+                return Ok(false);
+            }
+            match &event.kind {
+                EventKind::State { state, reason } => {
+                    let current = tx
+                        .query_opt("SELECT state FROM runs WHERE run_id = $1 FOR UPDATE", &[&run_id])
+                        .await?
+                        .map(|row| row.get::<_, String>(0));
+                    let terminal = current
+                        .as_deref()
+                        .and_then(RunState::parse)
+                        .is_some_and(RunState::is_terminal);
+                    if !terminal {
+                        tx.execute(
+                            "UPDATE runs SET state = $2, updated_at = $3 WHERE run_id = $1",
+                            &[&run_id, &state.as_str(), &event.time],
+                        )
+                        .await?;
+                        tx.execute(
+                            "INSERT INTO state_history (run_id, state, reason, time) VALUES ($1, $2, $3, $4)",
+                            &[&run_id, &state.as_str(), reason, &event.time],
+                        )
+                        .await?;
+                    }
+                }
+                EventKind::Cycle { cycle } => {
+                    let cycle_number = i32::try_from(cycle.cycle).unwrap_or(i32::MAX);
+                    tx.execute(
+                        "INSERT INTO cycles (run_id, step, file, cycle, body) VALUES ($1, $2, $3, $4, $5)
+                         ON CONFLICT (run_id, step, file) DO UPDATE SET cycle = excluded.cycle, body = excluded.body",
+                        &[&run_id, &cycle.step, &cycle.file, &cycle_number, &serde_json::to_string(cycle)?],
+                    )
+                    .await?;
+                }
+                EventKind::Result { result } => {
+                    tx.execute(
+                        "UPDATE runs SET result = $2, updated_at = $3 WHERE run_id = $1",
+                        &[&run_id, &serde_json::to_string(result)?, &event.time],
+                    )
+                    .await?;
+                }
+                _ => {}
+            }
+            tx.commit().await?;
+            Ok(true)
+        })
+        .await
+    }
+
+    async fn get_run(&self, run_id: Uuid) -> Result<Option<RunRecord>, StoreError> {
+        let id = run_id.to_string();
+        self.bounded(async {
+            let client = self.client().await?;
+            let Some(row) = client
+                .query_opt(
+                    "SELECT job, state, result FROM runs WHERE run_id = $1",
+                    &[&id],
+                )
+                .await?
+            else {
+                return Ok(None);
+            };
+            let (job, state, result): (String, String, Option<String>) =
+                (row.get(0), row.get(1), row.get(2));
+            let states = client
+                .query(
+                    "SELECT state, reason, time FROM state_history WHERE run_id = $1 ORDER BY id",
+                    &[&id],
+                )
+                .await?
+                .iter()
+                .filter_map(|r| {
+                    RunState::parse(r.get::<_, &str>(0)).map(|s| (s, r.get(1), r.get(2)))
+                })
+                .collect();
+            let cycles = client
+                .query(
+                    "SELECT body FROM cycles WHERE run_id = $1 ORDER BY step, cycle",
+                    &[&id],
+                )
+                .await?
+                .iter()
+                .map(|r| serde_json::from_str(r.get::<_, &str>(0)))
+                .collect::<Result<Vec<CycleRecord>, _>>()?;
+            Ok(Some(RunRecord {
+                job: serde_json::from_str(&job)?,
+                state: RunState::parse(&state).unwrap_or(RunState::Failed),
+                states,
+                cycles,
+                result: result.map(|r| serde_json::from_str(&r)).transpose()?,
+            }))
+        })
+        .await
+    }
+
+    async fn mark_published(&self, run_id: Uuid) -> Result<(), StoreError> {
+        self.bounded(async {
+            self.client()
+                .await?
+                .execute(
+                    "UPDATE runs SET published = TRUE WHERE run_id = $1",
+                    &[&run_id.to_string()],
+                )
+                .await?;
+            Ok(())
+        })
+        .await
+    }
+
+    async fn unpublished_jobs(&self, accepted_before: String) -> Result<Vec<Job>, StoreError> {
+        self.bounded(async {
+            self.client()
+                .await?
+                .query(
+                    "SELECT job FROM runs WHERE published = FALSE AND state = 'queued' AND created_at < $1
+                     ORDER BY created_at",
+                    &[&accepted_before],
+                )
+                .await?
+                .iter()
+                .map(|r| Ok(serde_json::from_str(r.get::<_, &str>(0))?))
+                .collect()
+        })
+        .await
+    }
+
+    async fn list_runs(
+        &self,
+        filter: RunFilter,
+    ) -> Result<(Vec<RunSummary>, Option<String>), StoreError> {
+        let limit = i64::from(filter.limit.clamp(1, 500));
+        // The cursor is the sequence number of the last run of the previous page.
+        let cursor: i64 = filter
+            .cursor
+            .as_deref()
+            .and_then(|c| c.parse().ok())
+            .unwrap_or(i64::MAX);
+        let state = filter.state.map(RunState::as_str);
+        self.bounded(async {
+            let rows = self
+                .client()
+                .await?
+                .query(
+                    "SELECT seq, run_id, ticket, state, created_at, updated_at FROM runs
+                     WHERE seq < $1 AND ($2::TEXT IS NULL OR state = $2) AND ($3::TEXT IS NULL OR ticket = $3)
+                     ORDER BY seq DESC LIMIT $4",
+                    &[&cursor, &state, &filter.ticket, &(limit + 1)],
+                )
+                .await?;
+            let more = rows.len() as i64 > limit;
+            let rows = &rows[..rows.len().min(limit as usize)];
+            let next = if more {
+                rows.last().map(|r| r.get::<_, i64>(0).to_string())
+            } else {
+                None
+            };
+            let runs = rows
+                .iter()
+                .filter_map(|r| {
+                    Some(RunSummary {
+                        run_id: Uuid::parse_str(r.get(1)).ok()?,
+                        ticket: r.get(2),
+                        state: RunState::parse(r.get(3))?,
+                        created_at: r.get(4),
+                        updated_at: r.get(5),
+                    })
+                })
+                .collect();
+            Ok((runs, next))
+        })
+        .await
+    }
+
+    async fn ping(&self) -> Result<(), StoreError> {
+        self.bounded(async {
+            self.client().await?.query_one("SELECT 1", &[]).await?;
+            Ok(())
+        })
+        .await
+    }
+
+    async fn events(&self, run_id: Uuid, after: i64) -> Result<Vec<(i64, Event)>, StoreError> {
+        self.bounded(async {
+            self.client()
+                .await?
+                .query(
+                    "SELECT position, body FROM events WHERE run_id = $1 AND position > $2 ORDER BY position",
+                    &[&run_id.to_string(), &after],
+                )
+                .await?
+                .iter()
+                .map(|r| Ok((r.get::<_, i64>(0), serde_json::from_str(r.get::<_, &str>(1))?)))
+                .collect()
+        })
+        .await
+    }
+}

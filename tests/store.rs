@@ -1,0 +1,207 @@
+//! The run store contract, held by both backends: SQLite (a file) and PostgreSQL (the server
+//! `scripts/services.sh` starts). Each check opens the store, closes it, and opens it again.
+
+mod common;
+
+use common::postgres::TestDatabase;
+use dispatcher::store::{RunFilter, RunStore, Store};
+use proto::{CycleRecord, Event, EventKind, Job, RunState};
+use uuid::Uuid;
+
+fn job(ticket: &str, submitted_at: &str) -> Job {
+    serde_json::from_value(serde_json::json!({
+        "schema_version": 1, "run_id": Uuid::new_v4(), "ticket": ticket, "project": "shop",
+        "skill": "implement-task", "step": "implement_task", "brief": "b",
+        "repository": {"url": "file:///r.git"}, "commands": [], "skill_md": "s", "review": null,
+        "repair_budget": 2,
+        "implementer": {"name": "i", "image": "i", "command": [], "env": [], "network": "none",
+                        "memory_bytes": 1073741824u64, "cpus": 1.0, "timeout_seconds": 60, "user": null},
+        "reviewer": null, "final_reviewer": null, "warnings": [], "submitted_at": submitted_at
+    }))
+    .unwrap()
+}
+
+fn state(run_id: Uuid, state: RunState, reason: &str) -> Event {
+    Event::new(
+        run_id,
+        EventKind::State {
+            state,
+            reason: reason.into(),
+        },
+    )
+}
+
+fn cycle(run_id: Uuid, n: u32, verdict: &str) -> Event {
+    Event::new(
+        run_id,
+        EventKind::Cycle {
+            cycle: CycleRecord {
+                step: "implement_task".into(),
+                file: format!("review_cycle_{n}.json"),
+                cycle: n,
+                max_cycles: Some(3),
+                verdict: verdict.into(),
+                feedback: String::new(),
+                content: serde_json::json!({"cycle": n}),
+            },
+        },
+    )
+}
+
+/// Everything a store must do, checked through the seam.
+async fn store_contract(url: &str) {
+    let first = job("SHOP-1", "2024-01-15T10:30:00Z");
+    {
+        let store = Store::open(url).await.unwrap();
+        store.insert_run(&first).await.unwrap();
+        store.insert_run(&first).await.unwrap();
+        let running = state(first.run_id, RunState::Running, "go");
+        assert!(store.record_event(&running).await.unwrap());
+        assert!(
+            !store.record_event(&running).await.unwrap(),
+            "a redelivered event is stored once"
+        );
+        for event in [
+            cycle(first.run_id, 1, "rejected"),
+            cycle(first.run_id, 1, "rejected"),
+            cycle(first.run_id, 2, "approved"),
+            state(first.run_id, RunState::Delivered, "ok"),
+            state(first.run_id, RunState::Running, "late"),
+        ] {
+            store.record_event(&event).await.unwrap();
+        }
+    }
+    let store = Store::open(url).await.unwrap();
+    store.ping().await.unwrap();
+    let record = store.get_run(first.run_id).await.unwrap().unwrap();
+    assert_eq!(record.job, first, "the frozen job reads back unchanged");
+    assert_eq!(
+        record.state,
+        RunState::Delivered,
+        "a terminal state is never left"
+    );
+    let states: Vec<RunState> = record.states.iter().map(|s| s.0).collect();
+    assert_eq!(
+        states,
+        [RunState::Queued, RunState::Running, RunState::Delivered],
+        "one history entry per change; a second insert adds none"
+    );
+    assert_eq!(record.cycles.len(), 2, "one record per cycle file");
+    assert_eq!(record.cycles[1].verdict, "approved");
+    let events = store.events(first.run_id, 0).await.unwrap();
+    assert_eq!(events.len(), 6, "every distinct event is kept");
+    let after = store.events(first.run_id, events[2].0).await.unwrap();
+    assert_eq!(
+        after.len(),
+        3,
+        "reading after a position skips what came before"
+    );
+    assert_eq!(after[0].1.event_id, events[3].1.event_id);
+    assert!(store.get_run(Uuid::new_v4()).await.unwrap().is_none());
+
+    // Unpublished jobs are offered again until they are marked published.
+    let second = job("SHOP-2", "2024-01-15T10:31:00Z");
+    let third = job("SHOP-2", "2024-01-15T10:32:00Z");
+    store.insert_run(&second).await.unwrap();
+    store.insert_run(&third).await.unwrap();
+    store.mark_published(first.run_id).await.unwrap();
+    store.mark_published(third.run_id).await.unwrap();
+    let pending = store
+        .unpublished_jobs("2024-01-15T10:35:00Z".into())
+        .await
+        .unwrap();
+    assert_eq!(
+        pending.iter().map(|j| j.run_id).collect::<Vec<_>>(),
+        [second.run_id]
+    );
+    let pending = store
+        .unpublished_jobs("2024-01-15T10:30:30Z".into())
+        .await
+        .unwrap();
+    assert!(pending.is_empty(), "only jobs accepted before the cutoff");
+
+    // Listing: newest first, pages joined by a cursor, filters.
+    let all = |cursor: Option<String>| RunFilter {
+        limit: 2,
+        cursor,
+        ..RunFilter::default()
+    };
+    let (page, next) = store.list_runs(all(None)).await.unwrap();
+    assert_eq!(
+        page.iter().map(|r| r.run_id).collect::<Vec<_>>(),
+        [third.run_id, second.run_id]
+    );
+    let (page, next) = store.list_runs(all(next)).await.unwrap();
+    assert_eq!(
+        page.iter().map(|r| r.run_id).collect::<Vec<_>>(),
+        [first.run_id]
+    );
+    assert!(next.is_none(), "the last page has no cursor");
+    let (page, _) = store
+        .list_runs(RunFilter {
+            ticket: Some("SHOP-2".into()),
+            limit: 10,
+            ..RunFilter::default()
+        })
+        .await
+        .unwrap();
+    assert_eq!(page.len(), 2);
+    let (page, _) = store
+        .list_runs(RunFilter {
+            state: Some(RunState::Delivered),
+            limit: 10,
+            ..RunFilter::default()
+        })
+        .await
+        .unwrap();
+    assert_eq!(
+        page.iter().map(|r| (r.run_id, r.state)).collect::<Vec<_>>(),
+        [(first.run_id, RunState::Delivered)]
+    );
+}
+
+#[tokio::test]
+async fn the_sqlite_store_keeps_the_contract() {
+    let dir = tempfile::tempdir().unwrap();
+    let url = format!("sqlite://{}", dir.path().join("runs.db").display());
+    let store = Store::open(&url).await.unwrap();
+    assert_eq!(store.kind(), "sqlite");
+    store_contract(&url).await;
+}
+
+#[tokio::test]
+async fn the_postgres_store_keeps_the_contract() {
+    let database = TestDatabase::create().await;
+    let store = Store::open(&database.url).await.unwrap();
+    assert_eq!(store.kind(), "postgres");
+    drop(store);
+    store_contract(&database.url).await;
+    database.drop_database().await;
+}
+
+#[tokio::test]
+async fn a_bad_database_url_names_the_setting() {
+    let error = Store::open("postgres://nobody:hunter2@db.example:notaport/runs")
+        .await
+        .map(|_| ())
+        .unwrap_err()
+        .to_string();
+    assert!(error.contains("FORGEPOOL_DATABASE_URL"), "{error}");
+    assert!(
+        error.contains("db.example"),
+        "the message names the server: {error}"
+    );
+    assert!(
+        !error.contains("hunter2"),
+        "the password stays out: {error}"
+    );
+    let error = Store::open("/nonexistent/dir/runs.db")
+        .await
+        .map(|_| ())
+        .unwrap_err()
+        .to_string();
+    assert!(
+        error.contains("/nonexistent/dir/runs.db") && error.contains("FORGEPOOL_DATABASE_URL"),
+        "{error}"
+    );
+}
