@@ -98,9 +98,46 @@ fn main() -> ExitCode {
     ExitCode::from(u8::try_from(code).unwrap_or(1))
 }
 
+/// `filter` with every directive for a [`BODY_LOGGING_TARGETS`] library capped at `info`, and
+/// an `info` cap added for those it does not name (a quieter setting is kept).
+fn capped_filter(filter: &str) -> String {
+    let mut directives: Vec<String> = Vec::new();
+    let mut named = Vec::new();
+    for directive in filter.split(',').map(str::trim).filter(|d| !d.is_empty()) {
+        let target = BODY_LOGGING_TARGETS
+            .iter()
+            .find(|t| directive.split(['=', '[', ':']).next() == Some(**t));
+        match (target, directive.rsplit_once('=')) {
+            (Some(target), Some((_, level))) => {
+                named.push(*target);
+                let quiet =
+                    ["off", "error", "warn", "info"].contains(&level.to_lowercase().as_str());
+                directives.push(if quiet {
+                    directive.to_string()
+                } else {
+                    format!("{target}=info")
+                });
+            }
+            _ => directives.push(directive.to_string()),
+        }
+    }
+    for target in BODY_LOGGING_TARGETS {
+        if !named.contains(&target) {
+            directives.push(format!("{target}=info"));
+        }
+    }
+    directives.join(",")
+}
+
+/// Libraries whose debug output carries request bodies: bollard logs a container's whole
+/// configuration, environment (and so secret values) included. They are capped at `info`
+/// whatever `FORGEPOOL_LOG` asks for, so that no filter can put a secret in a log line.
+const BODY_LOGGING_TARGETS: [&str; 3] = ["bollard", "hyper", "reqwest"];
+
 fn setup_logging(format: &str) -> Result<(), String> {
-    let filter = tracing_subscriber::EnvFilter::try_from_env("FORGEPOOL_LOG")
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    let requested = std::env::var("FORGEPOOL_LOG").unwrap_or_else(|_| "warn".into());
+    let filter = tracing_subscriber::EnvFilter::try_new(capped_filter(&requested))
+        .map_err(|error| format!("FORGEPOOL_LOG ({requested:?}) is not a log filter: {error}"))?;
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr);
@@ -114,4 +151,21 @@ fn setup_logging(format: &str) -> Result<(), String> {
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::capped_filter;
+
+    #[test]
+    fn no_log_filter_lets_request_bodies_through() {
+        assert_eq!(
+            capped_filter("debug"),
+            "debug,bollard=info,hyper=info,reqwest=info"
+        );
+        assert_eq!(
+            capped_filter("info,bollard=trace,hyper=off"),
+            "info,bollard=info,hyper=off,reqwest=info"
+        );
+    }
 }

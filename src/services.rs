@@ -118,12 +118,24 @@ pub async fn worker(args: WorkerArgs) -> i32 {
         .unwrap_or_default();
     println!("worker {worker_id} listening on {address}");
     let shutdown = shutdown_on_signal();
+    let metrics_registry = Arc::new(telemetry::Metrics::new(telemetry::Role::Worker));
     let health = axum::Router::new()
         .route(
             "/healthz",
             axum::routing::get(|| async { axum::Json(serde_json::json!({"status": "ok"})) }),
         )
-        .route("/metrics", axum::routing::get(|| async { "" }));
+        .route(
+            "/metrics",
+            axum::routing::get({
+                let metrics = Arc::clone(&metrics_registry);
+                move || async move {
+                    (
+                        [(axum::http::header::CONTENT_TYPE, telemetry::CONTENT_TYPE)],
+                        metrics.render(),
+                    )
+                }
+            }),
+        );
     let health_shutdown = shutdown.clone();
     let health_task = tokio::spawn(async move {
         let _ = axum::serve(metrics, health)
@@ -139,7 +151,8 @@ pub async fn worker(args: WorkerArgs) -> i32 {
         heartbeat: Duration::from_secs(10),
         publish_deadline: Duration::from_secs(600),
     };
-    let code = match worker::service::run(config, engine, shutdown.clone()).await {
+    let code = match worker::service::run(config, engine, metrics_registry, shutdown.clone()).await
+    {
         Ok(()) => 0,
         Err(error) => {
             eprintln!("error: {error}");

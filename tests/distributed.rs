@@ -6,7 +6,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::cluster::Cluster;
+use common::cluster::{Cluster, Options};
 use common::postgres::TestDatabase;
 use common::Fixture;
 
@@ -339,7 +339,11 @@ async fn a_dispatcher_restart_keeps_runs_and_events_and_records_runs_in_flight()
 async fn a_dispatcher_on_postgres_keeps_runs_and_events_across_a_restart() {
     let database = TestDatabase::create().await;
     let fixture = Fixture::new(Some(REVIEW), &["sleep", "4"], &["approve"]);
-    let cluster = Cluster::start_on(fixture, 1, 1, None, database.url.clone()).await;
+    let options = Options {
+        database: Some(database.url.clone()),
+        ..Options::default()
+    };
+    let cluster = Cluster::start_with(fixture, 1, 1, None, options).await;
     dispatcher_restart_keeps_runs(cluster).await;
     database.drop_database().await;
 }

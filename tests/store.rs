@@ -158,6 +158,13 @@ async fn store_contract(url: &str) {
         page.iter().map(|r| (r.run_id, r.state)).collect::<Vec<_>>(),
         [(first.run_id, RunState::Delivered)]
     );
+    let mut counts = store.count_by_state().await.unwrap();
+    counts.sort_by_key(|(state, _)| state.as_str());
+    assert_eq!(
+        counts,
+        [(RunState::Delivered, 1), (RunState::Queued, 2)],
+        "runs counted by their current state"
+    );
 }
 
 #[tokio::test]

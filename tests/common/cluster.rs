@@ -70,6 +70,15 @@ impl Drop for Service {
     }
 }
 
+/// What a test may change about a cluster.
+#[derive(Default)]
+pub struct Options {
+    /// The dispatcher's store (a path or URL); a SQLite file in the fixture by default.
+    pub database: Option<String>,
+    /// Environment added to every service process (after the defaults, so it wins).
+    pub env: Vec<(String, String)>,
+}
+
 /// A dispatcher and workers sharing a fixture.
 pub struct Cluster {
     pub fixture: Fixture,
@@ -77,6 +86,8 @@ pub struct Cluster {
     pub token: Option<String>,
     /// The dispatcher's `--database`: a SQLite file in the fixture unless a test chose one.
     pub database: String,
+    /// Environment added to every service process.
+    pub env: Vec<(String, String)>,
     pub dispatcher: Option<Service>,
     pub workers: Vec<Service>,
     pub http: reqwest::Client,
@@ -90,25 +101,28 @@ impl Cluster {
         slots: u16,
         token: Option<&str>,
     ) -> Cluster {
-        let database = fixture.dir.path().join("runs.db").display().to_string();
-        Cluster::start_on(fixture, workers, slots, token, database).await
+        Cluster::start_with(fixture, workers, slots, token, Options::default()).await
     }
 
-    /// Like [`Cluster::start`], with the dispatcher's store at `database` (a path or URL).
-    pub async fn start_on(
+    /// Like [`Cluster::start`], with other options.
+    pub async fn start_with(
         fixture: Fixture,
         workers: usize,
         slots: u16,
         token: Option<&str>,
-        database: String,
+        options: Options,
     ) -> Cluster {
         require_rabbitmq();
+        let database = options
+            .database
+            .unwrap_or_else(|| fixture.dir.path().join("runs.db").display().to_string());
         let prefix = format!("t{}", &uuid::Uuid::new_v4().simple().to_string()[..10]);
         let mut cluster = Cluster {
             fixture,
             prefix,
             token: token.map(String::from),
             database,
+            env: options.env,
             dispatcher: None,
             workers: Vec::new(),
             http: reqwest::Client::new(),
@@ -131,6 +145,7 @@ impl Cluster {
             .env("AGENT_SECRET", "sk-test-0123456789abcdef")
             .env_remove("AUTO_REVIEW_MAX_RETRIES")
             .env_remove("FORGE_REPAIR_ATTEMPTS")
+            .envs(self.env.iter().map(|(k, v)| (k, v)))
             .stdout(Stdio::piped())
             .stderr(std::fs::File::create(&log).unwrap());
         (command, log)

@@ -275,7 +275,7 @@ async fn cancel(
         ));
     }
     dispatcher
-        .cancel(record.job.run_id, record.state)
+        .cancel(&record.job, record.state)
         .await
         .map_err(|e| {
             Failure::new(
@@ -380,10 +380,10 @@ async fn ready(State(dispatcher): State<Arc<Dispatcher>>) -> Response {
         .into_response()
 }
 
-async fn metrics() -> Response {
+async fn metrics(State(dispatcher): State<Arc<Dispatcher>>) -> Response {
     (
-        [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
-        String::new(),
+        [(header::CONTENT_TYPE, telemetry::CONTENT_TYPE)],
+        dispatcher.metrics.render(),
     )
         .into_response()
 }

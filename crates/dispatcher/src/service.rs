@@ -22,11 +22,14 @@ use uuid::Uuid;
 
 use crate::store::{RunStore, Store, StoreError};
 use crate::{AgentBook, Freezer, Frozen, SubmitError};
+use telemetry::Metrics;
 
 /// How long publishing a job or a control message may keep retrying.
 const PUBLISH_DEADLINE: Duration = Duration::from_secs(30);
 /// How often stored-but-unpublished runs are retried.
 const REPUBLISH_INTERVAL: Duration = Duration::from_secs(5);
+/// How often queue depths and runs by state are read for the metrics.
+const GAUGE_INTERVAL: Duration = Duration::from_secs(5);
 
 /// The dispatcher's settings, validated before it starts.
 #[derive(Debug, Clone)]
@@ -87,6 +90,8 @@ pub struct Dispatcher {
     pub events_stored: watch::Sender<u64>,
     /// Whether the events consumer is connected (for `/readyz`).
     pub broker_ready: AtomicBool,
+    /// What `/metrics` serves.
+    pub metrics: Metrics,
     amqp_url: String,
 }
 
@@ -115,21 +120,32 @@ impl Dispatcher {
         Ok(())
     }
 
+    /// Stores an event of `job`'s run; when it is new, counts it in the metrics and wakes the
+    /// watchers. Returns whether it was new.
+    pub async fn store_event(&self, job: &Job, event: &Event) -> Result<bool, StoreError> {
+        let new = self.store.record_event(event).await?;
+        if new {
+            self.metrics.observe(job, &event.kind);
+            self.events_stored.send_modify(|n| *n += 1);
+        }
+        Ok(new)
+    }
+
     /// Asks the workers to cancel a run; a queued run is cancelled in the store at once.
-    pub async fn cancel(&self, run_id: Uuid, state: RunState) -> Result<(), AmqpError> {
+    pub async fn cancel(&self, job: &Job, state: RunState) -> Result<(), AmqpError> {
         if state == RunState::Queued {
             let event = Event::new(
-                run_id,
+                job.run_id,
                 EventKind::State {
                     state: RunState::Cancelled,
                     reason: "cancelled by request before it started".into(),
                 },
             );
-            if self.store.record_event(&event).await.is_ok() {
-                self.events_stored.send_modify(|n| *n += 1);
+            if let Err(error) = self.store_event(job, &event).await {
+                warn!(run_id = %job.run_id, %error, "cannot store the cancellation");
             }
         }
-        self.publish_cancel(run_id).await
+        self.publish_cancel(job.run_id).await
     }
 
     async fn publish_cancel(&self, run_id: Uuid) -> Result<(), AmqpError> {
@@ -184,6 +200,7 @@ pub async fn run(
         api_token: config.api_token,
         events_stored,
         broker_ready: AtomicBool::new(false),
+        metrics: Metrics::new(telemetry::Role::Dispatcher),
         amqp_url: config.amqp_url,
     });
     let tasks = TaskTracker::new();
@@ -197,6 +214,7 @@ pub async fn run(
         shutdown.clone(),
     ));
     tasks.spawn(republish(Arc::clone(&dispatcher), shutdown.clone()));
+    tasks.spawn(refresh_gauges(Arc::clone(&dispatcher), shutdown.clone()));
     tasks.close();
 
     let address = listener.local_addr().map_err(DispatcherError::Serve)?;
@@ -251,6 +269,7 @@ async fn consume_forever<F, Fut>(
     Fut: std::future::Future<Output = ()>,
 {
     let mut backoff = Duration::from_millis(200);
+    let mut connected_before = false;
     while !shutdown.is_cancelled() {
         let session =
             amqp::open_consumer(&dispatcher.amqp_url, name, &dispatcher.topology, &queue, 64);
@@ -267,6 +286,10 @@ async fn consume_forever<F, Fut>(
             }
         };
         backoff = Duration::from_millis(200);
+        if connected_before {
+            dispatcher.metrics.broker_reconnected(name);
+        }
+        connected_before = true;
         info!(queue = %queue, "consuming");
         if name == "forgepool-dispatcher-events" {
             dispatcher.broker_ready.store(true, Ordering::SeqCst);
@@ -316,14 +339,8 @@ async fn handle_event(dispatcher: Arc<Dispatcher>, delivery: lapin::message::Del
     };
     let span = info_span!("event", run_id = %event.run_id, kind = event.kind.name());
     async {
-        let before = dispatcher
-            .store
-            .get_run(event.run_id)
-            .await
-            .ok()
-            .flatten()
-            .map(|r| r.state);
-        let Some(before) = before else {
+        let record = dispatcher.store.get_run(event.run_id).await.ok().flatten();
+        let Some(record) = record else {
             return dead_letter(
                 &dispatcher,
                 &dispatcher.topology.dispatcher_events(),
@@ -332,11 +349,10 @@ async fn handle_event(dispatcher: Arc<Dispatcher>, delivery: lapin::message::Del
             )
             .await;
         };
-        match dispatcher.store.record_event(&event).await {
+        match dispatcher.store_event(&record.job, &event).await {
             Ok(_) => {
-                dispatcher.events_stored.send_modify(|n| *n += 1);
                 // A worker picked up a run that was cancelled while queued: tell it again.
-                if before == RunState::Cancelled
+                if record.state == RunState::Cancelled
                     && matches!(
                         event.kind,
                         EventKind::State {
@@ -454,6 +470,7 @@ async fn dead_letter(
     reason: &str,
 ) {
     warn!(%reason, "dead-lettering a message");
+    dispatcher.metrics.dead_lettered(source);
     match dispatcher
         .publisher
         .dead_letter(&dispatcher.topology, source, &delivery.data, reason)
@@ -504,11 +521,8 @@ async fn handle_dead_letter(dispatcher: Arc<Dispatcher>, delivery: lapin::messag
                         ),
                     },
                 );
-                match dispatcher.store.record_event(&event).await {
-                    Ok(_) => {
-                        warn!(%run_id, %reason, "a dead-lettered job failed its run");
-                        dispatcher.events_stored.send_modify(|n| *n += 1);
-                    }
+                match dispatcher.store_event(&record.job, &event).await {
+                    Ok(_) => warn!(%run_id, %reason, "a dead-lettered job failed its run"),
                     Err(error) => {
                         warn!(%error, "cannot fail a dead-lettered run; it will be retried");
                         tokio::time::sleep(Duration::from_millis(500)).await;
@@ -527,6 +541,25 @@ async fn handle_dead_letter(dispatcher: Arc<Dispatcher>, delivery: lapin::messag
         }
     }
     let _ = amqp::ack(&delivery).await;
+}
+
+/// Keeps `forge_queue_depth` and `forgepool_runs{state}` fresh.
+async fn refresh_gauges(dispatcher: Arc<Dispatcher>, shutdown: CancellationToken) {
+    let queues = dispatcher.topology.watched_queues();
+    loop {
+        match dispatcher.publisher.queue_depths(&queues).await {
+            Ok(depths) => dispatcher.metrics.set_queue_depths(&depths),
+            Err(error) => warn!(%error, "cannot read queue depths"),
+        }
+        match dispatcher.store.count_by_state().await {
+            Ok(counts) => dispatcher.metrics.set_runs_by_state(&counts),
+            Err(error) => warn!(%error, "cannot count runs by state"),
+        }
+        tokio::select! {
+            () = tokio::time::sleep(GAUGE_INTERVAL) => {},
+            () = shutdown.cancelled() => return,
+        }
+    }
 }
 
 async fn republish(dispatcher: Arc<Dispatcher>, shutdown: CancellationToken) {

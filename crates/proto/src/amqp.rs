@@ -122,6 +122,16 @@ impl Topology {
         format!("{}.dispatcher.dead", self.prefix)
     }
 
+    /// The shared queues whose depth `forge_queue_depth` reports.
+    pub fn watched_queues(&self) -> Vec<String> {
+        vec![
+            self.jobs(),
+            self.jobs_wait(),
+            self.submissions(),
+            self.dead(),
+        ]
+    }
+
     /// The dispatcher's durable queue of every event.
     pub fn dispatcher_events(&self) -> String {
         format!("{}.dispatcher.events", self.prefix)
@@ -359,6 +369,40 @@ impl Publisher {
             })?;
         *slot = Some(channel.clone());
         Ok(channel)
+    }
+
+    /// The number of ready messages in each queue, read with passive declares on a channel of
+    /// its own (a missing queue closes only that channel), within [`SESSION_TIMEOUT`].
+    pub async fn queue_depths(&self, names: &[String]) -> Result<Vec<(String, u32)>, AmqpError> {
+        let broker = |operation| move |source| AmqpError::Broker { operation, source };
+        let work = async {
+            let connection = self
+                .pool
+                .get()
+                .await
+                .map_err(|e| AmqpError::Pool(e.to_string()))?;
+            let channel = connection
+                .create_channel()
+                .await
+                .map_err(broker("open channel"))?;
+            let passive = QueueDeclareOptions {
+                passive: true,
+                ..Default::default()
+            };
+            let mut depths = Vec::with_capacity(names.len());
+            for name in names {
+                let queue = channel
+                    .queue_declare(name, passive, FieldTable::default())
+                    .await
+                    .map_err(broker("read queue depth"))?;
+                depths.push((name.clone(), queue.message_count()));
+            }
+            let _ = channel.close(200, "done").await;
+            Ok(depths)
+        };
+        tokio::time::timeout(SESSION_TIMEOUT, work)
+            .await
+            .map_err(|_| AmqpError::Pool(format!("no queue depths within {SESSION_TIMEOUT:?}")))?
     }
 
     /// Publishes once and waits for the confirm. `headers` are added to the message.

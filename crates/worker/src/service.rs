@@ -25,8 +25,9 @@ use proto::{Control, Event, EventKind, Job};
 use tokio::sync::{Mutex, Semaphore};
 use tokio_util::sync::CancellationToken;
 
+use telemetry::Metrics;
 use tokio_util::task::TaskTracker;
-use tracing::{info, info_span, warn, Instrument};
+use tracing::{debug, info, info_span, warn, Instrument};
 use uuid::Uuid;
 
 use crate::docker::DockerRuntime;
@@ -84,8 +85,26 @@ impl EventSink for AmqpSink {
     }
 }
 
+/// A run's view of the worker's sink: events are published, then counted in the metrics under
+/// the job's (validated) skill and step.
+struct ObservedSink<'a> {
+    sink: &'a AmqpSink,
+    metrics: &'a Metrics,
+    job: &'a Job,
+}
+
+impl EventSink for ObservedSink<'_> {
+    async fn publish(&self, event: Event) -> Result<(), PublishEvent> {
+        let kind = event.kind.clone();
+        self.sink.publish(event).await?;
+        self.metrics.observe(self.job, &kind);
+        Ok(())
+    }
+}
+
 struct Shared {
     config: WorkerConfig,
+    metrics: Arc<Metrics>,
     topology: Topology,
     engine: Engine<DockerRuntime>,
     sink: AmqpSink,
@@ -104,6 +123,7 @@ struct Shared {
 pub async fn run(
     config: WorkerConfig,
     engine: Engine<DockerRuntime>,
+    metrics: Arc<Metrics>,
     shutdown: CancellationToken,
 ) -> Result<(), WorkerError> {
     let topology = Topology::new(&config.prefix);
@@ -119,6 +139,7 @@ pub async fn run(
             deadline: config.publish_deadline,
         },
         slots: Arc::new(Semaphore::new(config.concurrency)),
+        metrics,
         config,
         topology,
         engine,
@@ -134,6 +155,8 @@ pub async fn run(
     let background = TaskTracker::new();
     background.spawn(control_loop(Arc::clone(&shared), shutdown.clone()));
     background.spawn(sweep_loop(Arc::clone(&shared), shutdown.clone()));
+    background.spawn(watch_queues(Arc::clone(&shared), shutdown.clone()));
+    shared.metrics.set_run_slots(shared.config.concurrency);
     info!(worker = %shared.config.worker_id, slots = shared.config.concurrency, "worker started");
     let consuming = consume_jobs(Arc::clone(&shared), &runs, shutdown.clone()).await;
 
@@ -262,6 +285,7 @@ async fn consume_jobs(
     shutdown: CancellationToken,
 ) -> Option<(Connection, Channel)> {
     let mut backoff = Duration::from_millis(200);
+    let mut connected_before = false;
     while !shutdown.is_cancelled() {
         let prefetch = u16::try_from(shared.config.concurrency).unwrap_or(u16::MAX);
         let tag = format!("worker-{}", shared.config.worker_id);
@@ -286,6 +310,10 @@ async fn consume_jobs(
             }
         };
         backoff = Duration::from_millis(200);
+        if connected_before {
+            shared.metrics.broker_reconnected("worker-jobs");
+        }
+        connected_before = true;
         info!("consuming jobs");
         loop {
             tokio::select! {
@@ -316,6 +344,7 @@ async fn take_delivery(
         Ok(job) => job,
         Err(reason) => {
             warn!(%reason, "dead-lettering a job message");
+            shared.metrics.dead_lettered(&shared.topology.jobs());
             match shared
                 .publisher
                 .dead_letter(
@@ -425,9 +454,15 @@ async fn run_job(shared: &Shared, job: Job, delivery: lapin::message::Delivery) 
             return;
         }
     }
+    let sink = ObservedSink {
+        sink: &shared.sink,
+        metrics: &shared.metrics,
+        job: &job,
+    };
+    shared.metrics.runs_in_progress().inc();
     let execution = shared
         .engine
-        .execute(&job, &shared.sink, cancel, shared.interrupt.clone());
+        .execute(&job, &sink, cancel, shared.interrupt.clone());
     tokio::pin!(execution);
     let mut heartbeat = tokio::time::interval(shared.config.heartbeat);
     heartbeat.tick().await;
@@ -442,6 +477,7 @@ async fn run_job(shared: &Shared, job: Job, delivery: lapin::message::Delivery) 
             }
         }
     };
+    shared.metrics.runs_in_progress().dec();
     shared.running.lock().await.remove(&run_id);
     match outcome {
         Ok(Some(result)) => {
@@ -622,6 +658,21 @@ async fn control_loop(shared: Arc<Shared>, shutdown: CancellationToken) {
 }
 
 /// Every 10 s: removes the containers of worker instances whose presence queue is gone.
+/// Keeps `forge_queue_depth` fresh, as this worker's broker connection sees it.
+async fn watch_queues(shared: Arc<Shared>, shutdown: CancellationToken) {
+    let queues = shared.topology.watched_queues();
+    loop {
+        match shared.publisher.queue_depths(&queues).await {
+            Ok(depths) => shared.metrics.set_queue_depths(&depths),
+            Err(error) => debug!(%error, "cannot read queue depths"),
+        }
+        tokio::select! {
+            () = tokio::time::sleep(Duration::from_secs(5)) => {},
+            () = shutdown.cancelled() => return,
+        }
+    }
+}
+
 async fn sweep_loop(shared: Arc<Shared>, shutdown: CancellationToken) {
     loop {
         tokio::select! {

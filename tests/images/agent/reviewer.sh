@@ -6,6 +6,8 @@
 #   nomarker  prints no verdict at all
 #   sleep N   sleeps N seconds (to exceed the review timeout)
 #   crash     exits 9
+#   leak      puts $AGENT_SECRET in its verdicts: REJECTED on cycle 1, APPROVED after (it must
+#             come back redacted everywhere)
 set -eu
 mode="${1:-rules}"
 case "$mode" in
@@ -22,5 +24,13 @@ case "$mode" in
   nomarker) echo "I looked at the change and have thoughts, but no verdict." ;;
   sleep) sleep "${2:-30}"; echo "APPROVED" ;;
   crash) echo "reviewer blew up" >&2; exit 9 ;;
+  leak)
+    echo "debug: using key ${AGENT_SECRET:-unset}" >&2
+    if [ "$FORGE_CYCLE" = 1 ]; then
+      printf 'REJECTED\nthe key %s is hard-coded\n' "${AGENT_SECRET:-unset}"
+    else
+      printf 'key %s checked. APPROVED\n' "${AGENT_SECRET:-unset}"
+    fi
+    ;;
   *) echo "unknown mode $mode" >&2; exit 64 ;;
 esac

@@ -88,6 +88,10 @@ pub trait RunStore: Send + Sync + 'static {
     ) -> impl Future<Output = Result<(Vec<RunSummary>, Option<String>), StoreError>> + Send;
     /// Checks the store answers.
     fn ping(&self) -> impl Future<Output = Result<(), StoreError>> + Send;
+    /// How many runs are in each state (states with none are left out).
+    fn count_by_state(
+        &self,
+    ) -> impl Future<Output = Result<Vec<(RunState, u64)>, StoreError>> + Send;
     /// Reads a run's events in the order they were stored, after position `after` (0 for all).
     /// Returns each event with its position.
     fn events(
@@ -180,6 +184,9 @@ impl RunStore for Store {
     }
     async fn ping(&self) -> Result<(), StoreError> {
         delegate!(self, s => s.ping().await)
+    }
+    async fn count_by_state(&self) -> Result<Vec<(RunState, u64)>, StoreError> {
+        delegate!(self, s => s.count_by_state().await)
     }
     async fn events(&self, run_id: Uuid, after: i64) -> Result<Vec<(i64, Event)>, StoreError> {
         delegate!(self, s => s.events(run_id, after).await)

@@ -387,6 +387,23 @@ impl RunStore for PostgresStore {
         .await
     }
 
+    async fn count_by_state(&self) -> Result<Vec<(RunState, u64)>, StoreError> {
+        self.bounded(async {
+            Ok(self
+                .client()
+                .await?
+                .query("SELECT state, COUNT(*) FROM runs GROUP BY state", &[])
+                .await?
+                .iter()
+                .filter_map(|r| {
+                    let n: i64 = r.get(1);
+                    Some((RunState::parse(r.get(0))?, n.max(0) as u64))
+                })
+                .collect())
+        })
+        .await
+    }
+
     async fn events(&self, run_id: Uuid, after: i64) -> Result<Vec<(i64, Event)>, StoreError> {
         self.bounded(async {
             self.client()

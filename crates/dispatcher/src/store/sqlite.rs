@@ -310,6 +310,20 @@ impl RunStore for SqliteStore {
         .await
     }
 
+    async fn count_by_state(&self) -> Result<Vec<(RunState, u64)>, StoreError> {
+        self.with(|c| {
+            let mut statement = c.prepare("SELECT state, COUNT(*) FROM runs GROUP BY state")?;
+            let rows = statement
+                .query_map([], |r| Ok((r.get::<_, String>(0)?, r.get::<_, i64>(1)?)))?
+                .collect::<Result<Vec<_>, _>>()?;
+            Ok(rows
+                .into_iter()
+                .filter_map(|(state, n)| Some((RunState::parse(&state)?, n.max(0) as u64)))
+                .collect())
+        })
+        .await
+    }
+
     async fn events(&self, run_id: Uuid, after: i64) -> Result<Vec<(i64, Event)>, StoreError> {
         self.with(move |c| {
             let mut statement =

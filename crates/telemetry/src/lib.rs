@@ -1,0 +1,530 @@
+//! forgepool's Prometheus metrics (SPEC 13), shared by the dispatcher and the workers.
+//!
+//! Both services feed run events through [`Metrics::observe`]: a worker the events of the runs
+//! it executes, the dispatcher every event it stores for the first time (so its figures are the
+//! cluster-wide view, each event counted once, and they survive worker restarts). The
+//! Forge-compatible families keep their names, labels and buckets; everything else is
+//! `forgepool_*`. Label values are bounded: skills and steps come from the frozen job (names
+//! the dispatcher validated against the skills folder, never from files an agent wrote),
+//! verdicts, stages and outcomes from closed sets, queue names from the topology.
+
+use prometheus::{
+    Encoder, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts,
+    Registry, TextEncoder,
+};
+use proto::{EventKind, Job, RunState, Stage};
+
+/// The buckets of `forge_review_duration_seconds`, as Forge defines them.
+pub const REVIEW_BUCKETS: [f64; 8] = [1.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0];
+/// The buckets of `forgepool_stage_duration_seconds`: the review buckets plus long stages.
+pub const STAGE_BUCKETS: [f64; 11] = [
+    0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0,
+];
+
+/// Which service the metrics belong to; a worker also counts its own containers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Role {
+    /// `forgepool dispatcher`: every stored event, cluster-wide.
+    Dispatcher,
+    /// `forgepool worker` or `forgepool run`: the runs this process executes.
+    Worker,
+}
+
+/// Every metric family forgepool serves.
+#[derive(Debug)]
+pub struct Metrics {
+    role: Role,
+    registry: Registry,
+    review_cycles: IntCounterVec,
+    review_verdicts: IntCounterVec,
+    review_duration: HistogramVec,
+    queue_depth: IntGaugeVec,
+    runs_finished: IntCounterVec,
+    runs_by_state: IntGaugeVec,
+    stage_duration: HistogramVec,
+    containers_running: IntGauge,
+    repair_rounds: IntCounter,
+    no_progress_stops: IntCounter,
+    deliveries: IntCounter,
+    checks: IntCounterVec,
+    broker_reconnects: IntCounterVec,
+    dead_lettered: IntCounterVec,
+    runs_in_progress: IntGauge,
+    run_slots: IntGauge,
+}
+
+fn counter(registry: &Registry, name: &str, help: &str, labels: &[&str]) -> IntCounterVec {
+    let metric = IntCounterVec::new(Opts::new(name, help), labels).expect("a valid counter");
+    registry
+        .register(Box::new(metric.clone()))
+        .expect("a unique counter");
+    metric
+}
+
+fn gauge(registry: &Registry, name: &str, help: &str, labels: &[&str]) -> IntGaugeVec {
+    let metric = IntGaugeVec::new(Opts::new(name, help), labels).expect("a valid gauge");
+    registry
+        .register(Box::new(metric.clone()))
+        .expect("a unique gauge");
+    metric
+}
+
+fn histogram(
+    registry: &Registry,
+    name: &str,
+    help: &str,
+    labels: &[&str],
+    buckets: &[f64],
+) -> HistogramVec {
+    let metric = HistogramVec::new(
+        HistogramOpts::new(name, help).buckets(buckets.to_vec()),
+        labels,
+    )
+    .expect("a valid histogram");
+    registry
+        .register(Box::new(metric.clone()))
+        .expect("a unique histogram");
+    metric
+}
+
+impl Metrics {
+    /// A fresh registry with every family registered.
+    pub fn new(role: Role) -> Metrics {
+        let registry = Registry::new();
+        let r = &registry;
+        let metrics = Metrics {
+            role,
+            review_cycles: counter(
+                r,
+                "forge_review_cycles_total",
+                "Review cycle files collected.",
+                &["skill", "step"],
+            ),
+            review_verdicts: counter(
+                r,
+                "forge_review_verdicts_total",
+                "Review verdicts, by verdict (approved, rejected).",
+                &["skill", "step", "verdict"],
+            ),
+            review_duration: histogram(
+                r,
+                "forge_review_duration_seconds",
+                "Wall time of reviewer containers, create to removal.",
+                &["skill", "step"],
+                &REVIEW_BUCKETS,
+            ),
+            queue_depth: gauge(
+                r,
+                "forge_queue_depth",
+                "Messages ready in each forgepool queue, as the broker last reported.",
+                &["queue_name"],
+            ),
+            runs_finished: counter(
+                r,
+                "forgepool_runs_total",
+                "Runs that reached a terminal state or paused, by outcome.",
+                &["outcome"],
+            ),
+            runs_by_state: gauge(
+                r,
+                "forgepool_runs",
+                "Stored runs by current state (dispatcher only).",
+                &["state"],
+            ),
+            stage_duration: histogram(
+                r,
+                "forgepool_stage_duration_seconds",
+                "Wall time of stage containers, by stage and outcome.",
+                &["stage", "outcome"],
+                &STAGE_BUCKETS,
+            ),
+            containers_running: IntGauge::new(
+                "forgepool_containers_running",
+                "Stage containers this worker is running now.",
+            )
+            .expect("a valid gauge"),
+            repair_rounds: IntCounter::new(
+                "forgepool_repair_rounds_total",
+                "Implementation rounds started to repair failed checks.",
+            )
+            .expect("a valid counter"),
+            no_progress_stops: IntCounter::new(
+                "forgepool_no_progress_stops_total",
+                "Runs the no-progress guard stopped.",
+            )
+            .expect("a valid counter"),
+            deliveries: IntCounter::new(
+                "forgepool_deliveries_total",
+                "Branches pushed with an approved change.",
+            )
+            .expect("a valid counter"),
+            checks: counter(
+                r,
+                "forgepool_checks_total",
+                "Verification commands run, by outcome (passed, failed, timed_out).",
+                &["outcome"],
+            ),
+            broker_reconnects: counter(
+                r,
+                "forgepool_broker_reconnects_total",
+                "Connections to RabbitMQ opened again after a loss, by consumer.",
+                &["connection"],
+            ),
+            dead_lettered: counter(
+                r,
+                "forgepool_dead_lettered_total",
+                "Messages this service sent to the dead-letter exchange, by source queue.",
+                &["queue"],
+            ),
+            runs_in_progress: IntGauge::new(
+                "forgepool_runs_in_progress",
+                "Runs this worker is executing now.",
+            )
+            .expect("a valid gauge"),
+            run_slots: IntGauge::new("forgepool_run_slots", "Run slots this worker offers.")
+                .expect("a valid gauge"),
+            registry,
+        };
+        for single in [
+            Box::new(metrics.containers_running.clone()) as Box<dyn prometheus::core::Collector>,
+            Box::new(metrics.repair_rounds.clone()),
+            Box::new(metrics.no_progress_stops.clone()),
+            Box::new(metrics.deliveries.clone()),
+            Box::new(metrics.runs_in_progress.clone()),
+            Box::new(metrics.run_slots.clone()),
+        ] {
+            metrics.registry.register(single).expect("a unique metric");
+        }
+        metrics
+    }
+
+    /// Counts what an event of `job` tells: review cycles and verdicts, stage durations,
+    /// checks, outcomes, repair rounds, no-progress stops and deliveries.
+    pub fn observe(&self, job: &Job, event: &EventKind) {
+        let (skill, step) = (job.skill.as_str(), job.step.as_str());
+        match event {
+            EventKind::Cycle { cycle } => {
+                self.review_cycles.with_label_values(&[skill, step]).inc();
+                let verdict = match cycle.verdict.as_str() {
+                    "approved" => "approved",
+                    "rejected" => "rejected",
+                    _ => "other",
+                };
+                self.review_verdicts
+                    .with_label_values(&[skill, step, verdict])
+                    .inc();
+            }
+            EventKind::StageStarted { .. } => {
+                if self.role == Role::Worker {
+                    self.containers_running.inc();
+                }
+            }
+            EventKind::StageFinished {
+                stage,
+                duration_seconds,
+                outcome,
+                ..
+            } => {
+                if self.role == Role::Worker {
+                    self.containers_running.dec();
+                }
+                let outcome = match outcome.as_str() {
+                    known @ ("completed" | "failed" | "timed_out" | "paused" | "cancelled") => {
+                        known
+                    }
+                    _ => "other",
+                };
+                self.stage_duration
+                    .with_label_values(&[stage.as_str(), outcome])
+                    .observe(*duration_seconds);
+                if *stage == Stage::Review {
+                    self.review_duration
+                        .with_label_values(&[skill, step])
+                        .observe(*duration_seconds);
+                }
+            }
+            EventKind::Check { result } => {
+                let outcome = match result.exit_code {
+                    Some(0) => "passed",
+                    Some(_) => "failed",
+                    None => "timed_out",
+                };
+                self.checks.with_label_values(&[outcome]).inc();
+            }
+            EventKind::State { state, reason } => {
+                if state.is_terminal() || *state == RunState::Paused {
+                    self.runs_finished
+                        .with_label_values(&[state.as_str()])
+                        .inc();
+                }
+                if *state == RunState::Blocked && reason.starts_with("no progress") {
+                    self.no_progress_stops.inc();
+                }
+            }
+            EventKind::Result { result } => {
+                if result.commit.is_some() {
+                    self.deliveries.inc();
+                }
+                let repairs = result
+                    .repair_history
+                    .iter()
+                    .filter(|round| round.reason == "repair")
+                    .count();
+                self.repair_rounds.inc_by(repairs as u64);
+            }
+            EventKind::Log { .. } | EventKind::Heartbeat { .. } => {}
+        }
+    }
+
+    /// Sets `forge_queue_depth` for one queue.
+    pub fn set_queue_depth(&self, queue_name: &str, depth: u32) {
+        self.queue_depth
+            .with_label_values(&[queue_name])
+            .set(i64::from(depth));
+    }
+
+    /// Sets `forge_queue_depth` for every queue the broker reported.
+    pub fn set_queue_depths(&self, depths: &[(String, u32)]) {
+        for (queue_name, depth) in depths {
+            self.set_queue_depth(queue_name, *depth);
+        }
+    }
+
+    /// Sets `forgepool_runs{state}` for every state at once (states absent from `counts` are 0).
+    pub fn set_runs_by_state(&self, counts: &[(RunState, u64)]) {
+        for state in RunState::ALL {
+            let count = counts
+                .iter()
+                .find(|(s, _)| *s == state)
+                .map_or(0, |(_, n)| *n);
+            self.runs_by_state
+                .with_label_values(&[state.as_str()])
+                .set(i64::try_from(count).unwrap_or(i64::MAX));
+        }
+    }
+
+    /// Counts a reconnection of the named consumer.
+    pub fn broker_reconnected(&self, connection: &str) {
+        self.broker_reconnects
+            .with_label_values(&[connection])
+            .inc();
+    }
+
+    /// Counts a message this service dead-lettered from `queue`.
+    pub fn dead_lettered(&self, queue: &str) {
+        self.dead_lettered.with_label_values(&[queue]).inc();
+    }
+
+    /// The gauge of runs in progress (a worker's).
+    pub fn runs_in_progress(&self) -> &IntGauge {
+        &self.runs_in_progress
+    }
+
+    /// Sets the number of run slots (a worker's).
+    pub fn set_run_slots(&self, slots: usize) {
+        self.run_slots.set(i64::try_from(slots).unwrap_or(i64::MAX));
+    }
+
+    /// Every family in the Prometheus text format.
+    pub fn render(&self) -> String {
+        let mut buffer = Vec::new();
+        let encoder = TextEncoder::new();
+        if encoder
+            .encode(&self.registry.gather(), &mut buffer)
+            .is_err()
+        {
+            return String::new();
+        }
+        String::from_utf8(buffer).unwrap_or_default()
+    }
+}
+
+/// The content type of [`Metrics::render`].
+pub const CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proto::{CheckResult, CycleRecord, RoundRecord, RunResult};
+    use uuid::Uuid;
+
+    fn job() -> Job {
+        serde_json::from_value(serde_json::json!({
+            "schema_version": 1, "run_id": Uuid::new_v4(), "ticket": "SHOP-1", "project": "shop",
+            "skill": "implement-task", "step": "implement_task", "brief": "b",
+            "repository": {"url": "file:///r.git"}, "commands": [], "skill_md": "s", "review": null,
+            "repair_budget": 2,
+            "implementer": {"name": "i", "image": "i", "command": [], "env": [], "network": "none",
+                            "memory_bytes": 1073741824u64, "cpus": 1.0, "timeout_seconds": 60, "user": null},
+            "reviewer": null, "final_reviewer": null, "warnings": [], "submitted_at": "2024-01-15T10:30:00Z"
+        }))
+        .unwrap()
+    }
+
+    fn line<'a>(text: &'a str, prefix: &str) -> Option<&'a str> {
+        text.lines()
+            .find(|l| l.starts_with(prefix))
+            .map(|l| l.rsplit(' ').next().unwrap())
+    }
+
+    #[test]
+    fn events_become_the_forge_families_with_their_labels_and_buckets() {
+        let metrics = Metrics::new(Role::Worker);
+        let job = job();
+        let cycle = |n: u32, verdict: &str| EventKind::Cycle {
+            cycle: CycleRecord {
+                step: "an_agent_chose_this".into(),
+                file: format!("review_cycle_{n}.json"),
+                cycle: n,
+                max_cycles: Some(3),
+                verdict: verdict.into(),
+                feedback: String::new(),
+                content: serde_json::json!({}),
+            },
+        };
+        for event in [
+            EventKind::StageStarted {
+                stage: Stage::Review,
+                round: 1,
+                cycle: Some(1),
+            },
+            EventKind::StageFinished {
+                stage: Stage::Review,
+                round: 1,
+                cycle: Some(1),
+                exit_code: Some(0),
+                duration_seconds: 7.5,
+                outcome: "completed".into(),
+            },
+            cycle(1, "rejected"),
+            cycle(2, "approved"),
+            EventKind::Check {
+                result: CheckResult {
+                    round: 1,
+                    argv: vec!["true".into()],
+                    exit_code: Some(0),
+                    duration_seconds: 0.2,
+                    output_tail: String::new(),
+                },
+            },
+            EventKind::State {
+                state: RunState::Blocked,
+                reason: "no progress: same tree".into(),
+            },
+        ] {
+            metrics.observe(&job, &event);
+        }
+        metrics.set_queue_depth("forgepool.jobs", 4);
+        let text = metrics.render();
+        let labels = r#"skill="implement-task",step="implement_task""#;
+        assert_eq!(
+            line(&text, &format!("forge_review_cycles_total{{{labels}}}")),
+            Some("2")
+        );
+        assert_eq!(
+            line(
+                &text,
+                &format!("forge_review_verdicts_total{{{labels},verdict=\"rejected\"}}")
+            ),
+            Some("1")
+        );
+        assert_eq!(
+            line(
+                &text,
+                &format!("forge_review_duration_seconds_bucket{{{labels},le=\"5\"}}")
+            ),
+            Some("0")
+        );
+        assert_eq!(
+            line(
+                &text,
+                &format!("forge_review_duration_seconds_bucket{{{labels},le=\"10\"}}")
+            ),
+            Some("1")
+        );
+        assert_eq!(
+            line(
+                &text,
+                &format!("forge_review_duration_seconds_sum{{{labels}}}")
+            ),
+            Some("7.5")
+        );
+        assert_eq!(
+            line(&text, "forge_queue_depth{queue_name=\"forgepool.jobs\"}"),
+            Some("4")
+        );
+        assert_eq!(line(&text, "forgepool_containers_running "), Some("0"));
+        assert_eq!(line(&text, "forgepool_no_progress_stops_total "), Some("1"));
+        assert_eq!(
+            line(&text, "forgepool_runs_total{outcome=\"blocked\"}"),
+            Some("1")
+        );
+        assert_eq!(
+            line(&text, "forgepool_checks_total{outcome=\"passed\"}"),
+            Some("1")
+        );
+        assert!(
+            !text.contains("an_agent_chose_this"),
+            "labels come from the job, never from agent files"
+        );
+        let buckets: Vec<&str> = text
+            .lines()
+            .filter(|l| l.starts_with("forge_review_duration_seconds_bucket"))
+            .filter_map(|l| l.split("le=\"").nth(1)?.split('"').next())
+            .collect();
+        assert_eq!(
+            buckets,
+            ["1", "5", "10", "30", "60", "120", "300", "600", "+Inf"]
+        );
+    }
+
+    #[test]
+    fn a_dispatcher_does_not_count_containers_it_cannot_see() {
+        let metrics = Metrics::new(Role::Dispatcher);
+        metrics.observe(
+            &job(),
+            &EventKind::StageStarted {
+                stage: Stage::Implement,
+                round: 2,
+                cycle: None,
+            },
+        );
+        let round = |round: u32, reason: &str| RoundRecord {
+            round,
+            reason: reason.into(),
+            tree: "t".into(),
+            failing: Vec::new(),
+            output_tail: String::new(),
+        };
+        metrics.observe(
+            &job(),
+            &EventKind::Result {
+                result: RunResult {
+                    state: RunState::Delivered,
+                    reason: "ok".into(),
+                    branch: Some("forge/shop-1".into()),
+                    commit: Some("abc".into()),
+                    tree: None,
+                    report: String::new(),
+                    warnings: Vec::new(),
+                    repair_budget: 2,
+                    implementation_rounds: 3,
+                    repair_history: vec![
+                        round(1, "initial"),
+                        round(2, "repair"),
+                        round(3, "review"),
+                    ],
+                    review: "not_requested".into(),
+                },
+            },
+        );
+        let text = metrics.render();
+        assert_eq!(line(&text, "forgepool_containers_running "), Some("0"));
+        assert_eq!(
+            line(&text, "forgepool_repair_rounds_total "),
+            Some("1"),
+            "only rounds that repaired failed checks"
+        );
+        assert_eq!(line(&text, "forgepool_deliveries_total "), Some("1"));
+    }
+}
