@@ -20,6 +20,7 @@ missing=()
 command -v dockerd >/dev/null || missing+=(docker.io)
 command -v rabbitmq-server >/dev/null || missing+=(rabbitmq-server)
 command -v git >/dev/null || missing+=(git)
+command -v curl >/dev/null || missing+=(curl)
 command -v pg_ctlcluster >/dev/null || missing+=(postgresql)
 (ldd /bin/busybox 2>&1 || true) | grep -q "not a dynamic" || missing+=(busybox-static)
 if [ ${#missing[@]} -gt 0 ]; then

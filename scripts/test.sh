@@ -1,12 +1,16 @@
 #!/usr/bin/env bash
-# Sets up the services, builds the test images, and runs every test: unit tests with in-memory
-# seams and end-to-end tests against the real Docker engine and real git repositories.
+# Sets up the services, builds the test images, checks the Helm chart, and runs every test:
+# unit tests with in-memory seams and end-to-end tests against the real Docker engine,
+# RabbitMQ, PostgreSQL and real git repositories.
 # Afterwards it checks that no forgepool container is left on the engine.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 scripts/services.sh
 scripts/build-images.sh
+scripts/chart-check.sh
+# The forgepool image, from the debug build the tests use (tests/image.rs runs it).
+scripts/build-forgepool-image.sh --debug
 
 # The fault tests restart the shared broker and change its settings, so they run on their
 # own, one at a time, after everything else.

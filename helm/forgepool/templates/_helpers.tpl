@@ -1,0 +1,81 @@
+{{/* The release's base name, at most 52 characters so that suffixes fit in 63. */}}
+{{- define "forgepool.fullname" -}}
+{{- if contains .Chart.Name .Release.Name -}}
+{{- .Release.Name | trunc 52 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 52 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "forgepool.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
+app.kubernetes.io/name: {{ .Chart.Name }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- end -}}
+
+{{/* Selector labels of one component: dispatcher, worker or rabbitmq. */}}
+{{- define "forgepool.selector" -}}
+app.kubernetes.io/name: {{ .root.Chart.Name }}
+app.kubernetes.io/instance: {{ .root.Release.Name }}
+app.kubernetes.io/component: {{ .component }}
+{{- end -}}
+
+{{- define "forgepool.image" -}}
+{{ .Values.image.repository }}:{{ .Values.image.tag | default .Chart.AppVersion }}
+{{- end -}}
+
+{{- define "forgepool.secretName" -}}
+{{- .Values.secrets.existingSecret | default (include "forgepool.fullname" .) -}}
+{{- end -}}
+
+{{- define "forgepool.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create -}}
+{{- .Values.serviceAccount.name | default (include "forgepool.fullname" .) -}}
+{{- else -}}
+{{- .Values.serviceAccount.name | default "default" -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "forgepool.rabbitmqHost" -}}
+{{ include "forgepool.fullname" . }}-rabbitmq
+{{- end -}}
+
+{{/* Environment shared by the dispatcher and the workers: the broker and logging. */}}
+{{- define "forgepool.brokerEnv" -}}
+{{- if eq .Values.rabbitmq.mode "bundled" }}
+- name: RABBITMQ_PASSWORD
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "forgepool.secretName" . }}
+      key: rabbitmq-password
+- name: FORGEPOOL_AMQP_URL
+  value: "amqp://{{ .Values.rabbitmq.username }}:$(RABBITMQ_PASSWORD)@{{ include "forgepool.rabbitmqHost" . }}:5672/%2f"
+{{- else }}
+- name: FORGEPOOL_AMQP_URL
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "forgepool.secretName" . }}
+      key: amqp-url
+{{- end }}
+- name: FORGEPOOL_AMQP_PREFIX
+  value: {{ .Values.amqpPrefix | quote }}
+- name: FORGEPOOL_LOG
+  value: {{ .Values.log.level | quote }}
+- name: FORGEPOOL_LOG_FORMAT
+  value: {{ .Values.log.format | quote }}
+{{- end -}}
+
+{{/* A restricted security context for forgepool's own containers. */}}
+{{- define "forgepool.containerSecurity" -}}
+allowPrivilegeEscalation: false
+readOnlyRootFilesystem: true
+runAsNonRoot: true
+runAsUser: 10001
+runAsGroup: 10001
+capabilities:
+  drop: [ALL]
+seccompProfile:
+  type: RuntimeDefault
+{{- end -}}
