@@ -479,6 +479,90 @@ mod tests {
     }
 
     #[test]
+    fn every_dashboard_query_names_a_metric_forgepool_serves() {
+        let dashboard: serde_json::Value = serde_json::from_str(include_str!(
+            "../../../helm/forgepool/dashboards/forgepool.json"
+        ))
+        .expect("the dashboard is JSON");
+        let metrics = Metrics::new(Role::Worker);
+        metrics.observe(
+            &job(),
+            &EventKind::StageFinished {
+                stage: Stage::Review,
+                round: 1,
+                cycle: Some(1),
+                exit_code: Some(0),
+                duration_seconds: 1.0,
+                outcome: "completed".into(),
+            },
+        );
+        metrics.broker_reconnected("x");
+        metrics.dead_lettered("x");
+        metrics.set_runs_by_state(&[]);
+        metrics.set_queue_depth("q", 0);
+        for verdict in ["approved", "rejected"] {
+            metrics.observe(
+                &job(),
+                &EventKind::Cycle {
+                    cycle: CycleRecord {
+                        step: "s".into(),
+                        file: "review_cycle_1.json".into(),
+                        cycle: 1,
+                        max_cycles: None,
+                        verdict: verdict.into(),
+                        feedback: String::new(),
+                        content: serde_json::json!({}),
+                    },
+                },
+            );
+        }
+        metrics.observe(
+            &job(),
+            &EventKind::State {
+                state: RunState::Failed,
+                reason: String::new(),
+            },
+        );
+        metrics.observe(
+            &job(),
+            &EventKind::Check {
+                result: CheckResult {
+                    round: 1,
+                    argv: Vec::new(),
+                    exit_code: None,
+                    duration_seconds: 0.0,
+                    output_tail: String::new(),
+                },
+            },
+        );
+        let served: std::collections::HashSet<String> = metrics
+            .render()
+            .lines()
+            .filter(|l| !l.starts_with('#'))
+            .filter_map(|l| l.split(['{', ' ']).next().map(String::from))
+            .collect();
+        let mut queries = 0;
+        for panel in dashboard["panels"].as_array().unwrap() {
+            for target in panel["targets"].as_array().unwrap() {
+                let expr = target["expr"].as_str().unwrap();
+                queries += 1;
+                let names: Vec<&str> = expr
+                    .split(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+                    .filter(|w| w.starts_with("forge_") || w.starts_with("forgepool_"))
+                    .collect();
+                assert!(!names.is_empty(), "{expr} reads no forgepool metric");
+                for name in names {
+                    assert!(served.contains(name), "{expr}: {name} is not served");
+                }
+            }
+        }
+        assert!(
+            queries >= 10,
+            "the dashboard covers the metrics ({queries} queries)"
+        );
+    }
+
+    #[test]
     fn a_dispatcher_does_not_count_containers_it_cannot_see() {
         let metrics = Metrics::new(Role::Dispatcher);
         metrics.observe(
