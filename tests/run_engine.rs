@@ -602,24 +602,116 @@ fn final_review_changes_required_blocks_without_another_repair() {
 
 #[test]
 fn final_review_with_a_fabricated_path_is_refused() {
-    let fixture = Fixture::new(None, &["change"], &["approve"]).with_final_reviewer("fabricated");
-    let outcome = fixture.run(FINAL_REVIEW);
-    assert_eq!(outcome.code, 3, "{}", outcome.printed());
-    let record = outcome.record();
-    let reason = &record.states.last().unwrap().1;
-    assert!(
-        reason.contains("report was refused") && reason.contains("src/invented.py"),
-        "{reason}"
-    );
-    assert_eq!(record.result.as_ref().unwrap().review, "refused");
-    assert!(fixture.branch_files(BRANCH).is_none());
+    assert_final_review_refused("fabricated", "src/invented.py");
 }
 
 #[test]
 fn final_review_output_folder_must_hold_only_review_json() {
-    let fixture = Fixture::new(None, &["change"], &["approve"]).with_final_reviewer("extra-file");
+    assert_final_review_refused("extra-file", "also holds: notes.txt");
+}
+
+/// Runs a final reviewer in `mode` and checks its report is refused for `cause`: the run ends
+/// blocked with the cause in its reason, the review is recorded as refused, nothing is pushed.
+fn assert_final_review_refused(mode: &str, cause: &str) {
+    let fixture = Fixture::new(None, &["change"], &["approve"]).with_final_reviewer(mode);
     let outcome = fixture.run(FINAL_REVIEW);
     assert_eq!(outcome.code, 3, "{}", outcome.printed());
-    let reason = &outcome.record().states.last().unwrap().1;
-    assert!(reason.contains("also holds: notes.txt"), "{reason}");
+    let record = outcome.record();
+    assert_eq!(record.state, RunState::Blocked);
+    let reason = &record.states.last().unwrap().1;
+    assert!(
+        reason.contains("report was refused") && reason.contains(cause),
+        "{mode}: expected the reason to name {cause:?}: {reason}"
+    );
+    let result = record.result.as_ref().unwrap();
+    assert_eq!(result.review, "refused");
+    assert_eq!(result.implementation_rounds, 1, "no repair round follows");
+    assert!(
+        fixture.branch_files(BRANCH).is_none(),
+        "nothing is delivered"
+    );
+    outcome.assert_no_containers_left();
+}
+
+#[test]
+fn final_review_citing_a_line_that_does_not_exist_is_refused() {
+    assert_final_review_refused("no-line", "line 99");
+}
+
+#[test]
+fn final_review_with_evidence_not_in_the_file_is_refused() {
+    assert_final_review_refused("no-evidence", "evidence");
+}
+
+#[test]
+fn final_review_approving_with_a_high_finding_is_refused() {
+    assert_final_review_refused("approved-high", "high");
+}
+
+#[test]
+fn final_review_requiring_changes_without_findings_is_refused() {
+    assert_final_review_refused("no-findings", "no finding");
+}
+
+#[test]
+fn final_review_with_more_than_30_findings_is_refused() {
+    assert_final_review_refused("too-many", "31 findings");
+}
+
+#[test]
+fn an_oversized_final_review_report_is_refused() {
+    assert_final_review_refused("oversized", "over the limit of 262144");
+}
+
+#[test]
+fn a_symlink_in_the_final_review_output_is_refused() {
+    assert_final_review_refused("symlink", "feature-link");
+}
+
+#[test]
+fn a_final_review_report_with_credential_like_content_is_refused() {
+    assert_final_review_refused("credential", "credential-like");
+}
+
+#[test]
+fn a_final_review_whose_source_copy_changed_is_refused() {
+    // The copy is mounted read-only, so the reviewer itself cannot change it; here another
+    // process on the host does, while the reviewer runs. The report must not be trusted.
+    let fixture = Fixture::new(None, &["change"], &["approve"]).with_final_reviewer("slow-approve");
+    let workspaces = fixture.dir.path().join("workspaces");
+    let tamper = std::thread::spawn(move || {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+        while std::time::Instant::now() < deadline {
+            let copies = std::fs::read_dir(&workspaces)
+                .into_iter()
+                .flatten()
+                .flatten()
+                .map(|run| run.path().join("final-review/feature.txt"))
+                .filter(|file| file.exists())
+                .collect::<Vec<_>>();
+            if let Some(file) = copies.first() {
+                std::thread::sleep(std::time::Duration::from_millis(500));
+                let mut text = std::fs::read_to_string(file).unwrap();
+                text.push_str("tampered\n");
+                std::fs::write(file, text).unwrap();
+                return true;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
+        false
+    });
+    let outcome = fixture.run(FINAL_REVIEW);
+    assert!(
+        tamper.join().unwrap(),
+        "the final review copy never appeared"
+    );
+    assert_eq!(outcome.code, 3, "{}", outcome.printed());
+    let record = outcome.record();
+    let reason = &record.states.last().unwrap().1;
+    assert!(
+        reason.contains("report was refused") && reason.contains("source copy"),
+        "{reason}"
+    );
+    assert_eq!(record.result.as_ref().unwrap().review, "refused");
+    assert!(fixture.branch_files(BRANCH).is_none());
 }
