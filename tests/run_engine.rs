@@ -434,6 +434,70 @@ fn no_progress_guard_stops_the_same_tree_failing_the_same_way() {
     outcome.assert_no_containers_left();
 }
 
+/// A check that passes once feature.txt has `n` lines (one per implementation round), with a
+/// timestamp in its failure output.
+fn needs_rounds(n: u32) -> String {
+    format!("[[commands]]\nargv = [\"sh\", \"-c\", \"test $(wc -l < feature.txt) -ge {n} || {{ echo \\\"too few rounds at $(date +%s%N)\\\"; exit 5; }}\"]\ntimeout = 30\n")
+}
+
+#[test]
+fn repair_budget_three_allows_three_repairs() {
+    let fixture = Fixture::new(None, &["change"], &["approve"]);
+    let outcome = fixture.run(&format!("repair_attempts = 3\n{}", needs_rounds(4)));
+    assert_eq!(outcome.code, 0, "{}", outcome.printed());
+    let result = outcome.record().result.clone().unwrap();
+    assert_eq!((result.repair_budget, result.implementation_rounds), (3, 4));
+    let reasons: Vec<&str> = result
+        .repair_history
+        .iter()
+        .map(|r| r.reason.as_str())
+        .collect();
+    assert_eq!(reasons, ["initial", "repair", "repair", "repair"]);
+    assert!(
+        result.repair_history[3].failing.is_empty(),
+        "the fourth round passes"
+    );
+    assert_eq!(
+        fixture.branch_file(BRANCH, "feature.txt").lines().count(),
+        4
+    );
+}
+
+#[test]
+fn a_changing_tree_does_not_trip_the_guard_and_budget_three_is_spent() {
+    let fixture = Fixture::new(None, &["change"], &["approve"]);
+    let outcome = fixture.run(&format!("repair_attempts = 3\n{}", needs_rounds(9)));
+    assert_eq!(outcome.code, 3, "{}", outcome.printed());
+    let record = outcome.record();
+    let reason = &record.states.last().unwrap().1;
+    assert!(reason.contains("repair budget of 3 is spent"), "{reason}");
+    let result = record.result.as_ref().unwrap();
+    assert_eq!(
+        result.implementation_rounds, 4,
+        "one round plus three repairs"
+    );
+    let trees: std::collections::HashSet<&str> = result
+        .repair_history
+        .iter()
+        .map(|r| r.tree.as_str())
+        .collect();
+    assert_eq!(
+        trees.len(),
+        4,
+        "every round left a new tree, so the guard never tripped"
+    );
+    assert!(result.repair_history.iter().all(|r| r.failing
+        == [(
+            vec![
+                "sh".to_string(),
+                "-c".to_string(),
+                result.repair_history[0].failing[0].0[2].clone()
+            ],
+            Some(5)
+        )]));
+    assert!(fixture.branch_files(BRANCH).is_none());
+}
+
 #[test]
 fn containers_left_by_a_killed_run_are_removed_on_start() {
     common::require_docker();
