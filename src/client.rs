@@ -143,6 +143,9 @@ async fn watch_run(client: &Client, run_id: &str) -> i32 {
     };
     let mut stream = response.bytes_stream();
     let mut buffer = String::new();
+    // The dispatcher ends the stream while the run is paused; a paused state seen in the replay
+    // of a resumed run is followed by more events.
+    let mut paused = false;
     while let Some(chunk) = stream.next().await {
         let Ok(chunk) = chunk else { break };
         buffer.push_str(&String::from_utf8_lossy(&chunk));
@@ -161,11 +164,16 @@ async fn watch_run(client: &Client, run_id: &str) -> i32 {
                 println!("{line}");
             }
             if let EventKind::State { state, .. } = event.kind {
-                if state.is_terminal() || state == proto::RunState::Paused {
+                if state.is_terminal() {
                     return state.exit_code().unwrap_or(EXIT_FAILED);
                 }
+                paused = state == proto::RunState::Paused;
             }
         }
+    }
+    if paused {
+        println!("Resume it with `forgepool resume {run_id}`");
+        return proto::RunState::Paused.exit_code().unwrap_or(EXIT_FAILED);
     }
     eprintln!(
         "error: the event stream ended before the run did; run `forgepool watch {run_id}` again"
@@ -229,6 +237,30 @@ pub async fn status(args: &ClientArgs, run_id: Option<&str>) -> i32 {
             }
             0
         }
+    }
+}
+
+/// `forgepool resume RUN_ID [--wait]`: queues a paused run again from its checkpoint.
+pub async fn resume(args: &ClientArgs, run_id: &str, wait: bool) -> i32 {
+    let client = Client::new(args);
+    match client
+        .call::<serde_json::Value>(
+            client.request(reqwest::Method::POST, &format!("/v1/runs/{run_id}/resume")),
+        )
+        .await
+    {
+        Ok(answer) => {
+            println!(
+                "Run {run_id} resumed from checkpoint {}",
+                answer["checkpoint"]
+            );
+            if wait {
+                watch_run(&client, run_id).await
+            } else {
+                0
+            }
+        }
+        Err(code) => code,
     }
 }
 

@@ -28,7 +28,14 @@ pub struct RunArgs {
     /// The agent profiles file.
     #[arg(long, env = ENV_AGENTS_FILE, default_value = "./agents.toml")]
     pub agents: PathBuf,
-    /// The run store: a SQLite file path or `sqlite://PATH`.
+    #[command(flatten)]
+    pub local: LocalArgs,
+}
+
+/// Where an embedded run keeps its records and workspaces (`run`, `resume --local`).
+#[derive(Debug, Args)]
+pub struct LocalArgs {
+    /// The run store: a SQLite file path, `sqlite://PATH` or a `postgres://` URL.
     #[arg(long, env = ENV_DATABASE_URL, default_value = "./forgepool.db")]
     pub database: String,
     /// Where run workspaces are created (default: a folder under the system temp dir).
@@ -39,7 +46,7 @@ pub struct RunArgs {
     pub poll_interval: Duration,
 }
 
-impl RunArgs {
+impl LocalArgs {
     /// The workspace root, made absolute so that it can be bind-mounted.
     pub fn workspace_root(&self) -> Result<PathBuf, String> {
         workspace_root(self.workspace.as_deref())

@@ -13,7 +13,7 @@ use worker::runtime::ContainerRuntime;
 use worker::sink::ChannelSink;
 use worker::{Engine, EngineConfig};
 
-use crate::config::RunArgs;
+use crate::config::{LocalArgs, RunArgs};
 use crate::progress;
 
 /// Exit code for invalid input or configuration (SPEC 10).
@@ -26,10 +26,6 @@ pub async fn run(args: RunArgs) -> i32 {
     let invalid = |message: String| {
         eprintln!("error: {message}");
         EXIT_INVALID
-    };
-    let workspace_root = match args.workspace_root() {
-        Ok(root) => root,
-        Err(message) => return invalid(message),
     };
     let agents = match AgentBook::load(&args.agents) {
         Ok(agents) => agents,
@@ -61,20 +57,93 @@ pub async fn run(args: RunArgs) -> i32 {
     for warning in &frozen.warnings {
         eprintln!("warning: {warning}");
     }
-    let store = match Store::open(&args.database).await {
+    let store = match Store::open(&args.local.database).await {
         Ok(store) => store,
         Err(error) => return invalid(error.to_string()),
     };
     let job = frozen.job;
-    let run_id = job.run_id;
     if let Err(error) = store.insert_run(&job).await {
         eprintln!("error: {error}");
         return EXIT_FAILED;
     }
     println!(
-        "Run {run_id} accepted: {} with skill {}",
-        job.ticket, job.skill
+        "Run {} accepted: {} with skill {}",
+        job.run_id, job.ticket, job.skill
     );
+    execute(&store, job, &args.local).await
+}
+
+/// `forgepool resume RUN_ID --local`: continues a paused embedded run from its latest
+/// checkpoint, with its original frozen job (the same budget, limits and profiles).
+pub async fn resume(run_id: &str, local: &LocalArgs) -> i32 {
+    let invalid = |message: String| {
+        eprintln!("error: {message}");
+        EXIT_INVALID
+    };
+    let Ok(run_id) = uuid::Uuid::parse_str(run_id) else {
+        return invalid(format!("RUN_ID must be a run id (a UUID), got {run_id:?}"));
+    };
+    let store = match Store::open(&local.database).await {
+        Ok(store) => store,
+        Err(error) => return invalid(error.to_string()),
+    };
+    let record = match store.get_run(run_id).await {
+        Ok(Some(record)) => record,
+        Ok(None) => return invalid(format!(
+            "no run {run_id} in the run store {}; pass --database or set FORGEPOOL_DATABASE_URL",
+            local.database
+        )),
+        Err(error) => return invalid(error.to_string()),
+    };
+    if record.state != RunState::Paused {
+        return invalid(format!("run {run_id} is {}, not paused", record.state));
+    }
+    let checkpoint = match store.events(run_id, 0).await {
+        Ok(events) => events
+            .into_iter()
+            .rev()
+            .find_map(|(_, event)| match event.kind {
+                EventKind::Checkpoint { checkpoint } => Some(checkpoint),
+                _ => None,
+            }),
+        Err(error) => return invalid(error.to_string()),
+    };
+    let Some(checkpoint) = checkpoint else {
+        return invalid(format!(
+            "run {run_id} has no saved progress to resume from; submit a new run"
+        ));
+    };
+    let resumed = proto::Event::new(
+        run_id,
+        EventKind::State {
+            state: RunState::Queued,
+            reason: format!("resumed by request from checkpoint {}", checkpoint.sequence),
+        },
+    );
+    if let Err(error) = store.record_event(&resumed).await {
+        eprintln!("error: {error}");
+        return EXIT_FAILED;
+    }
+    println!(
+        "Run {run_id} resumed from checkpoint {}: {} with skill {}",
+        checkpoint.sequence, record.job.ticket, record.job.skill
+    );
+    let mut job = record.job;
+    job.resume = Some(checkpoint);
+    execute(&store, job, local).await
+}
+
+/// Runs a stored job in this process, recording and printing its events; returns the exit
+/// code of its final state.
+async fn execute(store: &Store, job: proto::Job, local: &LocalArgs) -> i32 {
+    let run_id = job.run_id;
+    let workspace_root = match local.workspace_root() {
+        Ok(root) => root,
+        Err(message) => {
+            eprintln!("error: {message}");
+            return EXIT_INVALID;
+        }
+    };
 
     // Every embedded run on a host shares one worker name, so a run removes the containers
     // that an earlier, killed run left behind (and never those of a live one).
@@ -102,7 +171,7 @@ pub async fn run(args: RunArgs) -> i32 {
     let engine = Engine::new(
         runtime,
         EngineConfig {
-            poll_interval: args.poll_interval,
+            poll_interval: local.poll_interval,
             ..EngineConfig::for_process(workspace_root)
         },
     );

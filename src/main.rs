@@ -59,6 +59,22 @@ enum Command {
         #[command(flatten)]
         client: config::ClientArgs,
     },
+    /// Resume a paused run from its latest checkpoint, with its original frozen job.
+    Resume {
+        /// The run id.
+        run_id: String,
+        /// Wait for the run to end, printing its progress, and exit with its code.
+        #[arg(long)]
+        wait: bool,
+        /// Resume an embedded run (`forgepool run`) in this process, from the local run store,
+        /// instead of asking the dispatcher.
+        #[arg(long)]
+        local: bool,
+        #[command(flatten)]
+        store: config::LocalArgs,
+        #[command(flatten)]
+        client: config::ClientArgs,
+    },
     /// Cancel a run.
     Cancel {
         /// The run id.
@@ -92,6 +108,19 @@ fn main() -> ExitCode {
             Command::Submit { file, wait, client } => client::submit(&client, &file, wait).await,
             Command::Watch { run_id, client } => client::watch(&client, &run_id).await,
             Command::Status { run_id, client } => client::status(&client, run_id.as_deref()).await,
+            Command::Resume {
+                run_id,
+                wait,
+                local,
+                store,
+                client,
+            } => {
+                if local {
+                    embedded::resume(&run_id, &store).await
+                } else {
+                    client::resume(&client, &run_id, wait).await
+                }
+            }
             Command::Cancel { run_id, client } => client::cancel(&client, &run_id).await,
         }
     });

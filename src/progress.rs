@@ -52,6 +52,11 @@ pub fn line(kind: &EventKind) -> Option<String> {
             ..
         } => None,
         EventKind::State { state, reason } => Some(format!("Run {state}: {reason}")),
+        EventKind::Checkpoint { checkpoint } => Some(format!(
+            "Progress saved (checkpoint {}, tree {})",
+            checkpoint.sequence,
+            &checkpoint.tree[..checkpoint.tree.len().min(12)]
+        )),
         EventKind::Result { result } => result.commit.as_ref().map(|commit| {
             format!(
                 "Delivered {} at {commit}",

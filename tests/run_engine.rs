@@ -779,3 +779,103 @@ fn a_final_review_whose_source_copy_changed_is_refused() {
     assert_eq!(record.result.as_ref().unwrap().review, "refused");
     assert!(fixture.branch_files(BRANCH).is_none());
 }
+
+/// Lets the implementer profile see `PROVIDER_READY`, the switch of the `pause-at` agent.
+fn pass_provider_switch(fixture: &Fixture) {
+    let agents = std::fs::read_to_string(&fixture.agents).unwrap();
+    let agents = agents.replacen(
+        "env = [\"AGENT_SECRET\"]",
+        "env = [\"AGENT_SECRET\", \"PROVIDER_READY\"]",
+        1,
+    );
+    std::fs::write(&fixture.agents, agents).unwrap();
+}
+
+#[test]
+fn a_paused_run_resumes_where_it_stopped_with_its_frozen_budget() {
+    // Round 1 is implemented and rejected; the provider pauses round 2.
+    let fixture = Fixture::new(Some(&review(2, "")), &["pause-at", "2"], &["rules"]);
+    pass_provider_switch(&fixture);
+    let paused = fixture.run("repair_attempts = 1\n");
+    assert_eq!(paused.code, 75, "{}", paused.printed());
+    let record = paused.record();
+    assert_eq!(record.state, RunState::Paused);
+    let reason = &record.states.last().unwrap().1;
+    assert!(
+        reason.contains("429 rate limited") && reason.contains("forgepool resume"),
+        "the reason says what happened and what to do: {reason}"
+    );
+    let result = record.result.as_ref().unwrap();
+    assert_eq!(
+        result.implementation_rounds, 1,
+        "the paused round was not spent"
+    );
+    assert!(paused
+        .events
+        .iter()
+        .any(|e| matches!(e.kind, proto::EventKind::Checkpoint { .. })));
+    assert!(
+        paused.stdout.contains("Progress saved (checkpoint 1"),
+        "{}",
+        paused.printed()
+    );
+
+    // The provider is back, and someone raised the repair budget in the environment.
+    let run_id = paused.run_id.unwrap().to_string();
+    let mut resume = fixture.command();
+    resume
+        .args(["resume", &run_id, "--local"])
+        .env("PROVIDER_READY", "yes")
+        .env("FORGE_REPAIR_ATTEMPTS", "3");
+    let resumed = fixture.outcome(resume);
+    assert_eq!(resumed.code, 0, "{}", resumed.printed());
+    assert!(
+        resumed.stdout.contains("resumed from checkpoint 1")
+            && resumed.stdout.contains("Review cycle 2/2: APPROVED"),
+        "{}",
+        resumed.printed()
+    );
+    let record = resumed.record();
+    assert_eq!(record.state, RunState::Delivered);
+    let states: Vec<RunState> = record.states.iter().map(|s| s.0).collect();
+    assert_eq!(
+        states,
+        [
+            RunState::Queued,
+            RunState::Running,
+            RunState::Paused,
+            RunState::Queued,
+            RunState::Running,
+            RunState::Delivered
+        ]
+    );
+    let result = record.result.as_ref().unwrap();
+    assert_eq!(
+        result.repair_budget, 1,
+        "a resume never raises the frozen budget"
+    );
+    assert_eq!(result.implementation_rounds, 2);
+    assert_eq!(record.cycles.len(), 2, "cycle 1 was kept, cycle 2 added");
+    // Round 1's change came back from the checkpoint; the paused round's partial work did not.
+    assert_eq!(
+        fixture.branch_file(BRANCH, "feature.txt").trim_end(),
+        "round 1\nround 2"
+    );
+    let files = fixture.branch_files(BRANCH).unwrap();
+    assert!(files.contains(&"tests.txt".to_string()), "{files:?}");
+    assert!(!files.contains(&"partial.txt".to_string()), "{files:?}");
+    let prompt = fixture.branch_file(BRANCH, "received_prompt.md");
+    assert!(prompt.contains("## Reviewer Feedback"), "{prompt}");
+    resumed.assert_no_containers_left();
+
+    // A run that is not paused cannot be resumed.
+    let mut again = fixture.command();
+    again.args(["resume", &run_id, "--local"]);
+    let refused = fixture.outcome(again);
+    assert_eq!(refused.code, 2);
+    assert!(
+        refused.stderr.contains("is delivered, not paused"),
+        "{}",
+        refused.stderr
+    );
+}

@@ -164,28 +164,41 @@ impl Fixture {
         ))
     }
 
-    /// Runs `forgepool run` on a request text.
-    pub fn run_request(&self, request: &str) -> Outcome {
-        let file = self.dir.path().join("request.toml");
-        std::fs::write(&file, request).unwrap();
-        let database = self.dir.path().join("runs.db");
-        let output = Command::new(env!("CARGO_BIN_EXE_forgepool"))
-            .arg("run")
-            .arg(&file)
-            .arg("--skills")
-            .arg(&self.skills)
-            .arg("--agents")
-            .arg(&self.agents)
-            .env("FORGEPOOL_DATABASE_URL", &database)
+    /// The forgepool binary with this fixture's store, workspaces and test secret, and none of
+    /// the compatibility variables of the environment the tests run in.
+    pub fn command(&self) -> Command {
+        let mut command = Command::new(env!("CARGO_BIN_EXE_forgepool"));
+        command
+            .env("FORGEPOOL_DATABASE_URL", self.dir.path().join("runs.db"))
             .env(
                 "FORGEPOOL_WORKSPACE_DIR",
                 self.dir.path().join("workspaces"),
             )
             .env("AGENT_SECRET", "sk-test-0123456789abcdef")
             .env_remove("AUTO_REVIEW_MAX_RETRIES")
-            .env_remove("FORGE_REPAIR_ATTEMPTS")
-            .output()
-            .expect("the forgepool binary runs");
+            .env_remove("FORGE_REPAIR_ATTEMPTS");
+        command
+    }
+
+    /// Runs `forgepool run` on a request text.
+    pub fn run_request(&self, request: &str) -> Outcome {
+        let file = self.dir.path().join("request.toml");
+        std::fs::write(&file, request).unwrap();
+        let mut command = self.command();
+        command
+            .arg("run")
+            .arg(&file)
+            .arg("--skills")
+            .arg(&self.skills)
+            .arg("--agents")
+            .arg(&self.agents);
+        self.outcome(command)
+    }
+
+    /// Runs a forgepool command (from [`Fixture::command`]) and reads back the run it printed.
+    pub fn outcome(&self, mut command: Command) -> Outcome {
+        let database = self.dir.path().join("runs.db");
+        let output = command.output().expect("the forgepool binary runs");
         let stdout = String::from_utf8_lossy(&output.stdout).to_string();
         let stderr = String::from_utf8_lossy(&output.stderr).to_string();
         let run_id = stdout

@@ -151,6 +151,7 @@ impl Freezer {
             final_reviewer,
             warnings: warnings.clone(),
             submitted_at: proto::timestamp_now(),
+            resume: None,
         };
         Ok(Frozen { job, warnings })
     }

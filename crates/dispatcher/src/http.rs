@@ -19,7 +19,7 @@ use proto::{ApiError, ApiErrorBody, RunList, RunState, RunView, StateChange, Sub
 use serde::Deserialize;
 use uuid::Uuid;
 
-use crate::service::{Dispatcher, SubmitFailure};
+use crate::service::{Dispatcher, ResumeFailure, SubmitFailure};
 use crate::store::{RunFilter, RunRecord, RunStore};
 use crate::SubmitError;
 
@@ -294,7 +294,7 @@ async fn cancel(
 async fn resume(
     State(dispatcher): State<Arc<Dispatcher>>,
     Path(id): Path<String>,
-) -> Result<Json<serde_json::Value>, Failure> {
+) -> Result<(StatusCode, Json<serde_json::Value>), Failure> {
     let record = record(&dispatcher, &id).await?;
     if record.state != RunState::Paused {
         return Err(Failure::new(
@@ -304,12 +304,37 @@ async fn resume(
             None,
         ));
     }
-    Err(Failure::new(
-        StatusCode::NOT_IMPLEMENTED,
-        "not_implemented",
-        "resuming paused runs is not available in this forgepool version; submit a new run",
-        None,
-    ))
+    match dispatcher.resume(&record).await {
+        Ok(checkpoint) => Ok((
+            StatusCode::ACCEPTED,
+            Json(
+                serde_json::json!({"run_id": record.job.run_id, "state": "queued", "checkpoint": checkpoint}),
+            ),
+        )),
+        Err(error @ ResumeFailure::NoCheckpoint(_)) => Err(Failure::new(
+            StatusCode::CONFLICT,
+            "no_checkpoint",
+            error.to_string(),
+            None,
+        )),
+        Err(ResumeFailure::Store(error)) => Err(internal(error)),
+        Err(error @ ResumeFailure::Broker(_)) => Err(Failure::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "broker_unavailable",
+            error.to_string(),
+            None,
+        )),
+    }
+}
+
+/// Where one Server-Sent Events stream is.
+struct Follow {
+    dispatcher: Arc<Dispatcher>,
+    wake: tokio::sync::watch::Receiver<u64>,
+    position: i64,
+    finished: bool,
+    paused: bool,
+    pending: std::collections::VecDeque<SseEvent>,
 }
 
 async fn events(
@@ -318,50 +343,63 @@ async fn events(
 ) -> Result<Sse<impl Stream<Item = Result<SseEvent, Infallible>>>, Failure> {
     let run_id = record(&dispatcher, &id).await?.job.run_id;
     let wake = dispatcher.events_stored.subscribe();
-    let state = (
+    let follow = Follow {
         dispatcher,
         wake,
-        0i64,
-        false,
-        std::collections::VecDeque::<SseEvent>::new(),
-    );
-    let stream = futures_util::stream::unfold(
-        state,
-        move |(dispatcher, mut wake, mut position, mut finished, mut pending)| async move {
-            loop {
-                if let Some(event) = pending.pop_front() {
-                    return Some((Ok(event), (dispatcher, wake, position, finished, pending)));
+        position: 0,
+        finished: false,
+        paused: false,
+        pending: std::collections::VecDeque::new(),
+    };
+    // The stream ends after a terminal state, or once everything stored is sent while the run
+    // is paused (a resume starts a new stream).
+    let stream = futures_util::stream::unfold(follow, move |mut follow| async move {
+        loop {
+            if let Some(event) = follow.pending.pop_front() {
+                return Some((Ok(event), follow));
+            }
+            if follow.finished {
+                return None;
+            }
+            follow.wake.borrow_and_update();
+            let stored = follow
+                .dispatcher
+                .store
+                .events(run_id, follow.position)
+                .await
+                .unwrap_or_default();
+            for (at, event) in stored {
+                follow.position = at;
+                if let proto::EventKind::State { state, .. } = &event.kind {
+                    follow.finished = state.is_terminal();
+                    follow.paused = *state == RunState::Paused;
                 }
-                if finished {
+                let data = serde_json::to_string(&event).unwrap_or_default();
+                follow.pending.push_back(
+                    SseEvent::default()
+                        .id(at.to_string())
+                        .event(event.kind.name())
+                        .data(data),
+                );
+            }
+            if follow.pending.is_empty() && follow.paused {
+                let still_paused = follow
+                    .dispatcher
+                    .store
+                    .get_run(run_id)
+                    .await
+                    .ok()
+                    .flatten()
+                    .is_some_and(|r| r.state == RunState::Paused);
+                if still_paused {
                     return None;
                 }
-                wake.borrow_and_update();
-                let stored = dispatcher
-                    .store
-                    .events(run_id, position)
-                    .await
-                    .unwrap_or_default();
-                for (at, event) in stored {
-                    position = at;
-                    if let proto::EventKind::State { state, .. } = &event.kind {
-                        if state.is_terminal() {
-                            finished = true;
-                        }
-                    }
-                    let data = serde_json::to_string(&event).unwrap_or_default();
-                    pending.push_back(
-                        SseEvent::default()
-                            .id(at.to_string())
-                            .event(event.kind.name())
-                            .data(data),
-                    );
-                }
-                if pending.is_empty() {
-                    let _ = tokio::time::timeout(Duration::from_secs(1), wake.changed()).await;
-                }
             }
-        },
-    );
+            if follow.pending.is_empty() {
+                let _ = tokio::time::timeout(Duration::from_secs(1), follow.wake.changed()).await;
+            }
+        }
+    });
     Ok(Sse::new(stream).keep_alive(KeepAlive::default()))
 }
 

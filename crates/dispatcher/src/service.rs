@@ -73,6 +73,20 @@ pub enum SubmitFailure {
     Store(#[from] StoreError),
 }
 
+/// Why a paused run could not be resumed.
+#[derive(Debug, thiserror::Error)]
+pub enum ResumeFailure {
+    /// The run paused without a saved checkpoint.
+    #[error("run {0} has no saved progress to resume from (its checkpoint could not be saved when it paused); submit a new run")]
+    NoCheckpoint(Uuid),
+    /// The store failed.
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    /// The job could not be queued; the run stays paused.
+    #[error("the resumed job could not be queued ({0}); the run stays paused, try again")]
+    Broker(AmqpError),
+}
+
 /// The shared state of the dispatcher's tasks and handlers.
 #[derive(Debug)]
 pub struct Dispatcher {
@@ -129,6 +143,48 @@ impl Dispatcher {
             self.events_stored.send_modify(|n| *n += 1);
         }
         Ok(new)
+    }
+
+    /// Queues a paused run again with its latest checkpoint and its original frozen job, so
+    /// it continues where it stopped with the same budget, limits and profiles. Returns the
+    /// checkpoint's sequence number.
+    pub async fn resume(&self, record: &crate::store::RunRecord) -> Result<u32, ResumeFailure> {
+        let run_id = record.job.run_id;
+        let checkpoint = self
+            .store
+            .events(run_id, 0)
+            .await?
+            .into_iter()
+            .rev()
+            .find_map(|(_, event)| match event.kind {
+                EventKind::Checkpoint { checkpoint } => Some(checkpoint),
+                _ => None,
+            })
+            .ok_or(ResumeFailure::NoCheckpoint(run_id))?;
+        let sequence = checkpoint.sequence;
+        let mut job = record.job.clone();
+        job.resume = Some(checkpoint);
+        let queued = Event::new(
+            run_id,
+            EventKind::State {
+                state: RunState::Queued,
+                reason: format!("resumed by request from checkpoint {sequence}"),
+            },
+        );
+        self.store_event(&record.job, &queued).await?;
+        if let Err(error) = self.publish_job(&job).await {
+            let paused = Event::new(
+                run_id,
+                EventKind::State {
+                    state: RunState::Paused,
+                    reason: format!("the resume could not be queued ({error}); try again"),
+                },
+            );
+            self.store_event(&record.job, &paused).await?;
+            return Err(ResumeFailure::Broker(error));
+        }
+        info!(%run_id, sequence, "run resumed");
+        Ok(sequence)
     }
 
     /// Asks the workers to cancel a run; a queued run is cancelled in the store at once.

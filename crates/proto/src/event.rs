@@ -98,6 +98,11 @@ pub enum EventKind {
         /// The worker's identity.
         worker: String,
     },
+    /// A paused run's progress, saved so that it can be resumed on any worker.
+    Checkpoint {
+        /// The saved progress.
+        checkpoint: Checkpoint,
+    },
     /// The run's final result; always followed by a terminal `state` event.
     Result {
         /// The result.
@@ -116,6 +121,7 @@ impl EventKind {
             EventKind::Check { .. } => "check",
             EventKind::Cycle { .. } => "cycle",
             EventKind::Heartbeat { .. } => "heartbeat",
+            EventKind::Checkpoint { .. } => "checkpoint",
             EventKind::Result { .. } => "result",
         }
     }
@@ -175,6 +181,27 @@ pub struct CycleRecord {
     /// The whole file, exactly as written.
     pub content: serde_json::Value,
 }
+
+/// Where a paused run stopped: the source it had reached and the loop's state, enough for any
+/// worker to continue it with the same frozen job.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Checkpoint {
+    /// 1 for the first pause of a run, 2 for the next, and so on.
+    pub sequence: u32,
+    /// The commit the run started from.
+    pub base: String,
+    /// The git tree the run had reached (the last completed round's, or the base's).
+    pub tree: String,
+    /// The change from `base` to `tree`, every file encoded as binary (ASCII only); replaying
+    /// it on `base` must give `tree` exactly.
+    pub patch: String,
+    /// The run loop's state, as the worker wrote it. Opaque to everything but the worker.
+    pub state: serde_json::Value,
+}
+
+/// The largest checkpoint patch, so that a resumed job still fits in a queue message.
+pub const MAX_CHECKPOINT_PATCH_BYTES: usize = 3 * 1024 * 1024;
 
 /// One verification command's outcome.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -47,6 +47,21 @@ pub struct Job {
     /// When the dispatcher accepted the run (RFC 3339). Also the delivery commit's date, so
     /// that delivering the same tree twice produces the same commit.
     pub submitted_at: String,
+    /// Set when the job resumes a paused run: where it stopped. Everything else in the job is
+    /// the original frozen job, so a resume changes no budget, limit or profile.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub resume: Option<crate::Checkpoint>,
+}
+
+impl Job {
+    /// The key that tells this execution of the run from the others: the run id, then the
+    /// checkpoint's sequence for a resumed run (`{run_id}.{sequence}`).
+    pub fn execution_key(&self) -> String {
+        match &self.resume {
+            None => self.run_id.to_string(),
+            Some(checkpoint) => format!("{}.{}", self.run_id, checkpoint.sequence),
+        }
+    }
 }
 
 /// The review settings resolved from `review.md` and the environment.

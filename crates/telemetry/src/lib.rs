@@ -272,7 +272,7 @@ impl Metrics {
                     .count();
                 self.repair_rounds.inc_by(repairs as u64);
             }
-            EventKind::Log { .. } | EventKind::Heartbeat { .. } => {}
+            EventKind::Log { .. } | EventKind::Heartbeat { .. } | EventKind::Checkpoint { .. } => {}
         }
     }
 

@@ -11,8 +11,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use proto::{
-    AgentProfile, CheckResult, CycleRecord, Event, EventKind, Job, Network, RoundRecord, RunResult,
-    RunState, Stage,
+    AgentProfile, CheckResult, Checkpoint, CycleRecord, Event, EventKind, Job, Network,
+    RoundRecord, RunResult, RunState, Stage, MAX_CHECKPOINT_PATCH_BYTES,
 };
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
@@ -180,6 +180,23 @@ impl<R: ContainerRuntime> Engine<R> {
         let cancel_user = cancel;
         let cancel = stop;
         let mut machine = RunMachine::new(run.limits());
+        if let Some(checkpoint) = &run.job.resume {
+            match run.restore(checkpoint).await {
+                Ok(restored) => {
+                    info!(sequence = checkpoint.sequence, "resuming from a checkpoint");
+                    machine = restored;
+                }
+                Err(error) => {
+                    return Ok(Some((
+                        RunState::Failed,
+                        format!(
+                            "cannot resume from checkpoint {}: {error}",
+                            checkpoint.sequence
+                        ),
+                    )))
+                }
+            }
+        }
         loop {
             if let Some((state, reason)) = machine.finished() {
                 return Ok(Some((state, reason.to_string())));
@@ -205,7 +222,20 @@ impl<R: ContainerRuntime> Engine<R> {
                         self.final_review(run, sink, cancel, &tree).await?
                     }
                     Phase::Deliver { tree } => self.deliver(run, &tree).await,
-                    Phase::Paused { reason, .. } => return Ok(Some((RunState::Paused, reason))),
+                    Phase::Paused { reason, resume } => {
+                        let reason = match run.checkpoint(&machine, *resume).await {
+                            Ok(checkpoint) => {
+                                publish(sink, run.job.run_id, EventKind::Checkpoint { checkpoint })
+                                    .await?;
+                                format!("{reason}; resume it with `forgepool resume {}` once the provider is ready", run.job.run_id)
+                            }
+                            Err(error) => {
+                                warn!(%error, "cannot save the paused run's progress");
+                                format!("{reason}; its progress could not be saved ({error}), so it cannot be resumed: submit a new run")
+                            }
+                        };
+                        return Ok(Some((RunState::Paused, reason)));
+                    }
                     Phase::Finished { .. } => unreachable!("handled above"),
                 }
             };
@@ -880,6 +910,18 @@ impl<R: ContainerRuntime> Engine<R> {
     }
 }
 
+/// What a checkpoint keeps of a paused run besides its source: the loop's state (its phase is
+/// the one to repeat) and what the prompts, the history and the report are built from.
+#[derive(Debug, serde::Serialize, serde::Deserialize)]
+struct Snapshot {
+    machine: RunMachine,
+    history: Vec<serde_json::Value>,
+    rounds: Vec<RoundRecord>,
+    checks: Vec<CheckResult>,
+    cycles: Vec<CycleRecord>,
+    stage_count: u32,
+}
+
 /// One run's working state: folders, history and what the report needs.
 #[derive(Debug)]
 struct RunContext<'a> {
@@ -942,6 +984,108 @@ impl<'a> RunContext<'a> {
         }
         self.cycles
             .sort_by(|a, b| (&a.step, a.cycle).cmp(&(&b.step, b.cycle)));
+    }
+
+    /// Saves where a paused run stopped. `phase` is the phase to repeat on resume; the source is
+    /// the tree that phase starts from (a paused implementer's partial work is not kept: the
+    /// round was not spent).
+    async fn checkpoint(&self, machine: &RunMachine, phase: Phase) -> Result<Checkpoint, String> {
+        let tree = match &phase {
+            Phase::Verify { tree, .. }
+            | Phase::Review { tree, .. }
+            | Phase::FinalReview { tree }
+            | Phase::Deliver { tree } => tree.clone(),
+            _ => match self.rounds.last() {
+                Some(round) => round.tree.clone(),
+                None => git::git(
+                    &self.src,
+                    &["rev-parse", &format!("{}^{{tree}}", self.base)],
+                )
+                .await
+                .map_err(|e| e.to_string())?,
+            },
+        };
+        let patch = git::checkpoint_patch(&self.src, &self.base, &tree)
+            .await
+            .map_err(|e| e.to_string())?;
+        if patch.len() > MAX_CHECKPOINT_PATCH_BYTES {
+            return Err(format!(
+                "the change is {} bytes, over the checkpoint limit of {MAX_CHECKPOINT_PATCH_BYTES}",
+                patch.len()
+            ));
+        }
+        let mut machine = machine.clone();
+        machine.phase = phase;
+        let snapshot = Snapshot {
+            machine,
+            history: self.history.clone(),
+            rounds: self.rounds.clone(),
+            checks: self.checks.clone(),
+            cycles: self.cycles.clone(),
+            stage_count: self.stage_count,
+        };
+        Ok(Checkpoint {
+            sequence: self.job.resume.as_ref().map_or(1, |c| c.sequence + 1),
+            base: self.base.clone(),
+            tree,
+            patch,
+            state: serde_json::to_value(&snapshot).map_err(|e| e.to_string())?,
+        })
+    }
+
+    /// Puts a freshly cloned workspace back where `checkpoint` left it: the base commit, the
+    /// change replayed and checked against the saved tree, the cycle files and the history.
+    /// The loop's limits come from the job, never from the checkpoint.
+    async fn restore(&mut self, checkpoint: &Checkpoint) -> Result<RunMachine, String> {
+        let snapshot: Snapshot = serde_json::from_value(checkpoint.state.clone())
+            .map_err(|e| format!("unreadable loop state: {e}"))?;
+        let failed = |e: git::GitError| e.to_string();
+        git::git(
+            &self.src,
+            &["checkout", "--quiet", "--detach", &checkpoint.base],
+        )
+        .await
+        .map_err(|e| format!("the base commit {} is gone: {e}", checkpoint.base))?;
+        git::git(&self.src, &["branch", "--force", "base", &checkpoint.base])
+            .await
+            .map_err(failed)?;
+        self.base = checkpoint.base.clone();
+        let tree = git::apply_checkpoint(&self.src, &checkpoint.patch)
+            .await
+            .map_err(|e| format!("the saved change does not apply: {e}"))?;
+        if tree != checkpoint.tree {
+            return Err(format!(
+                "the saved change gives tree {tree}, not the saved {}",
+                checkpoint.tree
+            ));
+        }
+        for cycle in &snapshot.cycles {
+            let path = self.src.join(".forge").join(&cycle.step).join(&cycle.file);
+            let bytes = serde_json::to_vec_pretty(&cycle.content).unwrap_or_default();
+            tokio::task::spawn_blocking(move || write_atomically(&path, &bytes))
+                .await
+                .map_err(|e| e.to_string())?
+                .map_err(|e| format!("cannot restore a cycle file: {e}"))?;
+        }
+        // The restored files are known: they are not reported again.
+        let mut collector = std::mem::take(&mut self.collector);
+        self.collector = tokio::task::spawn_blocking(move || {
+            collector.scan();
+            collector
+        })
+        .await
+        .map_err(|e| e.to_string())?;
+        self.history = snapshot.history;
+        self.rounds = snapshot.rounds;
+        self.checks = snapshot.checks;
+        self.cycles = snapshot.cycles;
+        self.stage_count = snapshot.stage_count;
+        self.write_workspace_history().await?;
+        let mut machine = snapshot.machine;
+        machine.limits = self.limits();
+        self.implementation_rounds = machine.implementation_rounds;
+        self.review_exhausted = machine.review_exhausted;
+        Ok(machine)
     }
 
     /// Creates `{root}/stages/{n}-{stage}/{input,output}` with the input files.

@@ -219,3 +219,44 @@ pub async fn push(repo: &Path, url: &str, commit: &str, branch: &str) -> Result<
         .await
         .map(|_| ())
 }
+
+/// The change from `base` (a commit) to `tree`, as a patch that [`apply_checkpoint`] replays
+/// exactly. Every file is encoded as binary, so the patch is ASCII whatever the files hold.
+pub async fn checkpoint_patch(repo: &Path, base: &str, tree: &str) -> Result<String, GitError> {
+    let attributes = repo.join(".git/forgepool-all-binary");
+    tokio::fs::write(&attributes, "* binary\n")
+        .await
+        .map_err(GitError::Spawn)?;
+    let setting = format!("core.attributesFile={}", attributes.display());
+    git(
+        repo,
+        &[
+            "-c",
+            &setting,
+            "diff",
+            "--binary",
+            "--full-index",
+            base,
+            tree,
+        ],
+    )
+    .await
+}
+
+/// Replays a [`checkpoint_patch`] on the checked-out base and returns the resulting tree.
+pub async fn apply_checkpoint(repo: &Path, patch: &str) -> Result<String, GitError> {
+    if !patch.trim().is_empty() {
+        let file = repo.join(".git/forgepool-resume.patch");
+        // A binary hunk ends with a blank line, which the captured output lost.
+        tokio::fs::write(&file, format!("{}\n\n", patch.trim_end()))
+            .await
+            .map_err(GitError::Spawn)?;
+        let path = file.to_string_lossy().to_string();
+        git(
+            repo,
+            &["apply", "--binary", "--index", "--whitespace=nowarn", &path],
+        )
+        .await?;
+    }
+    snapshot_tree(repo).await
+}

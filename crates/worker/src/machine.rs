@@ -6,12 +6,13 @@
 //! review and delivery.
 
 use proto::RunState;
+use serde::{Deserialize, Serialize};
 
 /// A failing verification signature: each failing command's argv and exit code.
 pub type FailureSignature = Vec<(Vec<String>, Option<i64>)>;
 
 /// The limits frozen into a job that the loop obeys.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Limits {
     /// Review cycles allowed; 0 when the skill has no reviewer.
     pub max_cycles: u32,
@@ -24,7 +25,7 @@ pub struct Limits {
 }
 
 /// Why an implementation round runs, and the feedback it receives.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub enum RoundReason {
     /// The first round.
     Initial,
@@ -46,7 +47,7 @@ impl RoundReason {
 }
 
 /// What the run does next.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Phase {
     /// Run the implementer for `round`.
     Implement {
@@ -200,7 +201,7 @@ pub struct UnexpectedInput {
 }
 
 /// The run loop's state: the phase and the counters that the rules depend on.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct RunMachine {
     /// What happens next.
     pub phase: Phase,

@@ -395,7 +395,7 @@ async fn run_job(shared: &Shared, job: Job, delivery: lapin::message::Delivery) 
     let run_id = job.run_id;
     // A finished run that is delivered again is acknowledged without running.
     match shared
-        .queue_exists(&shared.topology.done(&run_id.to_string()))
+        .queue_exists(&shared.topology.done(&job.execution_key()))
         .await
     {
         Ok(true) => {
@@ -481,7 +481,7 @@ async fn run_job(shared: &Shared, job: Job, delivery: lapin::message::Delivery) 
     shared.running.lock().await.remove(&run_id);
     match outcome {
         Ok(Some(result)) => {
-            mark_done(shared, run_id).await;
+            mark_done(shared, &job.execution_key()).await;
             if let Err(error) = ack(&delivery).await {
                 // The channel was closed under us (a consumer timeout or a lost connection): the
                 // broker offers the job again, and the done marker settles it then.
@@ -539,7 +539,9 @@ async fn acquire_lease(shared: &Shared, run_id: Uuid) -> Result<bool, AmqpError>
     }
 }
 
-async fn mark_done(shared: &Shared, run_id: Uuid) {
+/// Declares the done marker of one execution of a run (`{run_id}` or, for a resumed run,
+/// `{run_id}.{checkpoint}`), so a paused run's marker never settles its resumed job.
+async fn mark_done(shared: &Shared, execution: &str) {
     let mut arguments = FieldTable::default();
     arguments.insert(
         "x-expires".into(),
@@ -552,11 +554,7 @@ async fn mark_done(shared: &Shared, run_id: Uuid) {
     let declared = async {
         let channel = shared.lease_channel().await?;
         channel
-            .queue_declare(
-                &shared.topology.done(&run_id.to_string()),
-                durable,
-                arguments,
-            )
+            .queue_declare(&shared.topology.done(execution), durable, arguments)
             .await
             .map_err(|source| AmqpError::Broker {
                 operation: "mark run done",

@@ -8,8 +8,18 @@
 #   secret      print the value of $AGENT_SECRET (it must come back redacted)
 #   pause       exit 75 (provider paused)
 #   sleep N     sleep N seconds, then change
+#   pause-at N  like change, but from round N on exit 75 (provider paused) unless
+#               $PROVIDER_READY is set: the provider is back once the test sets it
 set -eu
 mode="${1:-change}"
+if [ "$mode" = pause-at ]; then
+  if [ "$FORGE_ROUND" -ge "${2:-1}" ] && [ -z "${PROVIDER_READY:-}" ]; then
+    echo "partial work that must not be kept" > partial.txt
+    echo "429 rate limited by the provider" >&2
+    exit 75
+  fi
+  mode=change
+fi
 cd /workspace
 if [ "$mode" != same ]; then
   cp /forge/input/prompt.md received_prompt.md
