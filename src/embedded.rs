@@ -89,10 +89,12 @@ pub async fn resume(run_id: &str, local: &LocalArgs) -> i32 {
     };
     let record = match store.get_run(run_id).await {
         Ok(Some(record)) => record,
-        Ok(None) => return invalid(format!(
+        Ok(None) => {
+            return invalid(format!(
             "no run {run_id} in the run store {}; pass --database or set FORGEPOOL_DATABASE_URL",
             local.database
-        )),
+        ))
+        }
         Err(error) => return invalid(error.to_string()),
     };
     if record.state != RunState::Paused {

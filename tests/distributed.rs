@@ -551,3 +551,122 @@ fn container_count(run_id: &str) -> usize {
         .unwrap();
     String::from_utf8_lossy(&output.stdout).lines().count()
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_paused_run_frees_its_slot_and_resumes_on_another_worker_with_its_budget() {
+    // Round 1 is implemented and rejected; the provider pauses round 2 until PROVIDER_READY.
+    let fixture = Fixture::new(Some(REVIEW), &["pause-at", "2"], &["rules"]);
+    let agents = std::fs::read_to_string(&fixture.agents).unwrap().replacen(
+        "env = [\"AGENT_SECRET\"]",
+        "env = [\"AGENT_SECRET\", \"PROVIDER_READY\"]",
+        1,
+    );
+    std::fs::write(&fixture.agents, agents).unwrap();
+    // The dispatcher freezes a repair budget of 1 at submission.
+    let options = Options {
+        env: vec![("FORGE_REPAIR_ATTEMPTS".into(), "1".into())],
+        ..Options::default()
+    };
+    let mut cluster = Cluster::start_with(fixture, 1, 1, None, options).await;
+    let first = cluster.submit("PAUSE-1").await;
+    let views = wait_state(&cluster, &first, "paused").await;
+    assert!(views["states"].to_string().contains("429 rate limited"));
+
+    // The one slot is free again: another run is taken while the first stays paused.
+    let second = cluster.submit("PAUSE-2").await;
+    wait_state(&cluster, &second, "paused").await;
+    let watch = std::process::Command::new(env!("CARGO_BIN_EXE_forgepool"))
+        .args(["watch", &first])
+        .env("FORGEPOOL_DISPATCHER_URL", cluster.url())
+        .output()
+        .unwrap();
+    assert_eq!(
+        watch.status.code(),
+        Some(75),
+        "watching a paused run ends with 75"
+    );
+    assert!(String::from_utf8_lossy(&watch.stdout).contains("forgepool resume"));
+
+    // A new worker, with the provider back and a higher budget in its environment, takes
+    // the resumed run.
+    cluster.workers[0].terminate(Duration::from_secs(15));
+    cluster.start_worker_with(
+        "w1",
+        1,
+        &[("PROVIDER_READY", "yes"), ("FORGE_REPAIR_ATTEMPTS", "3")],
+    );
+    let resume = tokio::process::Command::new(env!("CARGO_BIN_EXE_forgepool"))
+        .args(["resume", &first, "--wait"])
+        .env("FORGEPOOL_DISPATCHER_URL", cluster.url())
+        .output()
+        .await
+        .unwrap();
+    let printed = String::from_utf8_lossy(&resume.stdout).to_string();
+    assert_eq!(
+        resume.status.code(),
+        Some(0),
+        "{printed}\n{}",
+        cluster.logs()
+    );
+    assert!(
+        printed.contains("resumed from checkpoint 1")
+            && printed.contains("Review cycle 2/2: APPROVED"),
+        "{printed}"
+    );
+    let view = cluster.run(&first).await;
+    assert_eq!(view["state"], "delivered");
+    assert_eq!(
+        view["repair_budget"], 1,
+        "neither the environment nor the resume raised it"
+    );
+    assert_eq!(
+        view["implementation_rounds"], 2,
+        "the paused round was not spent"
+    );
+    assert_eq!(view["cycles"].as_array().unwrap().len(), 2);
+    let states: Vec<&str> = view["states"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s["state"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        states,
+        [
+            "queued",
+            "running",
+            "paused",
+            "queued",
+            "running",
+            "delivered"
+        ]
+    );
+    assert_eq!(cluster.commits_above_main("forge/pause-1"), 1);
+
+    // Only a paused run can be resumed.
+    let again = cluster
+        .request(reqwest::Method::POST, &format!("/v1/runs/{first}/resume"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(again.status(), 409);
+    let body: serde_json::Value = again.json().await.unwrap();
+    assert_eq!(body["error"]["code"], "not_paused");
+    cluster.delete_queues().await;
+}
+
+async fn wait_state(cluster: &Cluster, run_id: &str, state: &str) -> serde_json::Value {
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        let view = cluster.run(run_id).await;
+        if view["state"] == state {
+            return view;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "run {run_id} never became {state}: {view}\n{}",
+            cluster.logs()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}

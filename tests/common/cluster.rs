@@ -172,6 +172,11 @@ impl Cluster {
 
     /// Starts a worker called `name`.
     pub fn start_worker(&mut self, name: &str, slots: u16) -> usize {
+        self.start_worker_with(name, slots, &[])
+    }
+
+    /// Starts a worker called `name` with extra environment.
+    pub fn start_worker_with(&mut self, name: &str, slots: u16, env: &[(&str, &str)]) -> usize {
         let workspace = self.fixture.dir.path().join(format!("ws-{name}"));
         let (mut command, log) = self.base_command(&["worker"], &format!("worker-{name}.log"));
         command
@@ -184,7 +189,8 @@ impl Cluster {
             .arg("--workspace")
             .arg(&workspace)
             .arg("--drain-seconds")
-            .arg("5");
+            .arg("5")
+            .envs(env.iter().copied());
         self.workers.push(spawn(command, log, "listening on "));
         self.workers.len() - 1
     }
