@@ -8,6 +8,7 @@ use dispatcher::{AgentBook, Freezer};
 use proto::{EventKind, RunState};
 use tokio_util::sync::CancellationToken;
 use worker::docker::{DockerRuntime, Identity};
+use worker::ledger::MemoryLedger;
 use worker::queue::{InMemoryQueue, JobQueue, Settlement};
 use worker::runtime::ContainerRuntime;
 use worker::sink::ChannelSink;
@@ -193,7 +194,13 @@ async fn execute(store: &Store, job: proto::Job, local: &LocalArgs) -> i32 {
                 return;
             };
             let outcome = engine
-                .execute(&delivery.job, &sink, cancel, CancellationToken::new())
+                .execute(
+                    &delivery.job,
+                    &sink,
+                    &MemoryLedger::default(),
+                    cancel,
+                    CancellationToken::new(),
+                )
                 .await;
             let how = if matches!(outcome, Ok(Some(_))) {
                 Settlement::Ack

@@ -670,3 +670,147 @@ async fn wait_state(cluster: &Cluster, run_id: &str, state: &str) -> serde_json:
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_killed_during_the_final_review_leaves_an_unknown_outcome_not_a_second_review() {
+    let fixture = Fixture::new(None, &["change"], &["approve"]).with_final_reviewer("hang");
+    let mut cluster = Cluster::start(fixture, 2, 1, None).await;
+    let run_id = cluster
+        .submit_with(
+            "LOST-1",
+            serde_json::json!({"assurance": {"review_agent": "final"}}),
+        )
+        .await;
+    // Find the worker whose final reviewer is running, and kill it.
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    let worker = loop {
+        let output = std::process::Command::new("docker")
+            .args([
+                "ps",
+                "--filter",
+                &format!("label=forgepool.run_id={run_id}"),
+                "--filter",
+                "label=forgepool.stage=final_review",
+                "--format",
+                "{{.Label \"forgepool.worker\"}}",
+            ])
+            .output()
+            .unwrap();
+        let found = String::from_utf8_lossy(&output.stdout).trim().to_string();
+        if !found.is_empty() {
+            break found;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the final review never started\n{}",
+            cluster.logs()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    let index = if worker.ends_with("-w0") { 0 } else { 1 };
+    cluster.workers[index].kill();
+
+    let views = cluster
+        .wait_terminal(std::slice::from_ref(&run_id), Duration::from_secs(90))
+        .await;
+    assert_eq!(views[0]["state"], "blocked", "{}", cluster.logs());
+    let reason = views[0]["states"].as_array().unwrap().last().unwrap()["reason"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert!(
+        reason.contains("unknown outcome") && reason.contains("submit a new run"),
+        "the state says what happened and what to do: {reason}"
+    );
+    assert_eq!(views[0]["result"]["review"], "unknown");
+    let events = cluster
+        .request(reqwest::Method::GET, &format!("/v1/runs/{run_id}/events"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let reviews = events
+        .lines()
+        .filter(|l| l.contains("\"type\":\"stage_started\"") && l.contains("\"final_review\""))
+        .count();
+    assert_eq!(reviews, 1, "the final review was not repeated");
+    assert!(
+        cluster.commits_above_main("forge/lost-1") == 0,
+        "nothing was delivered"
+    );
+    // The dead worker's reviewer container is removed by the survivor.
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while container_count(&run_id) > 0 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the dead worker's containers were not removed"
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    cluster.delete_queues().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_final_review_ledger_on_the_broker_keeps_intents_and_receipts() {
+    use worker::final_review::FinalReport;
+    use worker::ledger::{Receipt, ReviewLedger};
+    use worker::service::AmqpLedger;
+
+    common::cluster::require_rabbitmq();
+    let url = common::cluster::AMQP_URL;
+    let topology = proto::amqp::Topology::new(format!(
+        "ledger{}",
+        &uuid::Uuid::new_v4().simple().to_string()[..8]
+    ));
+    let publisher = std::sync::Arc::new(proto::amqp::Publisher::new(url, "ledger-test").unwrap());
+    let ledger = AmqpLedger::new(url, topology.clone(), std::sync::Arc::clone(&publisher));
+    let run = uuid::Uuid::new_v4().to_string();
+    assert_eq!(ledger.lookup(&run).await.unwrap().unknown_outcome(), None);
+    ledger.intent(&run, "tree-a").await.unwrap();
+    // Another worker, with connections of its own, sees it.
+    let other = AmqpLedger::new(url, topology.clone(), publisher);
+    assert_eq!(
+        other.lookup(&run).await.unwrap().unknown_outcome(),
+        Some("tree-a")
+    );
+    assert_eq!(
+        other.lookup(&run).await.unwrap().unknown_outcome(),
+        Some("tree-a"),
+        "reading leaves the intent in place"
+    );
+    let receipt = Receipt {
+        tree: "tree-a".into(),
+        report: FinalReport {
+            approved: true,
+            summary: "fine".into(),
+            findings: Vec::new(),
+        },
+    };
+    ledger.receipt(&run, &receipt).await.unwrap();
+    let entry = other.lookup(&run).await.unwrap();
+    assert_eq!(entry.unknown_outcome(), None);
+    assert_eq!(entry.receipt_for("tree-a"), Some(&receipt));
+    ledger.intent(&run, "tree-b").await.unwrap();
+    ledger.clear(&run).await.unwrap();
+    let entry = other.lookup(&run).await.unwrap();
+    assert_eq!(
+        entry.unknown_outcome(),
+        None,
+        "a known outcome clears the intent"
+    );
+    assert_eq!(
+        entry.receipt_for("tree-a"),
+        Some(&receipt),
+        "the receipt stays"
+    );
+    // Clean up the test's queues.
+    let connection = lapin::Connection::connect(url, lapin::ConnectionProperties::default())
+        .await
+        .unwrap();
+    let channel = connection.create_channel().await.unwrap();
+    for queue in [topology.review_intent(&run), topology.review_receipt(&run)] {
+        let _ = channel.queue_delete(&queue, Default::default()).await;
+    }
+}

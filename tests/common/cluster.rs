@@ -231,9 +231,14 @@ impl Cluster {
 
     /// Submits through the API and returns the run id.
     pub async fn submit(&self, ticket: &str) -> String {
+        self.submit_with(ticket, serde_json::json!({})).await
+    }
+
+    /// Submits a request with extra fields through the API and returns the run id.
+    pub async fn submit_with(&self, ticket: &str, extra: serde_json::Value) -> String {
         let response = self
             .request(reqwest::Method::POST, "/v1/runs")
-            .json(&self.request_body(ticket, serde_json::json!({})))
+            .json(&self.request_body(ticket, extra))
             .send()
             .await
             .unwrap();

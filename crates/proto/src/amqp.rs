@@ -147,6 +147,16 @@ impl Topology {
         format!("{}.lease.{run_id}", self.prefix)
     }
 
+    /// The final review's intent for a run: a queue holding the tree under review.
+    pub fn review_intent(&self, run_id: &str) -> String {
+        format!("{}.review.intent.{run_id}", self.prefix)
+    }
+
+    /// The final review's receipt for a run: a queue holding the validated report.
+    pub fn review_receipt(&self, run_id: &str) -> String {
+        format!("{}.review.receipt.{run_id}", self.prefix)
+    }
+
     /// The queue whose existence says a run finished and its final events were confirmed.
     pub fn done(&self, run_id: &str) -> String {
         format!("{}.done.{run_id}", self.prefix)

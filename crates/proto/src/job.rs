@@ -172,10 +172,40 @@ mod tests {
             final_reviewer: None,
             warnings: vec![],
             submitted_at: crate::timestamp_now(),
+            resume: None,
         };
         let text = serde_json::to_string(&job).unwrap();
         assert!(text.contains("\"ANTHROPIC_API_KEY\""));
         let again: Job = serde_json::from_str(&text).unwrap();
         assert_eq!(again, job);
+    }
+
+    #[test]
+    fn a_resumed_job_carries_its_checkpoint_and_a_key_of_its_own() {
+        let mut job: Job = serde_json::from_value(serde_json::json!({
+            "schema_version": 1, "run_id": "6d0f3c3e-2f1a-4c4e-9a57-0b1f1b1c1d1e", "ticket": "SHOP-1",
+            "project": "shop", "skill": "s", "step": "s", "brief": "b",
+            "repository": {"url": "file:///r.git"}, "commands": [], "skill_md": "s", "review": null,
+            "repair_budget": 1,
+            "implementer": {"name": "i", "image": "i", "command": [], "env": [], "network": "none",
+                            "memory_bytes": 1, "cpus": 1.0, "timeout_seconds": 60, "user": null},
+            "reviewer": null, "final_reviewer": null, "warnings": [], "submitted_at": "2024-01-15T10:30:00Z"
+        }))
+        .expect("a job without `resume` still reads");
+        assert_eq!(job.execution_key(), "6d0f3c3e-2f1a-4c4e-9a57-0b1f1b1c1d1e");
+        assert!(!serde_json::to_string(&job).unwrap().contains("resume"));
+        job.resume = Some(crate::Checkpoint {
+            sequence: 2,
+            base: "b".into(),
+            tree: "t".into(),
+            patch: String::new(),
+            state: serde_json::json!({}),
+        });
+        assert_eq!(
+            job.execution_key(),
+            "6d0f3c3e-2f1a-4c4e-9a57-0b1f1b1c1d1e.2"
+        );
+        let back: Job = serde_json::from_str(&serde_json::to_string(&job).unwrap()).unwrap();
+        assert_eq!(back, job);
     }
 }

@@ -22,6 +22,7 @@ use uuid::Uuid;
 use crate::collector::{write_atomically, CycleCollector};
 use crate::final_review::{self, FinalReport};
 use crate::git;
+use crate::ledger::{Receipt, ReviewLedger};
 use crate::machine::{FailureSignature, Input, Limits, Phase, RoundReason, RunMachine};
 use crate::report::{self, ReportInput};
 use crate::runtime::{
@@ -103,10 +104,11 @@ impl<R: ContainerRuntime> Engine<R> {
     /// `cancel` is a user's cancel: the run ends `cancelled`. `interrupt` is a worker shutting
     /// down: the run's containers are stopped, no final event is published, and `Ok(None)` says
     /// the job must be handed back to the queue.
-    pub async fn execute<S: EventSink>(
+    pub async fn execute<S: EventSink, L: ReviewLedger>(
         &self,
         job: &Job,
         sink: &S,
+        ledger: &L,
         cancel: CancellationToken,
         interrupt: CancellationToken,
     ) -> Result<Option<RunResult>, PublishEvent> {
@@ -136,7 +138,7 @@ impl<R: ContainerRuntime> Engine<R> {
                 })
             };
             let performed = self
-                .perform(&mut run, sink, &cancel, &interrupt, &stop)
+                .perform(&mut run, sink, ledger, &cancel, &interrupt, &stop)
                 .await;
             relay.abort();
             if let Err(error) = remove_dir(&root).await {
@@ -163,14 +165,34 @@ impl<R: ContainerRuntime> Engine<R> {
         .await
     }
 
-    async fn perform<S: EventSink>(
+    async fn perform<S: EventSink, L: ReviewLedger>(
         &self,
         run: &mut RunContext<'_>,
         sink: &S,
+        ledger: &L,
         cancel: &CancellationToken,
         interrupt: &CancellationToken,
         stop: &CancellationToken,
     ) -> Result<Option<(RunState, String)>, PublishEvent> {
+        if run.job.final_reviewer.is_some() {
+            match ledger.lookup(&run.job.run_id.to_string()).await {
+                Ok(entry) => {
+                    if let Some(tree) = entry.unknown_outcome() {
+                        run.final_unknown = true;
+                        return Ok(Some((
+                            RunState::Blocked,
+                            format!(
+                                "unknown outcome: an earlier execution of this run died during the final review of tree {tree}, and a final review is never repeated blindly. Inspect the run's events and the final reviewer's side (its provider may have done the work), then submit a new run"
+                            ),
+                        )));
+                    }
+                }
+                Err(error) => {
+                    warn!(%error, "cannot read the final review ledger; handing the job back");
+                    return Ok(None);
+                }
+            }
+        }
         if let Err(error) = self.prepare(run).await {
             return Ok(Some((
                 RunState::Failed,
@@ -219,7 +241,7 @@ impl<R: ContainerRuntime> Engine<R> {
                         self.review(run, sink, cancel, round, cycle, &tree).await?
                     }
                     Phase::FinalReview { tree } => {
-                        self.final_review(run, sink, cancel, &tree).await?
+                        self.final_review(run, sink, ledger, cancel, &tree).await?
                     }
                     Phase::Deliver { tree } => self.deliver(run, &tree).await,
                     Phase::Paused { reason, resume } => {
@@ -551,7 +573,58 @@ impl<R: ContainerRuntime> Engine<R> {
     }
 
     /// The independent final review (SPEC 7.3) on a fresh read-only copy of the verified tree.
-    async fn final_review<S: EventSink>(
+    /// The final review, between its intent and its receipt in the ledger: a receipt for the
+    /// same tree is reused, and every outcome but a lost worker is recorded.
+    async fn final_review<S: EventSink, L: ReviewLedger>(
+        &self,
+        run: &mut RunContext<'_>,
+        sink: &S,
+        ledger: &L,
+        cancel: &CancellationToken,
+        tree: &str,
+    ) -> Result<Input, PublishEvent> {
+        let run_key = run.job.run_id.to_string();
+        match ledger.lookup(&run_key).await {
+            Ok(entry) => {
+                if let Some(receipt) = entry.receipt_for(tree) {
+                    info!(tree, "reusing the final review receipt for this tree");
+                    let report = receipt.report.clone();
+                    let (approved, reason) = (report.approved, report.summary.clone());
+                    run.final_report = Some(report);
+                    return Ok(Input::FinalReviewed { approved, reason });
+                }
+            }
+            Err(error) => {
+                return Ok(Input::StageFailed {
+                    reason: format!("cannot read the final review ledger: {error}"),
+                })
+            }
+        }
+        if let Err(error) = ledger.intent(&run_key, tree).await {
+            return Ok(Input::StageFailed {
+                reason: format!(
+                    "cannot record the final review's intent, so it did not start: {error}"
+                ),
+            });
+        }
+        let input = self.final_review_stage(run, sink, cancel, tree).await?;
+        let recorded = match (&input, &run.final_report) {
+            (Input::FinalReviewed { .. }, Some(report)) => {
+                let receipt = Receipt {
+                    tree: tree.to_string(),
+                    report: report.clone(),
+                };
+                ledger.receipt(&run_key, &receipt).await
+            }
+            _ => ledger.clear(&run_key).await,
+        };
+        if let Err(error) = recorded {
+            warn!(%error, "cannot record the final review's outcome in the ledger");
+        }
+        Ok(input)
+    }
+
+    async fn final_review_stage<S: EventSink>(
         &self,
         run: &mut RunContext<'_>,
         sink: &S,
@@ -940,6 +1013,8 @@ struct RunContext<'a> {
     delivered: Option<(String, String, String)>,
     final_report: Option<FinalReport>,
     final_refusal: Option<String>,
+    /// An earlier execution died during the final review: its outcome is unknown.
+    final_unknown: bool,
 }
 
 impl<'a> RunContext<'a> {
@@ -961,6 +1036,7 @@ impl<'a> RunContext<'a> {
             delivered: None,
             final_report: None,
             final_refusal: None,
+            final_unknown: false,
         }
     }
 
@@ -1166,6 +1242,13 @@ impl<'a> RunContext<'a> {
         }
         if let Some(reason) = &self.final_refusal {
             return ("refused", format!("The report was refused: {reason}"));
+        }
+        if self.final_unknown {
+            return (
+                "unknown",
+                "Unknown: an earlier execution died during the final review; it was not repeated."
+                    .into(),
+            );
         }
         let Some(report) = &self.final_report else {
             return ("not_run", "Requested, but the run ended before it.".into());

@@ -8,7 +8,7 @@
 use std::collections::HashSet;
 use std::path::{Component, Path};
 
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 
 /// The largest report accepted: 256 KiB.
 pub const MAX_REPORT_BYTES: u64 = 256 * 1024;
@@ -16,7 +16,7 @@ pub const MAX_REPORT_BYTES: u64 = 256 * 1024;
 pub const MAX_FINDINGS: usize = 30;
 
 /// A validated report.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct FinalReport {
     /// `approved` or `changes_required`.
     pub approved: bool,
@@ -27,7 +27,7 @@ pub struct FinalReport {
 }
 
 /// One finding of the report.
-#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Finding {
     /// `low`, `medium`, `high` or `critical`.

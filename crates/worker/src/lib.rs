@@ -10,6 +10,7 @@ pub mod docker;
 pub mod engine;
 pub mod final_review;
 pub mod git;
+pub mod ledger;
 pub mod machine;
 pub mod queue;
 pub mod report;
