@@ -230,6 +230,11 @@ impl DockerRuntime {
             Err(bollard::errors::Error::DockerResponseServerError {
                 status_code: 404, ..
             }) => Ok(()),
+            // Another remover (a surviving worker's sweep) got there first.
+            Err(bollard::errors::Error::DockerResponseServerError {
+                status_code: 409,
+                message,
+            }) if message.contains("already in progress") => Ok(()),
             Err(e) => Err(RuntimeError::Cleanup(format!("container {id}: {e}"))),
         }
     }

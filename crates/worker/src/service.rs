@@ -875,23 +875,70 @@ async fn watch_queues(shared: Arc<Shared>, shutdown: CancellationToken) {
     }
 }
 
+/// How often the sweep runs, and how long another instance's presence must stay missing
+/// before its containers are removed. A broker restart drops every presence queue at once;
+/// live workers declare theirs again within one sweep, so only a dead worker stays missing.
+const SWEEP_INTERVAL: Duration = Duration::from_secs(5);
+const PRESENCE_GRACE: Duration = Duration::from_secs(15);
+
+/// Every sweep: keeps this worker's presence declared (after a broker restart too), removes
+/// its overdue containers, and removes the containers of instances of the same cluster whose
+/// presence has been missing for [`PRESENCE_GRACE`] while this worker's own was steady.
 async fn sweep_loop(shared: Arc<Shared>, shutdown: CancellationToken) {
+    let mut missing_since: HashMap<String, std::time::Instant> = HashMap::new();
+    let mut steady_since = std::time::Instant::now();
     loop {
         tokio::select! {
-            () = tokio::time::sleep(Duration::from_secs(10)) => {},
+            () = tokio::time::sleep(SWEEP_INTERVAL) => {},
             () = shutdown.cancelled() => return,
         }
         let runtime = shared.engine.runtime();
         let _ = runtime.remove_orphans_now().await;
+        // Declares our presence again when the lease connection was lost.
+        let reconnected = {
+            let slot = shared.leases.lock().await;
+            !slot.as_ref().is_some_and(|c| c.status().connected())
+        };
+        match shared.lease_channel().await {
+            Ok(channel) => {
+                let _ = channel.close(200, "presence").await;
+            }
+            Err(error) => {
+                debug!(%error, "cannot declare presence; no sweep this time");
+                missing_since.clear();
+                continue;
+            }
+        }
+        if reconnected {
+            // Everyone else is reconnecting too: start counting again.
+            steady_since = std::time::Instant::now();
+            missing_since.clear();
+        }
         let Ok(instances) = runtime.other_instances().await else {
             continue;
         };
+        missing_since.retain(|instance, _| instances.contains(instance));
         for instance in instances {
-            if let Ok(false) = shared
+            match shared
                 .queue_exists(&shared.topology.presence(&instance))
                 .await
             {
-                let _ = runtime.remove_instance(&instance).await;
+                Ok(false) => {
+                    let since = *missing_since
+                        .entry(instance.clone())
+                        .or_insert_with(std::time::Instant::now);
+                    let overdue = since.elapsed() >= PRESENCE_GRACE
+                        && steady_since.elapsed() >= PRESENCE_GRACE;
+                    if overdue {
+                        info!(%instance, "removing the containers of a dead worker");
+                        let _ = runtime.remove_instance(&instance).await;
+                        missing_since.remove(&instance);
+                    }
+                }
+                Ok(true) => {
+                    missing_since.remove(&instance);
+                }
+                Err(_) => {}
             }
         }
     }
