@@ -116,15 +116,6 @@ impl<R: ContainerRuntime> Engine<R> {
         async {
             let root = self.config.workspace_root.join(job.run_id.to_string());
             let mut run = RunContext::new(job, &root);
-            publish(
-                sink,
-                job.run_id,
-                EventKind::State {
-                    state: RunState::Running,
-                    reason: "a worker started the run".into(),
-                },
-            )
-            .await?;
             // Stages stop on either token; the loop tells the two apart.
             let stop = CancellationToken::new();
             let relay = {
@@ -193,7 +184,19 @@ impl<R: ContainerRuntime> Engine<R> {
                 }
             }
         }
-        if let Err(error) = self.prepare(run).await {
+        // The workspace is prepared while the broker confirms that the run started: neither
+        // waits for the other, and no stage starts before both are done.
+        let started = publish(
+            sink,
+            run.job.run_id,
+            EventKind::State {
+                state: RunState::Running,
+                reason: "a worker started the run".into(),
+            },
+        );
+        let (started, prepared) = tokio::join!(started, self.prepare(run));
+        started?;
+        if let Err(error) = prepared {
             return Ok(Some((
                 RunState::Failed,
                 format!("cannot prepare the workspace: {error}"),
