@@ -385,14 +385,8 @@ async fn a_job_the_broker_gives_up_on_fails_its_run() {
         deliveries > 5,
         "the broker dead-letters after its delivery limit, not before ({deliveries} deliveries)"
     );
-    let views = cluster
-        .wait_terminal(std::slice::from_ref(&run_id), Duration::from_secs(30))
-        .await;
-    assert_eq!(views[0]["state"], "failed", "{}", cluster.logs());
-    let reason = views[0]["states"].as_array().unwrap().last().unwrap()["reason"]
-        .as_str()
-        .unwrap()
-        .to_string();
+    let (view, reason) = cluster.wait_one(&run_id, Duration::from_secs(30)).await;
+    assert_eq!(view["state"], "failed", "{}", cluster.logs());
     assert!(
         reason.contains("dead-lettered") && reason.contains("delivery_limit"),
         "the reason says what happened: {reason}"
@@ -710,27 +704,14 @@ async fn a_worker_killed_during_the_final_review_leaves_an_unknown_outcome_not_a
     let index = if worker.ends_with("-w0") { 0 } else { 1 };
     cluster.workers[index].kill();
 
-    let views = cluster
-        .wait_terminal(std::slice::from_ref(&run_id), Duration::from_secs(90))
-        .await;
-    assert_eq!(views[0]["state"], "blocked", "{}", cluster.logs());
-    let reason = views[0]["states"].as_array().unwrap().last().unwrap()["reason"]
-        .as_str()
-        .unwrap()
-        .to_string();
+    let (view, reason) = cluster.wait_one(&run_id, Duration::from_secs(90)).await;
+    assert_eq!(view["state"], "blocked", "{}", cluster.logs());
     assert!(
         reason.contains("unknown outcome") && reason.contains("submit a new run"),
         "the state says what happened and what to do: {reason}"
     );
-    assert_eq!(views[0]["result"]["review"], "unknown");
-    let events = cluster
-        .request(reqwest::Method::GET, &format!("/v1/runs/{run_id}/events"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    assert_eq!(view["result"]["review"], "unknown");
+    let events = cluster.event_stream(&run_id).await;
     let reviews = events
         .lines()
         .filter(|l| l.contains("\"type\":\"stage_started\"") && l.contains("\"final_review\""))

@@ -199,14 +199,7 @@ async fn a_secret_in_a_profile_reaches_no_output() {
     let view = serde_json::to_string(&views[0]).unwrap();
     assert_eq!(views[0]["state"], "delivered", "{}", cluster.logs());
 
-    let events = cluster
-        .request(reqwest::Method::GET, &format!("/v1/runs/{run_id}/events"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let events = cluster.event_stream(&run_id).await;
     let watch = std::process::Command::new(env!("CARGO_BIN_EXE_forgepool"))
         .args(["watch", &run_id])
         .env("FORGEPOOL_DISPATCHER_URL", cluster.url())

@@ -301,6 +301,32 @@ impl Cluster {
         }
     }
 
+    /// Waits for one run to end; returns its view and the reason of its last state.
+    pub async fn wait_one(&self, run_id: &str, limit: Duration) -> (serde_json::Value, String) {
+        let view = self
+            .wait_terminal(&[run_id.to_string()], limit)
+            .await
+            .remove(0);
+        let reason = view["states"]
+            .as_array()
+            .and_then(|states| states.last())
+            .and_then(|state| state["reason"].as_str())
+            .unwrap_or_default()
+            .to_string();
+        (view, reason)
+    }
+
+    /// A run's events as the Server-Sent Events stream sends them.
+    pub async fn event_stream(&self, run_id: &str) -> String {
+        self.request(reqwest::Method::GET, &format!("/v1/runs/{run_id}/events"))
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap()
+    }
+
     /// Every service log, for failure messages.
     pub fn logs(&self) -> String {
         let mut text = String::new();

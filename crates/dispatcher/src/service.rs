@@ -212,23 +212,32 @@ impl Dispatcher {
         };
         let payload = serde_json::to_vec(&control).unwrap_or_default();
         // Control messages are not mandatory: no worker may hold the run right now.
-        let channel = self.publisher.channel().await?;
-        let options = lapin::options::BasicPublishOptions::default();
-        let properties = lapin::BasicProperties::default().with_delivery_mode(2);
-        channel
-            .basic_publish(
-                &self.topology.control(),
-                &format!("cancel.{run_id}"),
-                options,
-                &payload,
-                properties,
-            )
+        let send = async {
+            let channel = self.publisher.channel().await?;
+            let options = lapin::options::BasicPublishOptions::default();
+            let properties = lapin::BasicProperties::default().with_delivery_mode(2);
+            channel
+                .basic_publish(
+                    &self.topology.control(),
+                    &format!("cancel.{run_id}"),
+                    options,
+                    &payload,
+                    properties,
+                )
+                .await
+                .map_err(|source| AmqpError::Broker {
+                    operation: "publish cancel",
+                    source,
+                })?;
+            Ok(())
+        };
+        tokio::time::timeout(amqp::PUBLISH_ATTEMPT_TIMEOUT, send)
             .await
-            .map_err(|source| AmqpError::Broker {
-                operation: "publish cancel",
-                source,
-            })?;
-        Ok(())
+            .unwrap_or_else(|_| {
+                Err(AmqpError::Pool(
+                    "the broker did not take the cancel request in time".into(),
+                ))
+            })
     }
 }
 
@@ -300,7 +309,10 @@ async fn declare_with_retry(
 ) -> Result<(), AmqpError> {
     let mut attempts = 0;
     loop {
-        let result = async { topology.declare(&publisher.channel().await?).await }.await;
+        let declare = async { topology.declare(&publisher.channel().await?).await };
+        let result = tokio::time::timeout(amqp::SESSION_TIMEOUT, declare)
+            .await
+            .unwrap_or_else(|_| Err(AmqpError::Pool("the broker did not answer in time".into())));
         match result {
             Ok(()) => return Ok(()),
             Err(error) if attempts < 30 && !shutdown.is_cancelled() => {

@@ -333,8 +333,14 @@ pub fn redact_url(url: &str) -> String {
 #[derive(Debug)]
 pub struct Publisher {
     pool: deadpool_lapin::Pool,
-    channel: Mutex<Option<Channel>>,
+    /// The confirm channel in use, with the pooled connection it lives on.
+    channel: Mutex<Option<(deadpool_lapin::Object, Channel)>>,
 }
+
+/// The limit on one publish attempt as a whole: getting a connection and a channel, sending,
+/// and the confirm. A connection that died without saying so (a broker restart) must not
+/// hold a publish for ever.
+pub const PUBLISH_ATTEMPT_TIMEOUT: Duration = Duration::from_secs(15);
 
 impl Publisher {
     /// A publisher connecting to `url` (lazily, and again after a lost connection).
@@ -354,10 +360,14 @@ impl Publisher {
     /// A channel in confirm mode, reusing the last one while it is healthy.
     pub async fn channel(&self) -> Result<Channel, AmqpError> {
         let mut slot = self.channel.lock().await;
-        if let Some(channel) = slot.as_ref() {
+        if let Some((_, channel)) = slot.as_ref() {
             if channel.status().connected() {
                 return Ok(channel.clone());
             }
+        }
+        // The old connection is not given back to the pool: it failed us once.
+        if let Some((object, _)) = slot.take() {
+            drop(deadpool_lapin::Object::take(object));
         }
         let connection = tokio::time::timeout(CONNECT_TIMEOUT, self.pool.get())
             .await
@@ -377,8 +387,15 @@ impl Publisher {
                 operation: "enable confirms",
                 source,
             })?;
-        *slot = Some(channel.clone());
+        *slot = Some((connection, channel.clone()));
         Ok(channel)
+    }
+
+    /// Forgets the channel in use and its connection, so the next publish starts afresh.
+    async fn forget_channel(&self) {
+        if let Some((object, _)) = self.channel.lock().await.take() {
+            drop(deadpool_lapin::Object::take(object));
+        }
     }
 
     /// The number of ready messages in each queue, read with passive declares on a channel of
@@ -417,6 +434,29 @@ impl Publisher {
 
     /// Publishes once and waits for the confirm. `headers` are added to the message.
     pub async fn publish(
+        &self,
+        exchange: &str,
+        routing_key: &str,
+        payload: &[u8],
+        headers: Option<FieldTable>,
+    ) -> Result<(), AmqpError> {
+        let attempt = self.publish_once(exchange, routing_key, payload, headers);
+        let outcome = match tokio::time::timeout(PUBLISH_ATTEMPT_TIMEOUT, attempt).await {
+            Ok(outcome) => outcome,
+            Err(_) => Err(AmqpError::ConfirmTimeout {
+                target: format!("{exchange}/{routing_key}"),
+            }),
+        };
+        if let Err(error) = &outcome {
+            // A refusal (nack, unroutable) says nothing about the connection.
+            if !matches!(error, AmqpError::Refused { .. }) {
+                self.forget_channel().await;
+            }
+        }
+        outcome
+    }
+
+    async fn publish_once(
         &self,
         exchange: &str,
         routing_key: &str,

@@ -383,7 +383,11 @@ pub async fn run(
 async fn declare(publisher: &Publisher, topology: &Topology) -> Result<(), AmqpError> {
     let mut attempts = 0;
     loop {
-        match async { topology.declare(&publisher.channel().await?).await }.await {
+        let declared = async { topology.declare(&publisher.channel().await?).await };
+        let declared = tokio::time::timeout(amqp::SESSION_TIMEOUT, declared)
+            .await
+            .unwrap_or_else(|_| Err(AmqpError::Pool("the broker did not answer in time".into())));
+        match declared {
             Ok(()) => return Ok(()),
             Err(error) if attempts < 30 => {
                 attempts += 1;
@@ -452,7 +456,30 @@ impl Shared {
     }
 
     /// Whether a queue exists (a passive declare; a missing queue closes only its own channel).
+    /// Runs one operation on the lease connection within [`amqp::SESSION_TIMEOUT`]. A broker
+    /// that stops answering (a restart the connection has not noticed yet) costs the
+    /// connection: the next operation opens a new one, and takes the leases again.
+    async fn on_leases<T>(
+        &self,
+        work: impl std::future::Future<Output = Result<T, AmqpError>>,
+    ) -> Result<T, AmqpError> {
+        match tokio::time::timeout(amqp::SESSION_TIMEOUT, work).await {
+            Ok(outcome) => outcome,
+            Err(_) => {
+                *self.leases.lock().await = None;
+                Err(AmqpError::Pool(format!(
+                    "the broker did not answer within {:?}; reconnecting",
+                    amqp::SESSION_TIMEOUT
+                )))
+            }
+        }
+    }
+
     async fn queue_exists(&self, name: &str) -> Result<bool, AmqpError> {
+        self.on_leases(self.queue_exists_now(name)).await
+    }
+
+    async fn queue_exists_now(&self, name: &str) -> Result<bool, AmqpError> {
         let channel = self.lease_channel().await?;
         let passive = QueueDeclareOptions {
             passive: true,
@@ -706,6 +733,15 @@ async fn run_job(shared: &Shared, job: Job, delivery: lapin::message::Delivery) 
 
 /// Deletes the run's lease queue through a fresh channel (the one that took it may be gone).
 async fn release_lease(shared: &Shared, run_id: Uuid) {
+    let _ = shared
+        .on_leases(async {
+            release_lease_now(shared, run_id).await;
+            Ok(())
+        })
+        .await;
+}
+
+async fn release_lease_now(shared: &Shared, run_id: Uuid) {
     if let Ok(channel) = shared.lease_channel().await {
         let lease = shared.topology.lease(&run_id.to_string());
         let _ = channel
@@ -717,6 +753,10 @@ async fn release_lease(shared: &Shared, run_id: Uuid) {
 
 /// Declares the run's exclusive lease queue; `false` when another live worker holds it.
 async fn acquire_lease(shared: &Shared, run_id: Uuid) -> Result<bool, AmqpError> {
+    shared.on_leases(acquire_lease_now(shared, run_id)).await
+}
+
+async fn acquire_lease_now(shared: &Shared, run_id: Uuid) -> Result<bool, AmqpError> {
     let channel = shared.lease_channel().await?;
     let exclusive = QueueDeclareOptions {
         exclusive: true,
@@ -767,7 +807,7 @@ async fn mark_done(shared: &Shared, execution: &str) {
         let _ = channel.close(200, "done").await;
         Ok::<(), AmqpError>(())
     };
-    if let Err(error) = declared.await {
+    if let Err(error) = shared.on_leases(declared).await {
         warn!(%error, "cannot mark the run done");
     }
 }
@@ -899,7 +939,7 @@ async fn sweep_loop(shared: Arc<Shared>, shutdown: CancellationToken) {
             let slot = shared.leases.lock().await;
             !slot.as_ref().is_some_and(|c| c.status().connected())
         };
-        match shared.lease_channel().await {
+        match shared.on_leases(shared.lease_channel()).await {
             Ok(channel) => {
                 let _ = channel.close(200, "presence").await;
             }
