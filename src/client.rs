@@ -204,6 +204,27 @@ pub async fn status(args: &ClientArgs, run_id: Option<&str>) -> i32 {
                 "  repair budget {}, implementation rounds {}",
                 view.repair_budget, view.implementation_rounds
             );
+            for round in &view.repair_history {
+                let checks = if round.failing.is_empty() {
+                    "checks passed".to_string()
+                } else {
+                    let failing: Vec<String> = round
+                        .failing
+                        .iter()
+                        .map(|(argv, code)| match code {
+                            Some(code) => format!("`{}` exit {code}", argv.join(" ")),
+                            None => format!("`{}` timed out", argv.join(" ")),
+                        })
+                        .collect();
+                    format!("failing: {}", failing.join(", "))
+                };
+                println!(
+                    "  round {} ({}): tree {}, {checks}",
+                    round.round,
+                    round.reason,
+                    &round.tree[..round.tree.len().min(12)]
+                );
+            }
             for cycle in &view.cycles {
                 if let Some(line) = progress::line(&EventKind::Cycle {
                     cycle: cycle.clone(),

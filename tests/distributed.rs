@@ -486,6 +486,11 @@ async fn clients_submit_wait_status_and_cancel() {
         text.contains(": delivered") && text.contains("delivered forge/cli-1"),
         "{text}"
     );
+    assert!(
+        text.contains("repair budget 2, implementation rounds")
+            && text.contains("round 1 (initial): tree "),
+        "the budget, the rounds and their history are shown: {text}"
+    );
     let cancel = tokio::process::Command::new(env!("CARGO_BIN_EXE_forgepool"))
         .args(["cancel", &run_id])
         .env("FORGEPOOL_DISPATCHER_URL", cluster.url())

@@ -105,10 +105,22 @@ fn the_image_runs_the_dispatcher_as_a_non_root_user() {
             std::thread::sleep(Duration::from_millis(300));
         }
     };
-    let metrics = Command::new("curl")
-        .args(["-s", &format!("http://127.0.0.1:{port}/metrics")])
-        .output()
-        .unwrap();
+    // The queue gauges are read a moment after start: wait for them, boundedly.
+    let depth = format!("forge_queue_depth{{queue_name=\"{prefix}.jobs\"}}");
+    let metrics = {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            let text = Command::new("curl")
+                .args(["-s", &format!("http://127.0.0.1:{port}/metrics")])
+                .output()
+                .map(|o| String::from_utf8_lossy(&o.stdout).to_string())
+                .unwrap_or_default();
+            if text.contains(&depth) || Instant::now() > deadline {
+                break text;
+            }
+            std::thread::sleep(Duration::from_millis(300));
+        }
+    };
     let user = docker(&["exec", &name, "id", "-u"]);
     let git = docker(&["exec", &name, "git", "--version"]);
     let logs = docker(&["logs", &name]);
@@ -119,9 +131,7 @@ fn the_image_runs_the_dispatcher_as_a_non_root_user() {
         "the dispatcher in the image became ready: {}",
         String::from_utf8_lossy(&logs.stderr)
     );
-    assert!(String::from_utf8_lossy(&metrics.stdout).contains(&format!(
-        "forge_queue_depth{{queue_name=\"{prefix}.jobs\"}}"
-    )));
+    assert!(metrics.contains(&depth), "{metrics}");
     assert_eq!(String::from_utf8_lossy(&user.stdout).trim(), "10001");
     assert!(String::from_utf8_lossy(&git.stdout).starts_with("git version"));
     assert!(stopped.status.success());
