@@ -371,7 +371,8 @@ async fn events(
             for (at, event) in stored {
                 follow.position = at;
                 if let proto::EventKind::State { state, .. } = &event.kind {
-                    follow.finished = state.is_terminal();
+                    // A terminal state is final even if a late event follows it.
+                    follow.finished |= state.is_terminal();
                     follow.paused = *state == RunState::Paused;
                 }
                 let data = serde_json::to_string(&event).unwrap_or_default();
