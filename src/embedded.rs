@@ -102,13 +102,7 @@ pub async fn resume(run_id: &str, local: &LocalArgs) -> i32 {
         return invalid(format!("run {run_id} is {}, not paused", record.state));
     }
     let checkpoint = match store.events(run_id, 0).await {
-        Ok(events) => events
-            .into_iter()
-            .rev()
-            .find_map(|(_, event)| match event.kind {
-                EventKind::Checkpoint { checkpoint } => Some(checkpoint),
-                _ => None,
-            }),
+        Ok(events) => proto::latest_checkpoint(events.iter().map(|(_, event)| event)),
         Err(error) => return invalid(error.to_string()),
     };
     let Some(checkpoint) = checkpoint else {

@@ -296,7 +296,14 @@ async fn resume(
     Path(id): Path<String>,
 ) -> Result<(StatusCode, Json<serde_json::Value>), Failure> {
     let record = record(&dispatcher, &id).await?;
-    if record.state != RunState::Paused {
+    // A resume whose job never reached the queue (the dispatcher stopped in between) may be
+    // asked again; workers settle a duplicate by its lease and done marker.
+    let unfinished_resume = record.state == RunState::Queued
+        && record
+            .states
+            .last()
+            .is_some_and(|(_, reason, _)| reason.starts_with("resumed by request"));
+    if record.state != RunState::Paused && !unfinished_resume {
         return Err(Failure::new(
             StatusCode::CONFLICT,
             "not_paused",

@@ -137,9 +137,27 @@ impl Dispatcher {
     /// Stores an event of `job`'s run; when it is new, counts it in the metrics and wakes the
     /// watchers. Returns whether it was new.
     pub async fn store_event(&self, job: &Job, event: &Event) -> Result<bool, StoreError> {
+        self.store_event_after(RunState::Queued, job, event).await
+    }
+
+    /// Like [`Dispatcher::store_event`] for a run whose state was `prior`: the outcome of a run
+    /// that had already ended (a late duplicate) is stored but not counted again.
+    async fn store_event_after(
+        &self,
+        prior: RunState,
+        job: &Job,
+        event: &Event,
+    ) -> Result<bool, StoreError> {
         let new = self.store.record_event(event).await?;
+        let late_outcome = prior.is_terminal()
+            && matches!(
+                event.kind,
+                EventKind::State { .. } | EventKind::Result { .. }
+            );
         if new {
-            self.metrics.observe(job, &event.kind);
+            if !late_outcome {
+                self.metrics.observe(job, &event.kind);
+            }
             self.events_stored.send_modify(|n| *n += 1);
         }
         Ok(new)
@@ -150,16 +168,8 @@ impl Dispatcher {
     /// checkpoint's sequence number.
     pub async fn resume(&self, record: &crate::store::RunRecord) -> Result<u32, ResumeFailure> {
         let run_id = record.job.run_id;
-        let checkpoint = self
-            .store
-            .events(run_id, 0)
-            .await?
-            .into_iter()
-            .rev()
-            .find_map(|(_, event)| match event.kind {
-                EventKind::Checkpoint { checkpoint } => Some(checkpoint),
-                _ => None,
-            })
+        let events = self.store.events(run_id, 0).await?;
+        let checkpoint = proto::latest_checkpoint(events.iter().map(|(_, event)| event))
             .ok_or(ResumeFailure::NoCheckpoint(run_id))?;
         let sequence = checkpoint.sequence;
         let mut job = record.job.clone();
@@ -417,7 +427,10 @@ async fn handle_event(dispatcher: Arc<Dispatcher>, delivery: lapin::message::Del
             )
             .await;
         };
-        match dispatcher.store_event(&record.job, &event).await {
+        match dispatcher
+            .store_event_after(record.state, &record.job, &event)
+            .await
+        {
             Ok(_) => {
                 // A worker picked up a run that was cancelled while queued: tell it again.
                 if record.state == RunState::Cancelled

@@ -565,10 +565,30 @@ pub fn dead_letter_origin(properties: &BasicProperties) -> (Option<String>, Stri
             _ => None,
         }
     };
-    let source = header(SOURCE_HEADER).or_else(|| header("x-first-death-queue"));
+    // The newest death comes first in `x-death`; `x-first-death-*` keeps the oldest one.
+    let newest = |field: &str| -> Option<String> {
+        let AMQPValue::FieldArray(deaths) =
+            properties.headers().as_ref()?.inner().get("x-death")?
+        else {
+            return None;
+        };
+        let AMQPValue::FieldTable(death) = deaths.as_slice().first()? else {
+            return None;
+        };
+        match death.inner().get(field)? {
+            AMQPValue::LongString(value) => Some(value.to_string()),
+            AMQPValue::ShortString(value) => Some(value.to_string()),
+            _ => None,
+        }
+    };
+    let source = header(SOURCE_HEADER)
+        .or_else(|| newest("queue"))
+        .or_else(|| header("x-first-death-queue"));
     let reason = header(REASON_HEADER)
         .or_else(|| {
-            header("x-first-death-reason").map(|reason| match reason.as_str() {
+            newest("reason")
+                .or_else(|| header("x-first-death-reason"))
+                .map(|reason| match reason.as_str() {
                 "delivery_limit" => format!(
                     "the broker gave up after {DELIVERY_LIMIT} deliveries without an acknowledgement (delivery_limit)"
                 ),

@@ -200,6 +200,33 @@ pub struct Checkpoint {
     pub state: serde_json::Value,
 }
 
+/// The checkpoint saved by a run's latest pause, from its events in the order they were
+/// stored; `None` when that pause saved none (an older checkpoint is never used: its
+/// execution has already run).
+pub fn latest_checkpoint<'a>(
+    events: impl DoubleEndedIterator<Item = &'a Event>,
+) -> Option<Checkpoint> {
+    let mut events = events.rev();
+    // The latest pause's `state` event comes last; its checkpoint is published before it.
+    events.find(|e| {
+        matches!(
+            e.kind,
+            EventKind::State {
+                state: RunState::Paused,
+                ..
+            }
+        )
+    })?;
+    for event in events {
+        match &event.kind {
+            EventKind::Checkpoint { checkpoint } => return Some(checkpoint.clone()),
+            EventKind::State { .. } => return None,
+            _ => {}
+        }
+    }
+    None
+}
+
 /// The largest checkpoint patch, so that a resumed job still fits in a queue message.
 pub const MAX_CHECKPOINT_PATCH_BYTES: usize = 3 * 1024 * 1024;
 
@@ -302,5 +329,58 @@ mod tests {
         );
         let again: Event = serde_json::from_str(&serde_json::to_string(&event).unwrap()).unwrap();
         assert_eq!(again, event);
+    }
+
+    #[test]
+    fn only_the_latest_pause_s_checkpoint_is_used() {
+        let run_id = Uuid::new_v4();
+        let state = |state| {
+            Event::new(
+                run_id,
+                EventKind::State {
+                    state,
+                    reason: String::new(),
+                },
+            )
+        };
+        let checkpoint = |sequence| {
+            Event::new(
+                run_id,
+                EventKind::Checkpoint {
+                    checkpoint: Checkpoint {
+                        sequence,
+                        base: "b".into(),
+                        tree: "t".into(),
+                        patch: String::new(),
+                        state: serde_json::json!({}),
+                    },
+                },
+            )
+        };
+        let first = vec![
+            state(RunState::Running),
+            checkpoint(1),
+            state(RunState::Paused),
+        ];
+        assert_eq!(latest_checkpoint(first.iter()).map(|c| c.sequence), Some(1));
+        let mut second = first.clone();
+        second.extend([
+            state(RunState::Queued),
+            state(RunState::Running),
+            state(RunState::Paused),
+        ]);
+        assert_eq!(
+            latest_checkpoint(second.iter()),
+            None,
+            "a pause that saved nothing never falls back to an older checkpoint"
+        );
+        let mut resumed = first.clone();
+        resumed.push(state(RunState::Queued));
+        assert_eq!(
+            latest_checkpoint(resumed.iter()).map(|c| c.sequence),
+            Some(1),
+            "a resume whose job was not queued can be asked again"
+        );
+        assert_eq!(latest_checkpoint([state(RunState::Running)].iter()), None);
     }
 }

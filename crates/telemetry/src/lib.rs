@@ -265,12 +265,15 @@ impl Metrics {
                 if result.commit.is_some() {
                     self.deliveries.inc();
                 }
-                let repairs = result
-                    .repair_history
-                    .iter()
-                    .filter(|round| round.reason == "repair")
-                    .count();
-                self.repair_rounds.inc_by(repairs as u64);
+                // The history is cumulative across a pause: counted once, when the run ends.
+                if result.state.is_terminal() {
+                    let repairs = result
+                        .repair_history
+                        .iter()
+                        .filter(|round| round.reason == "repair")
+                        .count();
+                    self.repair_rounds.inc_by(repairs as u64);
+                }
             }
             EventKind::Log { .. } | EventKind::Heartbeat { .. } | EventKind::Checkpoint { .. } => {}
         }

@@ -180,6 +180,8 @@ impl<R: ContainerRuntime> Engine<R> {
                 }
                 Err(error) => {
                     warn!(%error, "cannot read the final review ledger; handing the job back");
+                    // Not at once: every delivery counts towards the queue's delivery limit.
+                    tokio::time::sleep(Duration::from_secs(5)).await;
                     return Ok(None);
                 }
             }
@@ -610,7 +612,15 @@ impl<R: ContainerRuntime> Engine<R> {
                 ),
             });
         }
-        let input = self.final_review_stage(run, sink, cancel, tree).await?;
+        let input = match self.final_review_stage(run, sink, cancel, tree).await {
+            Ok(input) => input,
+            Err(error) => {
+                // This worker is alive and hands the job back: the outcome is known (no
+                // report), so the next execution may review again.
+                let _ = ledger.clear(&run_key).await;
+                return Err(error);
+            }
+        };
         let recorded = match (&input, &run.final_report) {
             (Input::FinalReviewed { .. }, Some(report)) => {
                 let receipt = Receipt {
@@ -1103,13 +1113,24 @@ impl<'a> RunContext<'a> {
             cycles: self.cycles.clone(),
             stage_count: self.stage_count,
         };
-        Ok(Checkpoint {
+        let checkpoint = Checkpoint {
             sequence: self.job.resume.as_ref().map_or(1, |c| c.sequence + 1),
             base: self.base.clone(),
             tree,
             patch,
             state: serde_json::to_value(&snapshot).map_err(|e| e.to_string())?,
-        })
+        };
+        // The resumed job must still be a job a worker accepts.
+        let mut resumed = self.job.clone();
+        resumed.resume = Some(checkpoint.clone());
+        let size = serde_json::to_vec(&resumed).map_or(usize::MAX, |bytes| bytes.len());
+        if size > crate::service::MAX_JOB_BYTES {
+            return Err(format!(
+                "the resumed job would be {size} bytes, over the job limit of {}",
+                crate::service::MAX_JOB_BYTES
+            ));
+        }
+        Ok(checkpoint)
     }
 
     /// Puts a freshly cloned workspace back where `checkpoint` left it: the base commit, the

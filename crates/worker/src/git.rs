@@ -223,24 +223,35 @@ pub async fn push(repo: &Path, url: &str, commit: &str, branch: &str) -> Result<
 /// The change from `base` (a commit) to `tree`, as a patch that [`apply_checkpoint`] replays
 /// exactly. Every file is encoded as binary, so the patch is ASCII whatever the files hold.
 pub async fn checkpoint_patch(repo: &Path, base: &str, tree: &str) -> Result<String, GitError> {
-    let attributes = repo.join(".git/forgepool-all-binary");
+    // `info/attributes` outranks the repository's own `.gitattributes`; it is only in place
+    // for this one diff, since `binary` also changes how files are added.
+    let attributes = repo.join(".git/info/attributes");
+    let previous = tokio::fs::read(&attributes).await.ok();
+    tokio::fs::create_dir_all(repo.join(".git/info"))
+        .await
+        .map_err(GitError::Spawn)?;
     tokio::fs::write(&attributes, "* binary\n")
         .await
         .map_err(GitError::Spawn)?;
-    let setting = format!("core.attributesFile={}", attributes.display());
-    git(
+    let patch = git(
         repo,
         &[
-            "-c",
-            &setting,
             "diff",
             "--binary",
             "--full-index",
+            "--no-textconv",
+            "--no-ext-diff",
             base,
             tree,
         ],
     )
-    .await
+    .await;
+    let restored = match previous {
+        Some(bytes) => tokio::fs::write(&attributes, bytes).await,
+        None => tokio::fs::remove_file(&attributes).await,
+    };
+    restored.map_err(GitError::Spawn)?;
+    patch
 }
 
 /// Replays a [`checkpoint_patch`] on the checked-out base and returns the resulting tree.

@@ -310,6 +310,9 @@ struct Shared {
     publisher: Arc<Publisher>,
     /// The connection that holds leases and the presence queue; replaced after a loss.
     leases: Mutex<Option<Connection>>,
+    /// Bumped each time the lease connection is opened (again): the sweep restarts its
+    /// grace period after any reconnection, whoever made it.
+    lease_generation: std::sync::atomic::AtomicU64,
     /// Cancel tokens of the runs in flight, for cancel requests.
     running: Mutex<HashMap<Uuid, CancellationToken>>,
     slots: Arc<Semaphore>,
@@ -345,6 +348,7 @@ pub async fn run(
         engine,
         publisher,
         leases: Mutex::new(None),
+        lease_generation: std::sync::atomic::AtomicU64::new(0),
         running: Mutex::new(HashMap::new()),
         interrupt: CancellationToken::new(),
     });
@@ -429,20 +433,30 @@ impl Shared {
                     operation: "declare presence",
                     source,
                 })?;
-            // Leases die with their connection: take them again for the runs still in flight.
+            // Leases die with their connection: take them again for the runs still in flight,
+            // each on a channel of its own (a lease another worker took closes its channel).
             let held = QueueDeclareOptions {
                 exclusive: true,
                 ..Default::default()
             };
             for run_id in self.running.lock().await.keys() {
                 let lease = self.topology.lease(&run_id.to_string());
-                if let Err(error) = channel
-                    .queue_declare(&lease, held, FieldTable::default())
-                    .await
-                {
+                let taken = match connection.create_channel().await {
+                    Ok(lease_channel) => {
+                        let taken = lease_channel
+                            .queue_declare(&lease, held, FieldTable::default())
+                            .await;
+                        let _ = lease_channel.close(200, "leased").await;
+                        taken.map(|_| ())
+                    }
+                    Err(error) => Err(error),
+                };
+                if let Err(error) = taken {
                     warn!(%run_id, %error, "cannot take the lease of a run in flight again");
                 }
             }
+            self.lease_generation
+                .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
             *slot = Some(connection);
         }
         let connection = slot.as_ref().expect("connected above");
@@ -919,7 +933,7 @@ async fn watch_queues(shared: Arc<Shared>, shutdown: CancellationToken) {
 /// before its containers are removed. A broker restart drops every presence queue at once;
 /// live workers declare theirs again within one sweep, so only a dead worker stays missing.
 const SWEEP_INTERVAL: Duration = Duration::from_secs(5);
-const PRESENCE_GRACE: Duration = Duration::from_secs(15);
+const PRESENCE_GRACE: Duration = Duration::from_secs(30);
 
 /// Every sweep: keeps this worker's presence declared (after a broker restart too), removes
 /// its overdue containers, and removes the containers of instances of the same cluster whose
@@ -927,6 +941,9 @@ const PRESENCE_GRACE: Duration = Duration::from_secs(15);
 async fn sweep_loop(shared: Arc<Shared>, shutdown: CancellationToken) {
     let mut missing_since: HashMap<String, std::time::Instant> = HashMap::new();
     let mut steady_since = std::time::Instant::now();
+    let mut generation = shared
+        .lease_generation
+        .load(std::sync::atomic::Ordering::SeqCst);
     loop {
         tokio::select! {
             () = tokio::time::sleep(SWEEP_INTERVAL) => {},
@@ -935,10 +952,6 @@ async fn sweep_loop(shared: Arc<Shared>, shutdown: CancellationToken) {
         let runtime = shared.engine.runtime();
         let _ = runtime.remove_orphans_now().await;
         // Declares our presence again when the lease connection was lost.
-        let reconnected = {
-            let slot = shared.leases.lock().await;
-            !slot.as_ref().is_some_and(|c| c.status().connected())
-        };
         match shared.on_leases(shared.lease_channel()).await {
             Ok(channel) => {
                 let _ = channel.close(200, "presence").await;
@@ -949,8 +962,12 @@ async fn sweep_loop(shared: Arc<Shared>, shutdown: CancellationToken) {
                 continue;
             }
         }
-        if reconnected {
-            // Everyone else is reconnecting too: start counting again.
+        let now = shared
+            .lease_generation
+            .load(std::sync::atomic::Ordering::SeqCst);
+        if now != generation {
+            generation = now;
+            // Everyone else may be reconnecting too: start counting again.
             steady_since = std::time::Instant::now();
             missing_since.clear();
         }
