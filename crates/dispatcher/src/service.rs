@@ -137,16 +137,19 @@ impl Dispatcher {
     /// Stores an event of `job`'s run; when it is new, counts it in the metrics and wakes the
     /// watchers. Returns whether it was new.
     pub async fn store_event(&self, job: &Job, event: &Event) -> Result<bool, StoreError> {
-        self.store_event_after(RunState::Queued, job, event).await
+        self.store_event_after(RunState::Queued, job, event, false)
+            .await
     }
 
     /// Like [`Dispatcher::store_event`] for a run whose state was `prior`: the outcome of a run
-    /// that had already ended (a late duplicate) is stored but not counted again.
+    /// that had already ended (a late duplicate), or an event that `repeats` one already
+    /// counted, is stored but not counted again.
     async fn store_event_after(
         &self,
         prior: RunState,
         job: &Job,
         event: &Event,
+        repeats: bool,
     ) -> Result<bool, StoreError> {
         let new = self.store.record_event(event).await?;
         let late_outcome = prior.is_terminal()
@@ -155,7 +158,7 @@ impl Dispatcher {
                 EventKind::State { .. } | EventKind::Result { .. }
             );
         if new {
-            if !late_outcome {
+            if !late_outcome && !repeats {
                 self.metrics.observe(job, &event.kind);
             }
             self.events_stored.send_modify(|n| *n += 1);
@@ -427,8 +430,16 @@ async fn handle_event(dispatcher: Arc<Dispatcher>, delivery: lapin::message::Del
             )
             .await;
         };
+        // A cycle file rewritten in place is one review cycle.
+        let repeats = match &event.kind {
+            EventKind::Cycle { cycle } => record
+                .cycles
+                .iter()
+                .any(|c| c.step == cycle.step && c.file == cycle.file),
+            _ => false,
+        };
         match dispatcher
-            .store_event_after(record.state, &record.job, &event)
+            .store_event_after(record.state, &record.job, &event, repeats)
             .await
         {
             Ok(_) => {

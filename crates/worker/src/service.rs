@@ -92,13 +92,24 @@ struct ObservedSink<'a> {
     sink: &'a AmqpSink,
     metrics: &'a Metrics,
     job: &'a Job,
+    /// Cycle files already counted: a file rewritten in place is one review cycle.
+    cycles: std::sync::Mutex<std::collections::HashSet<(String, String)>>,
 }
 
 impl EventSink for ObservedSink<'_> {
     async fn publish(&self, event: Event) -> Result<(), PublishEvent> {
         let kind = event.kind.clone();
         self.sink.publish(event).await?;
-        self.metrics.observe(self.job, &kind);
+        let repeat = match &kind {
+            EventKind::Cycle { cycle } => self
+                .cycles
+                .lock()
+                .is_ok_and(|mut seen| !seen.insert((cycle.step.clone(), cycle.file.clone()))),
+            _ => false,
+        };
+        if !repeat {
+            self.metrics.observe(self.job, &kind);
+        }
         Ok(())
     }
 }
@@ -699,6 +710,7 @@ async fn run_job(shared: &Shared, job: Job, delivery: lapin::message::Delivery) 
         sink: &shared.sink,
         metrics: &shared.metrics,
         job: &job,
+        cycles: Default::default(),
     };
     shared.metrics.runs_in_progress().inc();
     let execution = shared.engine.execute(
