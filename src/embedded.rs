@@ -110,13 +110,7 @@ pub async fn resume(run_id: &str, local: &LocalArgs) -> i32 {
             "run {run_id} has no saved progress to resume from; submit a new run"
         ));
     };
-    let resumed = proto::Event::new(
-        run_id,
-        EventKind::State {
-            state: RunState::Queued,
-            reason: format!("resumed by request from checkpoint {}", checkpoint.sequence),
-        },
-    );
+    let resumed = proto::resumed_event(run_id, &checkpoint);
     if let Err(error) = store.record_event(&resumed).await {
         eprintln!("error: {error}");
         return EXIT_FAILED;

@@ -427,12 +427,7 @@ async fn dispatcher_restart_keeps_runs(mut cluster: Cluster) {
         .wait_terminal(std::slice::from_ref(&in_flight), Duration::from_secs(60))
         .await;
     assert_eq!(views[0]["state"], "delivered", "{}", cluster.logs());
-    let states: Vec<&str> = views[0]["states"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|s| s["state"].as_str().unwrap())
-        .collect();
+    let states = common::cluster::state_names(&views[0]);
     assert_eq!(
         states,
         ["queued", "running", "delivered"],
@@ -623,12 +618,7 @@ async fn a_paused_run_frees_its_slot_and_resumes_on_another_worker_with_its_budg
         "the paused round was not spent"
     );
     assert_eq!(view["cycles"].as_array().unwrap().len(), 2);
-    let states: Vec<&str> = view["states"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|s| s["state"].as_str().unwrap())
-        .collect();
+    let states = common::cluster::state_names(&view);
     assert_eq!(
         states,
         [

@@ -82,12 +82,7 @@ async fn a_run_longer_than_the_consumer_timeout_completes_exactly_once() {
         .await;
     drop(restore);
     assert_eq!(views[0]["state"], "delivered", "{}", cluster.logs());
-    let states: Vec<&str> = views[0]["states"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|s| s["state"].as_str().unwrap())
-        .collect();
+    let states = common::cluster::state_names(&views[0]);
     assert_eq!(
         states,
         ["queued", "running", "delivered"],

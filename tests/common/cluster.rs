@@ -14,6 +14,14 @@ use super::Fixture;
 /// The broker the tests use.
 pub const AMQP_URL: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
 
+/// The states a run view went through, in order.
+pub fn state_names(view: &serde_json::Value) -> Vec<&str> {
+    view["states"]
+        .as_array()
+        .map(|states| states.iter().filter_map(|s| s["state"].as_str()).collect())
+        .unwrap_or_default()
+}
+
 /// Fails (never skips) when RabbitMQ is not reachable.
 pub fn require_rabbitmq() {
     if std::net::TcpStream::connect_timeout(

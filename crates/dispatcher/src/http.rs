@@ -302,7 +302,7 @@ async fn resume(
         && record
             .states
             .last()
-            .is_some_and(|(_, reason, _)| reason.starts_with("resumed by request"));
+            .is_some_and(|(_, reason, _)| reason.starts_with(proto::RESUMED_REASON));
     if record.state != RunState::Paused && !unfinished_resume {
         return Err(Failure::new(
             StatusCode::CONFLICT,

@@ -175,15 +175,9 @@ impl Dispatcher {
         let checkpoint = proto::latest_checkpoint(events.iter().map(|(_, event)| event))
             .ok_or(ResumeFailure::NoCheckpoint(run_id))?;
         let sequence = checkpoint.sequence;
+        let queued = proto::resumed_event(run_id, &checkpoint);
         let mut job = record.job.clone();
         job.resume = Some(checkpoint);
-        let queued = Event::new(
-            run_id,
-            EventKind::State {
-                state: RunState::Queued,
-                reason: format!("resumed by request from checkpoint {sequence}"),
-            },
-        );
         self.store_event(&record.job, &queued).await?;
         if let Err(error) = self.publish_job(&job).await {
             let paused = Event::new(

@@ -200,6 +200,20 @@ pub struct Checkpoint {
     pub state: serde_json::Value,
 }
 
+/// The start of the reason of the `queued` state a resume records.
+pub const RESUMED_REASON: &str = "resumed by request";
+
+/// The `queued` state event that resumes `run_id` from `checkpoint`.
+pub fn resumed_event(run_id: Uuid, checkpoint: &Checkpoint) -> Event {
+    Event::new(
+        run_id,
+        EventKind::State {
+            state: RunState::Queued,
+            reason: format!("{RESUMED_REASON} from checkpoint {}", checkpoint.sequence),
+        },
+    )
+}
+
 /// The checkpoint saved by a run's latest pause, from its events in the order they were
 /// stored; `None` when that pause saved none (an older checkpoint is never used: its
 /// execution has already run).

@@ -17,8 +17,8 @@ pub use api::{
     ApiError, ApiErrorBody, Control, RunList, RunSummary, RunView, StateChange, SubmitResponse,
 };
 pub use event::{
-    latest_checkpoint, CheckResult, Checkpoint, CycleRecord, Event, EventKind, LogStream,
-    RoundRecord, RunResult, Stage, MAX_CHECKPOINT_PATCH_BYTES,
+    latest_checkpoint, resumed_event, CheckResult, Checkpoint, CycleRecord, Event, EventKind,
+    LogStream, RoundRecord, RunResult, Stage, MAX_CHECKPOINT_PATCH_BYTES, RESUMED_REASON,
 };
 pub use job::{AgentProfile, Job, Network, ReviewConfig};
 pub use request::{AgentChoice, Assurance, RepositoryRef, RunRequest, VerifyCommand};

@@ -98,8 +98,15 @@ struct ObservedSink<'a> {
 
 impl EventSink for ObservedSink<'_> {
     async fn publish(&self, event: Event) -> Result<(), PublishEvent> {
-        let kind = event.kind.clone();
+        // Log lines and heartbeats count for nothing: they are not copied.
+        let counted = match &event.kind {
+            EventKind::Log { .. } | EventKind::Heartbeat { .. } => None,
+            kind => Some(kind.clone()),
+        };
         self.sink.publish(event).await?;
+        let Some(kind) = counted else {
+            return Ok(());
+        };
         let repeat = match &kind {
             EventKind::Cycle { cycle } => self
                 .cycles
