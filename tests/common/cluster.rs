@@ -300,9 +300,12 @@ impl Cluster {
             }
             if started.elapsed() > limit {
                 let states: Vec<_> = views.iter().map(|v| v["state"].clone()).collect();
+                let (kept, threads) = self.keep_evidence(&views);
+                // The summary comes last: CI shows the end of a failure's output.
                 panic!(
-                    "runs did not end within {limit:?}: {states:?}\n{}",
-                    self.logs()
+                    "runs did not end within {limit:?}: {states:?}\n{}\nfull logs, the runs and the services' thread backtraces are in {}\n{threads}\nruns did not end within {limit:?}: {states:?}",
+                    self.logs(),
+                    kept.display()
                 );
             }
             tokio::time::sleep(Duration::from_millis(300)).await;
@@ -333,6 +336,50 @@ impl Cluster {
             .text()
             .await
             .unwrap()
+    }
+
+    /// Keeps what explains a stuck run, outside the fixture (which is deleted): every service
+    /// log in full, the run views, and each live service's thread backtraces (with gdb).
+    /// Returns the folder, `target/tmp/evidence/{prefix}`, and a short summary of the threads:
+    /// the frames of forgepool, lapin, bollard and tokio's blocking calls in each service.
+    pub fn keep_evidence(&self, views: &[serde_json::Value]) -> (PathBuf, String) {
+        let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
+            .join("evidence")
+            .join(&self.prefix);
+        let _ = std::fs::create_dir_all(&dir);
+        if let Ok(entries) = std::fs::read_dir(self.fixture.dir.path()) {
+            for entry in entries.flatten() {
+                if entry.file_name().to_string_lossy().ends_with(".log") {
+                    let _ = std::fs::copy(entry.path(), dir.join(entry.file_name()));
+                }
+            }
+        }
+        let _ = std::fs::write(
+            dir.join("runs.json"),
+            serde_json::to_string_pretty(views).unwrap_or_default(),
+        );
+        let mut summary = String::new();
+        let services = self.dispatcher.iter().chain(self.workers.iter());
+        for (n, service) in services.enumerate() {
+            let pid = service.child.id().to_string();
+            let Ok(output) = Command::new("gdb")
+                .args(["-p", &pid, "-batch", "-ex", "thread apply all bt"])
+                .output()
+            else {
+                summary.push_str("gdb is not installed: no thread backtraces\n");
+                break;
+            };
+            let text = String::from_utf8_lossy(&output.stdout).to_string();
+            let _ = std::fs::write(dir.join(format!("backtrace-{n}-{pid}.txt")), &text);
+            summary.push_str(&format!(
+                "--- threads of {} (pid {pid})\n",
+                service.log.display()
+            ));
+            for (line, count) in thread_lines(&text) {
+                summary.push_str(&format!("{count} × {line}\n"));
+            }
+        }
+        (dir, summary)
     }
 
     /// Every service log, for failure messages.
@@ -498,4 +545,50 @@ fn spawn(mut command: Command, log: PathBuf, ready: &str) -> Service {
         address,
         log,
     }
+}
+
+/// One line per kind of thread in a gdb `thread apply all bt`: its name, the function it is
+/// in, and the innermost forgepool frame, with how many threads share that line.
+fn thread_lines(backtraces: &str) -> Vec<(String, usize)> {
+    let function = |frame: &str| -> String {
+        let frame = frame.split(" at ").next().unwrap_or(frame);
+        let name = frame.split(" in ").nth(1).unwrap_or(frame);
+        let name = name.split(" (").next().unwrap_or(name);
+        name.trim_start_matches(|c: char| c == '#' || c.is_ascii_digit() || c == ' ')
+            .chars()
+            .take(100)
+            .collect()
+    };
+    let mut lines: Vec<(String, usize)> = Vec::new();
+    for thread in backtraces.split("\nThread ").skip(1) {
+        let name = thread.split('"').nth(1).unwrap_or("?");
+        let frames: Vec<&str> = thread.lines().filter(|l| l.starts_with('#')).collect();
+        let innermost = frames
+            .iter()
+            .map(|f| function(f))
+            .find(|f| {
+                [
+                    "lapin::",
+                    "tokio::",
+                    "parking_lot",
+                    "flume::",
+                    "bollard::",
+                    "hyper",
+                ]
+                .iter()
+                .any(|crate_name| f.starts_with(crate_name))
+            })
+            .unwrap_or_default();
+        let ours = frames
+            .iter()
+            .find(|f| f.contains("forgepool"))
+            .map(|f| function(f))
+            .unwrap_or_default();
+        let line = format!("{name}: {innermost} | {ours}");
+        match lines.iter_mut().find(|(known, _)| *known == line) {
+            Some((_, count)) => *count += 1,
+            None => lines.push((line, 1)),
+        }
+    }
+    lines
 }

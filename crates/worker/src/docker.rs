@@ -34,6 +34,8 @@ pub const API_TIMEOUT: Duration = Duration::from_secs(30);
 pub const PULL_TIMEOUT: Duration = Duration::from_secs(300);
 /// How long an overdue container may outlive its deadline before any worker removes it.
 pub const OVERDUE_GRACE: Duration = Duration::from_secs(60);
+/// How long a stopped container's log stream may take to end before it is closed.
+pub const LOG_DRAIN: Duration = Duration::from_secs(5);
 
 /// Who owns the containers this runtime creates.
 #[derive(Debug, Clone)]
@@ -292,10 +294,25 @@ impl DockerRuntime {
             }
             exit
         };
-        let (exit, (stdout, combined)) = tokio::join!(
-            limited,
-            collect_output(&self.docker, id, &spec.redact, logs)
-        );
+        // The output is read while the container runs. Once it has stopped, the log stream
+        // gets LOG_DRAIN to end: a follow request that races the container's exit can stay
+        // open for ever on some engines (Docker 20.10), and must not hold a finished stage.
+        let mut collected = Collected::default();
+        let exit = {
+            let following = collected.follow(&self.docker, id, &spec.redact, &logs);
+            tokio::pin!(following);
+            tokio::pin!(limited);
+            tokio::select! {
+                exit = &mut limited => {
+                    if tokio::time::timeout(LOG_DRAIN, &mut following).await.is_err() {
+                        tracing::warn!(container = %spec.name, "the log stream stayed open after the container stopped; it was closed");
+                    }
+                    exit
+                }
+                () = &mut following => limited.await,
+            }
+        };
+        let (stdout, combined) = collected.finish(&spec.redact, &logs).await;
         Ok((exit?, stdout, combined))
     }
 }
@@ -491,78 +508,89 @@ impl Drop for RemoveOnDrop {
 
 /// Streams a container's output: sends complete lines as chunks, and returns the captured
 /// stdout and the combined output (both redacted).
-async fn collect_output(
-    docker: &Docker,
-    id: &str,
-    secrets: &[String],
-    logs: mpsc::Sender<LogChunk>,
-) -> (String, String) {
-    let options = LogsOptions::<String> {
-        follow: true,
-        stdout: true,
-        stderr: true,
-        tail: "all".into(),
-        ..Default::default()
-    };
-    let mut stream = docker.logs(id, Some(options));
-    let mut stdout = String::new();
-    let mut combined = String::new();
-    let mut pending = [String::new(), String::new()];
-    while let Some(item) = stream.next().await {
-        let (stream_kind, bytes) = match item {
-            Ok(LogOutput::StdOut { message }) => (LogStream::Stdout, message),
-            Ok(LogOutput::StdErr { message }) => (LogStream::Stderr, message),
-            Ok(LogOutput::Console { message }) => (LogStream::Stdout, message),
-            Ok(LogOutput::StdIn { .. }) => continue,
-            Err(_) => break,
-        };
-        let text = String::from_utf8_lossy(&bytes);
-        let slot = &mut pending[usize::from(stream_kind == LogStream::Stderr)];
-        slot.push_str(&text);
-        if let Some(end) = slot.rfind('\n') {
-            let lines: String = slot.drain(..=end).collect();
-            emit(
-                &lines,
-                stream_kind,
-                secrets,
-                &logs,
-                &mut stdout,
-                &mut combined,
-            )
-            .await;
-        }
-    }
-    for (index, rest) in pending.into_iter().enumerate() {
-        if !rest.is_empty() {
-            let kind = if index == 0 {
-                LogStream::Stdout
-            } else {
-                LogStream::Stderr
-            };
-            emit(&rest, kind, secrets, &logs, &mut stdout, &mut combined).await;
-        }
-    }
-    (stdout, combined)
+/// A stage's output as it is read: the captured stdout, the combined tail, and the partial
+/// lines of each stream not yet forwarded. It lives outside the reading future, so that what
+/// was read is kept when that future is given up.
+#[derive(Debug, Default)]
+struct Collected {
+    stdout: String,
+    combined: String,
+    pending: [String; 2],
 }
 
-async fn emit(
-    text: &str,
-    stream: LogStream,
-    secrets: &[String],
-    logs: &mpsc::Sender<LogChunk>,
-    stdout: &mut String,
-    combined: &mut String,
-) {
-    let text = redact(text, secrets);
-    if stream == LogStream::Stdout && stdout.len() < MAX_CAPTURED_STDOUT {
-        stdout.push_str(&text);
+impl Collected {
+    /// Reads the container's output until the stream ends, forwarding whole lines.
+    async fn follow(
+        &mut self,
+        docker: &Docker,
+        id: &str,
+        secrets: &[String],
+        logs: &mpsc::Sender<LogChunk>,
+    ) {
+        let options = LogsOptions::<String> {
+            follow: true,
+            stdout: true,
+            stderr: true,
+            tail: "all".into(),
+            ..Default::default()
+        };
+        let mut stream = docker.logs(id, Some(options));
+        while let Some(item) = stream.next().await {
+            let (stream_kind, bytes) = match item {
+                Ok(LogOutput::StdOut { message }) => (LogStream::Stdout, message),
+                Ok(LogOutput::StdErr { message }) => (LogStream::Stderr, message),
+                Ok(LogOutput::Console { message }) => (LogStream::Stdout, message),
+                Ok(LogOutput::StdIn { .. }) => continue,
+                Err(_) => break,
+            };
+            let text = String::from_utf8_lossy(&bytes);
+            let slot = &mut self.pending[usize::from(stream_kind == LogStream::Stderr)];
+            slot.push_str(&text);
+            if let Some(end) = slot.rfind('\n') {
+                let lines: String = slot.drain(..=end).collect();
+                self.emit(&lines, stream_kind, secrets, logs).await;
+            }
+        }
     }
-    combined.push_str(&text);
-    if combined.len() > 4 * TAIL_BYTES {
-        *combined = tail(combined, TAIL_BYTES).to_string();
+
+    /// Forwards the partial lines left, and returns the captured stdout and combined output.
+    async fn finish(
+        mut self,
+        secrets: &[String],
+        logs: &mpsc::Sender<LogChunk>,
+    ) -> (String, String) {
+        for (index, rest) in std::mem::take(&mut self.pending).into_iter().enumerate() {
+            if !rest.is_empty() {
+                let kind = if index == 0 {
+                    LogStream::Stdout
+                } else {
+                    LogStream::Stderr
+                };
+                self.emit(&rest, kind, secrets, logs).await;
+            }
+        }
+        (self.stdout, self.combined)
     }
-    // The receiver is gone only when the engine stopped listening; output is still captured.
-    let _ = logs.send(LogChunk { stream, text }).await;
+
+    async fn emit(
+        &mut self,
+        text: &str,
+        stream: LogStream,
+        secrets: &[String],
+        logs: &mpsc::Sender<LogChunk>,
+    ) {
+        let text = redact(text, secrets);
+        if stream == LogStream::Stdout && self.stdout.len() < MAX_CAPTURED_STDOUT {
+            self.stdout.push_str(&text);
+        }
+        self.combined.push_str(&text);
+        if self.combined.len() > 4 * TAIL_BYTES {
+            self.combined = tail(&self.combined, TAIL_BYTES).to_string();
+        }
+        // The receiver is gone only when the engine stopped listening; output is still
+        // captured.
+        let _ = logs.send(LogChunk { stream, text }).await;
+    }
 }
 
 async fn bounded<T>(

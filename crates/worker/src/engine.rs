@@ -898,6 +898,7 @@ impl<R: ContainerRuntime> Engine<R> {
             },
         )
         .await?;
+        tracing::info!(round, ?cycle, "stage started");
         let (log_sender, mut log_receiver) = mpsc::channel::<LogChunk>(256);
         let container = self.runtime.run_stage(spec, log_sender, cancel.clone());
         tokio::pin!(container);
@@ -945,6 +946,12 @@ impl<R: ContainerRuntime> Engine<R> {
             },
             Err(_) => (None, "failed", Duration::ZERO),
         };
+        tracing::info!(
+            outcome = outcome_name,
+            exit_code,
+            seconds = duration.as_secs_f64(),
+            "stage finished"
+        );
         publish(
             sink,
             run_id,

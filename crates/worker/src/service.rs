@@ -86,6 +86,22 @@ impl EventSink for AmqpSink {
     }
 }
 
+impl AmqpSink {
+    /// Publishes a heartbeat of `run_id` once, without retrying.
+    async fn publish_once(&self, run_id: Uuid, worker: &str) -> Result<(), AmqpError> {
+        let beat = Event::new(
+            run_id,
+            EventKind::Heartbeat {
+                worker: worker.to_string(),
+            },
+        );
+        let payload = serde_json::to_vec(&beat).map_err(|e| AmqpError::Pool(e.to_string()))?;
+        self.publisher
+            .publish(&self.topology.events(), &beat.routing_key(), &payload, None)
+            .await
+    }
+}
+
 /// A run's view of the worker's sink: events are published, then counted in the metrics under
 /// the job's (validated) skill and step.
 struct ObservedSink<'a> {
@@ -556,6 +572,13 @@ async fn consume_jobs(
             &jobs,
             prefetch,
         );
+        // After a lost connection, take the leases of the runs still in flight again before
+        // any job arrives: the broker has just offered those jobs to every worker.
+        if connected_before {
+            if let Ok(channel) = shared.on_leases(shared.lease_channel()).await {
+                let _ = channel.close(200, "leases").await;
+            }
+        }
         let (connection, channel, mut consumer) = match session.await {
             Ok(session) => session,
             Err(error) => {
@@ -631,6 +654,12 @@ async fn take_delivery(
     let span = info_span!("job", run_id = %job.run_id, ticket = %job.ticket);
     runs.spawn(
         async move {
+            // A job offered again may still run on a worker that lost its broker connection
+            // (a broker restart drops every lease at once): give that worker time to take its
+            // lease again before this one tries.
+            if delivery.redelivered && !shared.running.lock().await.contains_key(&job.run_id) {
+                tokio::time::sleep(REDELIVERY_GRACE).await;
+            }
             let Ok(permit) = Arc::clone(&shared.slots).acquire_owned().await else {
                 let _ = requeue(&delivery).await;
                 return;
@@ -641,6 +670,10 @@ async fn take_delivery(
         .instrument(span),
     );
 }
+
+/// How long a redelivered job waits before its lease is tried: two sweeps, in which a live
+/// worker that still runs it declares its lease again.
+const REDELIVERY_GRACE: Duration = Duration::from_secs(10);
 
 /// The largest job message a worker reads.
 pub const MAX_JOB_BYTES: usize = 4 * 1024 * 1024;
@@ -727,19 +760,26 @@ async fn run_job(shared: &Shared, job: Job, delivery: lapin::message::Delivery) 
         cancel,
         shared.interrupt.clone(),
     );
-    tokio::pin!(execution);
-    let mut heartbeat = tokio::time::interval(shared.config.heartbeat);
-    heartbeat.tick().await;
-    let outcome = loop {
-        tokio::select! {
-            outcome = &mut execution => break outcome,
-            _ = heartbeat.tick() => {
-                let beat = Event::new(run_id, EventKind::Heartbeat { worker: shared.config.worker_id.clone() });
-                if let Err(error) = shared.sink.publish(beat).await {
-                    warn!(%error, "heartbeat not published");
-                }
+    // Heartbeats go out beside the run, never in its way: one attempt each (a later one
+    // replaces a lost one), so a broker outage never holds the run up.
+    let heartbeats = async {
+        let mut heartbeat = tokio::time::interval(shared.config.heartbeat);
+        heartbeat.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        heartbeat.tick().await;
+        loop {
+            heartbeat.tick().await;
+            if let Err(error) = shared
+                .sink
+                .publish_once(run_id, &shared.config.worker_id)
+                .await
+            {
+                warn!(%error, "heartbeat not published");
             }
         }
+    };
+    let outcome = tokio::select! {
+        outcome = execution => outcome,
+        () = heartbeats => unreachable!("heartbeats go on until the run ends"),
     };
     shared.metrics.runs_in_progress().dec();
     shared.running.lock().await.remove(&run_id);
