@@ -8,11 +8,14 @@ APPROVED):
     both for 20 runs submitted one at a time to an idle cluster and for the N-run burst;
   - throughput: runs per second from the first submission to the last run's end;
   - the baseline: the same 2N containers (same image, commands, mounts) created, started,
-    waited for and removed straight through the Docker Engine API, 4 at a time;
+    waited for and removed straight through the Docker Engine API, as many at a time as slots;
   - peak resident memory (VmHWM) of the dispatcher and of each worker.
 
 Run: scripts/services.sh && scripts/build-images.sh && cargo build --release &&
-     python3 scripts/bench-cluster.py [N]        (default N = 50)
+     python3 scripts/bench-cluster.py [N [WORKERS [SLOTS]]]   (default 50 runs, 2 workers, 2 slots)
+
+The slots in all (WORKERS x SLOTS) are also the baseline's parallelism. BENCH_LOG sets the
+services' FORGEPOOL_LOG (default "warn,lapin=off").
 """
 import concurrent.futures
 import http.client
@@ -70,7 +73,7 @@ def baseline_stage(command, workspace):
     return time.perf_counter() - started
 
 
-def baseline(n):
+def baseline(n, parallel):
     workspace = tempfile.mkdtemp(prefix="forgepool-baseline-")
 
     def one_run(_):
@@ -78,7 +81,7 @@ def baseline(n):
         baseline_stage(REVIEW, None)
 
     started = time.perf_counter()
-    with concurrent.futures.ThreadPoolExecutor(max_workers=4) as pool:
+    with concurrent.futures.ThreadPoolExecutor(max_workers=parallel) as pool:
         list(pool.map(one_run, range(n)))
     return time.perf_counter() - started
 
@@ -110,7 +113,10 @@ def percentile(values, p):
 
 def main():
     n = int(sys.argv[1]) if len(sys.argv) > 1 else 50
+    worker_count = int(sys.argv[2]) if len(sys.argv) > 2 else 2
+    slots = int(sys.argv[3]) if len(sys.argv) > 3 else 2
     work = tempfile.mkdtemp(prefix="forgepool-bench-")
+    print(f"work folder: {work}", flush=True)
     bare = os.path.join(work, "repo.git")
     git("init", "--quiet", "--bare", "--initial-branch=main", bare)
     seed = os.path.join(work, "seed")
@@ -130,7 +136,7 @@ def main():
         f"[agents.i]\nimage = \"{IMAGE}\"\ncommand = {json.dumps(IMPLEMENT)}\nmemory = \"128m\"\ncpus = 0.5\n"
         f"[agents.r]\nimage = \"{IMAGE}\"\ncommand = {json.dumps(REVIEW)}\nmemory = \"128m\"\ncpus = 0.5\n")
     prefix = "bench" + uuid.uuid4().hex[:8]
-    env = dict(os.environ, FORGEPOOL_AMQP_PREFIX=prefix, FORGEPOOL_LOG="warn,lapin=off")
+    env = dict(os.environ, FORGEPOOL_AMQP_PREFIX=prefix, FORGEPOOL_LOG=os.environ.get("BENCH_LOG", "warn,lapin=off"))
 
     creates = {}
     events = subprocess.Popen(["docker", "events", "--format", "{{json .}}", "--filter", "type=container",
@@ -149,9 +155,9 @@ def main():
     dispatcher, address = spawn(["dispatcher", "--listen", "127.0.0.1:0", "--skills", os.path.join(work, "skills"),
                                  "--agents", agents, "--database", os.path.join(work, "runs.db")], env,
                                 os.path.join(work, "dispatcher.log"))
-    workers = [spawn(["worker", "--metrics-addr", "127.0.0.1:0", "--worker-id", f"{prefix}-{i}", "--concurrency", "2",
+    workers = [spawn(["worker", "--metrics-addr", "127.0.0.1:0", "--worker-id", f"{prefix}-{i}", "--concurrency", str(slots),
                       "--workspace", os.path.join(work, f"ws{i}")], env, os.path.join(work, f"worker{i}.log"))[0]
-               for i in range(2)]
+               for i in range(worker_count)]
     time.sleep(2)
     base = f"http://{address}"
     submitted = {}
@@ -198,14 +204,15 @@ def main():
     events.terminate()
 
     latencies = [(creates[r] - s) / 1e6 for r, s in submitted.items() if r in creates]
-    base_elapsed = baseline(n)
+    base_elapsed = baseline(n, worker_count * slots)
     print(f"runs: {n} (2 stages each), not delivered: {len(failed)}")
     print(f"submission to first container, idle cluster: p50 {percentile(idle, 50):.1f} ms, "
           f"p99 {percentile(idle, 99):.1f} ms ({len(idle)} samples)")
-    print(f"submission to first container, {n} submitted at once to 4 slots: p50 {percentile(latencies, 50):.1f} ms, "
+    print(f"workers: {worker_count} with {slots} slots each")
+    print(f"submission to first container, {n} submitted at once to {worker_count * slots} slots: p50 {percentile(latencies, 50):.1f} ms, "
           f"p99 {percentile(latencies, 99):.1f} ms (mean {statistics.mean(latencies):.1f} ms; queueing included)")
     print(f"forgepool: {elapsed:.2f} s, {n / elapsed:.2f} runs/s")
-    print(f"baseline (same {2 * n} containers straight through the Docker API, 4 at a time): "
+    print(f"baseline (same {2 * n} containers straight through the Docker API, {worker_count * slots} at a time): "
           f"{base_elapsed:.2f} s, {n / base_elapsed:.2f} runs/s")
     print(f"throughput ratio forgepool/baseline: {(n / elapsed) / (n / base_elapsed):.2f}")
     for name, mb in memory.items():

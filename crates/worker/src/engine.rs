@@ -888,7 +888,10 @@ impl<R: ContainerRuntime> Engine<R> {
         for mount in spec.mounts.iter().filter(|m| !m.read_only) {
             self.hand_over(&mount.source).await;
         }
-        publish(
+        tracing::info!(round, ?cycle, "stage started");
+        // The container is created while the broker confirms `stage_started`; nothing else of
+        // the stage (a log line, a cycle file) is published before that confirm.
+        let started = publish(
             sink,
             run_id,
             EventKind::StageStarted {
@@ -896,9 +899,9 @@ impl<R: ContainerRuntime> Engine<R> {
                 round,
                 cycle,
             },
-        )
-        .await?;
-        tracing::info!(round, ?cycle, "stage started");
+        );
+        tokio::pin!(started);
+        let mut announced = false;
         let (log_sender, mut log_receiver) = mpsc::channel::<LogChunk>(256);
         let container = self.runtime.run_stage(spec, log_sender, cancel.clone());
         tokio::pin!(container);
@@ -907,12 +910,21 @@ impl<R: ContainerRuntime> Engine<R> {
         let mut logs_open = true;
         let outcome = loop {
             tokio::select! {
-                outcome = &mut container => break outcome,
-                chunk = log_receiver.recv(), if logs_open => match chunk {
+                confirmed = &mut started, if !announced => {
+                    confirmed?;
+                    announced = true;
+                }
+                outcome = &mut container => {
+                    if !announced {
+                        (&mut started).await?;
+                    }
+                    break outcome;
+                }
+                chunk = log_receiver.recv(), if logs_open && announced => match chunk {
                     Some(chunk) => publish(sink, run_id, EventKind::Log { stage, stream: chunk.stream, text: chunk.text }).await?,
                     None => logs_open = false,
                 },
-                _ = ticker.tick() => self.sweep(run, sink).await?,
+                _ = ticker.tick(), if announced => self.sweep(run, sink).await?,
             }
         };
         while let Ok(chunk) = log_receiver.try_recv() {
