@@ -45,6 +45,20 @@ pub async fn git_with_env(
     args: &[&str],
     env: &[(&str, &str)],
 ) -> Result<String, GitError> {
+    run_git(dir, args, env, None).await
+}
+
+/// Runs `git args` in `dir` with `input` on its standard input.
+pub async fn git_with_input(dir: &Path, args: &[&str], input: &str) -> Result<String, GitError> {
+    run_git(dir, args, &[], Some(input)).await
+}
+
+async fn run_git(
+    dir: &Path,
+    args: &[&str],
+    env: &[(&str, &str)],
+    input: Option<&str>,
+) -> Result<String, GitError> {
     let mut command = Command::new("git");
     command
         .arg("-c")
@@ -59,13 +73,27 @@ pub async fn git_with_env(
         .env("GIT_AUTHOR_EMAIL", AUTHOR_EMAIL)
         .env("GIT_COMMITTER_NAME", AUTHOR_NAME)
         .env("GIT_COMMITTER_EMAIL", AUTHOR_EMAIL)
-        .stdin(std::process::Stdio::null())
+        .stdin(if input.is_some() {
+            std::process::Stdio::piped()
+        } else {
+            std::process::Stdio::null()
+        })
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
         .kill_on_drop(true);
     for (name, value) in env {
         command.env(name, value);
     }
     let shown = args.join(" ");
-    let output = tokio::time::timeout(GIT_TIMEOUT, command.output())
+    let finished = async {
+        let mut child = command.spawn()?;
+        if let (Some(input), Some(mut stdin)) = (input, child.stdin.take()) {
+            use tokio::io::AsyncWriteExt;
+            stdin.write_all(input.as_bytes()).await?;
+        }
+        child.wait_with_output().await
+    };
+    let output = tokio::time::timeout(GIT_TIMEOUT, finished)
         .await
         .map_err(|_| GitError::Timeout(shown.clone()))?
         .map_err(GitError::Spawn)?;
@@ -81,6 +109,17 @@ pub async fn git_with_env(
 /// Clones `url` into `dest` and returns the commit id of `reference` (the default branch when
 /// `None`), checked out detached and also kept as the branch `base`.
 pub async fn clone_at(url: &str, reference: Option<&str>, dest: &Path) -> Result<String, GitError> {
+    // A branch or tag (or the default branch) is cloned and checked out in one git process;
+    // a commit id, or a name the fast path cannot find, takes the general path below.
+    if !reference.is_some_and(looks_like_commit) {
+        match clone_named(url, reference, dest).await {
+            Ok(commit) => return Ok(commit),
+            Err(error) if reference.is_none() => return Err(error),
+            Err(_) => {
+                let _ = tokio::fs::remove_dir_all(dest).await;
+            }
+        }
+    }
     let parent = dest.parent().unwrap_or(Path::new("/"));
     let dest_text = dest.to_string_lossy();
     git(
@@ -112,6 +151,37 @@ pub async fn clone_at(url: &str, reference: Option<&str>, dest: &Path) -> Result
     git(dest, &["branch", "--force", "base", &commit]).await?;
     exclude_forge(dest).await?;
     Ok(commit)
+}
+
+/// Clones `url` with `reference` (a branch or tag; the default branch when `None`) checked
+/// out, detaches HEAD and points `base` at it: three git processes. A `file://` URL of an
+/// absolute path is cloned as a local path: git copies the object files (never hardlinks,
+/// since stage users get the copy) instead of running the pack protocol.
+async fn clone_named(url: &str, reference: Option<&str>, dest: &Path) -> Result<String, GitError> {
+    let parent = dest.parent().unwrap_or(Path::new("/"));
+    let dest_text = dest.to_string_lossy();
+    let local = url
+        .strip_prefix("file://")
+        .filter(|path| path.starts_with('/') && !path.contains('%'));
+    let mut args = vec!["clone", "--quiet"];
+    if local.is_some() {
+        args.push("--no-hardlinks");
+    }
+    if let Some(reference) = reference {
+        args.extend(["--branch", reference]);
+    }
+    args.extend(["--", local.unwrap_or(url), &dest_text]);
+    git(parent, &args).await?;
+    let commit = git(dest, &["rev-parse", "--verify", "HEAD^{commit}"]).await?;
+    let updates = format!("update HEAD {commit}\nupdate refs/heads/base {commit}\n");
+    git_with_input(dest, &["update-ref", "--no-deref", "--stdin"], &updates).await?;
+    exclude_forge(dest).await?;
+    Ok(commit)
+}
+
+/// Whether a reference looks like a (possibly abbreviated) commit id.
+fn looks_like_commit(reference: &str) -> bool {
+    (7..=64).contains(&reference.len()) && reference.chars().all(|c| c.is_ascii_hexdigit())
 }
 
 /// Keeps `.forge/` out of every snapshot and commit of a repository.
@@ -270,4 +340,126 @@ pub async fn apply_checkpoint(repo: &Path, patch: &str) -> Result<String, GitErr
         .await?;
     }
     snapshot_tree(repo).await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A bare repository with two commits on `main`, a tag on the first and a branch `topic`.
+    async fn origin(dir: &Path) -> (String, String, String) {
+        let bare = dir.join("origin.git");
+        let seed = dir.join("seed");
+        git(
+            dir,
+            &[
+                "init",
+                "--quiet",
+                "--bare",
+                "--initial-branch=main",
+                "origin.git",
+            ],
+        )
+        .await
+        .unwrap();
+        git(dir, &["clone", "--quiet", "origin.git", "seed"])
+            .await
+            .unwrap();
+        tokio::fs::write(seed.join("a.txt"), "one\n").await.unwrap();
+        git(&seed, &["add", "-A"]).await.unwrap();
+        git(&seed, &["commit", "--quiet", "-m", "one"])
+            .await
+            .unwrap();
+        let first = git(&seed, &["rev-parse", "HEAD"]).await.unwrap();
+        git(&seed, &["tag", "v1"]).await.unwrap();
+        tokio::fs::write(seed.join("a.txt"), "two\n").await.unwrap();
+        git(&seed, &["commit", "--quiet", "-am", "two"])
+            .await
+            .unwrap();
+        let second = git(&seed, &["rev-parse", "HEAD"]).await.unwrap();
+        git(
+            &seed,
+            &[
+                "push",
+                "--quiet",
+                "origin",
+                "HEAD:main",
+                "HEAD~1:refs/heads/topic",
+                "v1",
+            ],
+        )
+        .await
+        .unwrap();
+        (format!("file://{}", bare.display()), first, second)
+    }
+
+    async fn checked_out(dest: &Path) -> (String, String, String, bool) {
+        let head = git(dest, &["rev-parse", "HEAD"]).await.unwrap();
+        let base = git(dest, &["rev-parse", "base"]).await.unwrap();
+        let file = tokio::fs::read_to_string(dest.join("a.txt")).await.unwrap();
+        let detached = git(dest, &["symbolic-ref", "-q", "HEAD"]).await.is_err();
+        (head, base, file, detached)
+    }
+
+    #[tokio::test]
+    async fn every_kind_of_reference_is_checked_out_detached_with_base() {
+        let dir = tempfile::tempdir().unwrap();
+        let (url, first, second) = origin(dir.path()).await;
+        let cases: [(Option<&str>, &str, &str); 6] = [
+            (None, &second, "two\n"),
+            (Some("main"), &second, "two\n"),
+            (Some("topic"), &first, "one\n"),
+            (Some("v1"), &first, "one\n"),
+            (Some(&first), &first, "one\n"),
+            (Some(&first[..10]), &first, "one\n"),
+        ];
+        for (n, (reference, commit, content)) in cases.into_iter().enumerate() {
+            let dest = dir.path().join(format!("clone{n}"));
+            let got = clone_at(&url, reference, &dest).await.unwrap();
+            assert_eq!(got, commit, "{reference:?}");
+            assert_eq!(
+                checked_out(&dest).await,
+                (
+                    commit.to_string(),
+                    commit.to_string(),
+                    content.to_string(),
+                    true
+                ),
+                "{reference:?}"
+            );
+            let exclude = tokio::fs::read_to_string(dest.join(".git/info/exclude"))
+                .await
+                .unwrap();
+            assert!(exclude.lines().any(|l| l == "/.forge/"), "{reference:?}");
+        }
+        // Copies, never hardlinks: a stage user owning the clone cannot touch the origin.
+        let object = dir.path().join("clone1/.git/objects");
+        let mut stack = vec![object];
+        while let Some(path) = stack.pop() {
+            let mut entries = tokio::fs::read_dir(&path).await.unwrap();
+            while let Some(entry) = entries.next_entry().await.unwrap() {
+                let metadata = entry.metadata().await.unwrap();
+                if metadata.is_dir() {
+                    stack.push(entry.path());
+                } else {
+                    use std::os::unix::fs::MetadataExt;
+                    assert_eq!(metadata.nlink(), 1, "{}", entry.path().display());
+                }
+            }
+        }
+    }
+
+    #[tokio::test]
+    async fn a_missing_reference_is_named() {
+        let dir = tempfile::tempdir().unwrap();
+        let (url, _, _) = origin(dir.path()).await;
+        let error = clone_at(&url, Some("nope"), &dir.path().join("c"))
+            .await
+            .unwrap_err()
+            .to_string();
+        assert!(
+            error.contains("no branch, tag or commit named `nope`"),
+            "{error}"
+        );
+    }
 }
