@@ -174,7 +174,12 @@ impl DockerRuntime {
         labels.insert(LABEL_HOST.into(), self.identity.host.clone());
         labels.insert(LABEL_PID.into(), self.identity.pid.to_string());
         labels.insert(LABEL_CLUSTER.into(), self.identity.cluster.clone());
-        let deadline = unix_now() + spec.timeout.as_secs() + OVERDUE_GRACE.as_secs();
+        // A container may be created while its run's repository is still being cloned, so
+        // its deadline also covers the longest clone.
+        let deadline = unix_now()
+            + spec.timeout.as_secs()
+            + OVERDUE_GRACE.as_secs()
+            + crate::git::GIT_TIMEOUT.as_secs();
         labels.insert(LABEL_DEADLINE.into(), deadline.to_string());
         let binds = spec
             .mounts
@@ -381,14 +386,21 @@ impl DockerRuntime {
     }
 }
 
+/// A stage container of [`DockerRuntime`], created and not started: its spec, how long its
+/// creation took (a stage's duration is that plus its run, never the wait in between), and
+/// the guard that removes it.
+#[derive(Debug)]
+pub struct CreatedStage {
+    spec: StageSpec,
+    creation: Duration,
+    guard: RemoveOnDrop,
+}
+
 impl ContainerRuntime for DockerRuntime {
-    async fn run_stage(
-        &self,
-        spec: StageSpec,
-        logs: mpsc::Sender<LogChunk>,
-        cancel: CancellationToken,
-    ) -> Result<StageOutput, RuntimeError> {
-        let started = Instant::now();
+    type Created = CreatedStage;
+
+    async fn create_stage(&self, spec: StageSpec) -> Result<CreatedStage, RuntimeError> {
+        let began = Instant::now();
         self.ensure_image(&spec.image).await?;
         let options = CreateContainerOptions {
             name: spec.name.clone(),
@@ -421,12 +433,31 @@ impl ContainerRuntime for DockerRuntime {
                 }
             }
         })?;
-        let mut guard = RemoveOnDrop {
-            docker: self.docker.clone(),
-            id: Some(created.id.clone()),
-        };
-        let driven = self.drive(&created.id, &spec, logs, cancel).await;
-        let removed = self.remove(&created.id).await;
+        Ok(CreatedStage {
+            spec,
+            creation: began.elapsed(),
+            guard: RemoveOnDrop {
+                docker: self.docker.clone(),
+                id: Some(created.id),
+            },
+        })
+    }
+
+    async fn run_created(
+        &self,
+        created: CreatedStage,
+        logs: mpsc::Sender<LogChunk>,
+        cancel: CancellationToken,
+    ) -> Result<StageOutput, RuntimeError> {
+        let began = Instant::now();
+        let CreatedStage {
+            spec,
+            creation,
+            mut guard,
+        } = created;
+        let id = guard.id.clone().unwrap_or_default();
+        let driven = self.drive(&id, &spec, logs, cancel).await;
+        let removed = self.remove(&id).await;
         guard.id = None;
         let (exit, stdout, combined) = driven?;
         removed?;
@@ -434,7 +465,7 @@ impl ContainerRuntime for DockerRuntime {
             exit,
             stdout,
             tail: tail(&combined, TAIL_BYTES).to_string(),
-            duration: started.elapsed(),
+            duration: creation + began.elapsed(),
         })
     }
 
@@ -479,6 +510,7 @@ impl ContainerRuntime for DockerRuntime {
 }
 
 /// Removes a container in the background if the future that owns it is dropped early.
+#[derive(Debug)]
 struct RemoveOnDrop {
     docker: Docker,
     id: Option<String>,

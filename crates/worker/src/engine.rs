@@ -196,14 +196,19 @@ impl<R: ContainerRuntime> Engine<R> {
                 reason: "a worker started the run".into(),
             },
         );
-        let (started, prepared) = tokio::join!(started, self.prepare(run));
+        // A fresh run's first implementer container is created during the clone as well.
+        let fresh = run.job.resume.is_none();
+        let (started, prepared) = tokio::join!(started, self.prepare(run, fresh));
         started?;
-        if let Err(error) = prepared {
-            return Ok(Some((
-                RunState::Failed,
-                format!("cannot prepare the workspace: {error}"),
-            )));
-        }
+        let mut ahead = match prepared {
+            Ok(ahead) => ahead,
+            Err(error) => {
+                return Ok(Some((
+                    RunState::Failed,
+                    format!("cannot prepare the workspace: {error}"),
+                )))
+            }
+        };
         let cancel_user = cancel;
         let cancel = stop;
         let mut machine = RunMachine::new(run.limits());
@@ -236,8 +241,17 @@ impl<R: ContainerRuntime> Engine<R> {
             } else {
                 match machine.phase.clone() {
                     Phase::Implement { round, reason } => {
-                        self.implement(run, sink, cancel, round, &reason, machine.cycles_used)
-                            .await?
+                        let ahead = ahead.take();
+                        self.implement(
+                            run,
+                            sink,
+                            cancel,
+                            round,
+                            &reason,
+                            machine.cycles_used,
+                            ahead,
+                        )
+                        .await?
                     }
                     Phase::Verify { round, tree } => {
                         self.verify(run, sink, cancel, round, &tree).await?
@@ -279,27 +293,53 @@ impl<R: ContainerRuntime> Engine<R> {
     }
 
     /// Clones the repository into the run's workspace.
-    async fn prepare(&self, run: &mut RunContext<'_>) -> Result<(), String> {
+    /// Makes the run's folder and clones the repository into it. With `ahead`, the first
+    /// implementer's container is created while the clone runs, and returned.
+    async fn prepare(
+        &self,
+        run: &mut RunContext<'_>,
+        ahead: bool,
+    ) -> Result<Option<Ahead<R::Created>>, String> {
         remove_dir(&run.root).await.map_err(|e| e.to_string())?;
         tokio::fs::create_dir_all(&run.root)
             .await
             .map_err(|e| format!("{}: {e}", run.root.display()))?;
         let repository = &run.job.repository;
-        run.base = git::clone_at(&repository.url, repository.git_ref.as_deref(), &run.src)
-            .await
-            .map_err(|e| e.to_string())?;
-        Ok(())
+        let src = run.src.clone();
+        let clone = git::clone_at(&repository.url, repository.git_ref.as_deref(), &src);
+        let (cloned, created) = if ahead {
+            let (cloned, created) = tokio::join!(clone, self.create_first_implementer(run));
+            (cloned, created)
+        } else {
+            (clone.await, None)
+        };
+        run.base = cloned.map_err(|e| e.to_string())?;
+        Ok(created)
     }
 
-    async fn implement<S: EventSink>(
+    /// The first round's implementer: its folders, spec and (when the engine accepts it) its
+    /// container. `None` when its folders cannot be written; the round then tries again and
+    /// reports the error.
+    async fn create_first_implementer(
         &self,
         run: &mut RunContext<'_>,
-        sink: &S,
-        cancel: &CancellationToken,
+    ) -> Option<Ahead<R::Created>> {
+        let spec = self
+            .implement_spec(run, 1, &RoundReason::Initial, 0)
+            .await
+            .ok()?;
+        let created = self.runtime.create_stage(spec.clone()).await.ok();
+        Some(Ahead { spec, created })
+    }
+
+    /// The implementer's prompt and folders for a round, and its container's spec.
+    async fn implement_spec(
+        &self,
+        run: &mut RunContext<'_>,
         round: u32,
         reason: &RoundReason,
         cycles_used: u32,
-    ) -> Result<Input, PublishEvent> {
+    ) -> Result<StageSpec, String> {
         let job = run.job;
         let mut prompt = format!(
             "{}\n\n## Brief\n\n{}\n",
@@ -315,16 +355,10 @@ impl<R: ContainerRuntime> Engine<R> {
                 prompt.push_str(&format!("\n## Failed Checks\n\n{}\n", report.trim()))
             }
         }
-        let stage_dir = match run.stage_dirs(Stage::Implement, &prompt, None).await {
-            Ok(dir) => dir,
-            Err(error) => return Ok(Input::StageFailed { reason: error }),
-        };
-        if let Err(error) = run.write_workspace_history().await {
-            return Ok(Input::StageFailed { reason: error });
-        }
+        let stage_dir = run.stage_dirs(Stage::Implement, &prompt, None).await?;
         let profile = &job.implementer;
         let mounts = agent_mounts(&run.src, false, &stage_dir);
-        let spec = self.spec(
+        Ok(self.spec(
             run,
             Stage::Implement,
             profile,
@@ -334,9 +368,43 @@ impl<R: ContainerRuntime> Engine<R> {
             profile.timeout_seconds,
             cycles_used + 1,
             round,
-        );
+        ))
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    async fn implement<S: EventSink>(
+        &self,
+        run: &mut RunContext<'_>,
+        sink: &S,
+        cancel: &CancellationToken,
+        round: u32,
+        reason: &RoundReason,
+        cycles_used: u32,
+        ahead: Option<Ahead<R::Created>>,
+    ) -> Result<Input, PublishEvent> {
+        let job = run.job;
+        let profile = &job.implementer;
+        let (spec, created) = match ahead {
+            Some(ahead) => (ahead.spec, ahead.created),
+            None => match self.implement_spec(run, round, reason, cycles_used).await {
+                Ok(spec) => (spec, None),
+                Err(error) => return Ok(Input::StageFailed { reason: error }),
+            },
+        };
+        if let Err(error) = run.write_workspace_history().await {
+            return Ok(Input::StageFailed { reason: error });
+        }
         let output = match self
-            .run_stage(run, sink, cancel, spec, Stage::Implement, round, None)
+            .run_stage(
+                run,
+                sink,
+                cancel,
+                spec,
+                created,
+                Stage::Implement,
+                round,
+                None,
+            )
             .await?
         {
             Ok(output) => output,
@@ -419,7 +487,7 @@ impl<R: ContainerRuntime> Engine<R> {
             spec.env.retain(|e| e.starts_with("FORGE_"));
             spec.redact.clear();
             let output = match self
-                .run_stage(run, sink, cancel, spec, Stage::Verify, round, None)
+                .run_stage(run, sink, cancel, spec, None, Stage::Verify, round, None)
                 .await?
             {
                 Ok(output) => output,
@@ -521,7 +589,16 @@ impl<R: ContainerRuntime> Engine<R> {
         );
         let started = Instant::now();
         let output = match self
-            .run_stage(run, sink, cancel, spec, Stage::Review, round, Some(cycle))
+            .run_stage(
+                run,
+                sink,
+                cancel,
+                spec,
+                None,
+                Stage::Review,
+                round,
+                Some(cycle),
+            )
             .await?
         {
             Ok(output) => output,
@@ -696,7 +773,16 @@ impl<R: ContainerRuntime> Engine<R> {
         );
         let round = run.rounds.last().map_or(0, |r| r.round);
         let output = match self
-            .run_stage(run, sink, cancel, spec, Stage::FinalReview, round, None)
+            .run_stage(
+                run,
+                sink,
+                cancel,
+                spec,
+                None,
+                Stage::FinalReview,
+                round,
+                None,
+            )
             .await?
         {
             Ok(output) => output,
@@ -879,6 +965,7 @@ impl<R: ContainerRuntime> Engine<R> {
         sink: &S,
         cancel: &CancellationToken,
         spec: StageSpec,
+        created: Option<R::Created>,
         stage: Stage,
         round: u32,
         cycle: Option<u32>,
@@ -903,7 +990,20 @@ impl<R: ContainerRuntime> Engine<R> {
         tokio::pin!(started);
         let mut announced = false;
         let (log_sender, mut log_receiver) = mpsc::channel::<LogChunk>(256);
-        let container = self.runtime.run_stage(spec, log_sender, cancel.clone());
+        let container = async {
+            match created {
+                Some(created) => {
+                    self.runtime
+                        .run_created(created, log_sender, cancel.clone())
+                        .await
+                }
+                None => {
+                    self.runtime
+                        .run_stage(spec, log_sender, cancel.clone())
+                        .await
+                }
+            }
+        };
         tokio::pin!(container);
         let mut ticker = tokio::time::interval(self.config.poll_interval);
         ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -1013,6 +1113,14 @@ impl<R: ContainerRuntime> Engine<R> {
         let dir = dir.to_path_buf();
         let _ = tokio::task::spawn_blocking(move || chown_tree(&dir, uid, gid)).await;
     }
+}
+
+/// The first implementer of a fresh run, prepared while its repository is cloned: its spec
+/// (its folders are written) and its container, unless the engine refused to create it then
+/// (the stage creates it again, and reports the error).
+struct Ahead<C> {
+    spec: StageSpec,
+    created: Option<C>,
 }
 
 /// What a checkpoint keeps of a paused run besides its source: the loop's state (its phase is

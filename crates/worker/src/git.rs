@@ -154,23 +154,19 @@ pub async fn clone_at(url: &str, reference: Option<&str>, dest: &Path) -> Result
 }
 
 /// Clones `url` with `reference` (a branch or tag; the default branch when `None`) checked
-/// out, detaches HEAD and points `base` at it: three git processes. A `file://` URL of an
-/// absolute path is cloned as a local path: git copies the object files (never hardlinks,
-/// since stage users get the copy) instead of running the pack protocol.
+/// out, detaches HEAD and points `base` at it: three git processes. Only that branch's
+/// history is fetched (`--single-branch`): a repository's other branches (every delivered
+/// `forge/*` branch among them) cost nothing. Local paths go through the pack protocol too,
+/// which measured faster than copying the object files, and never hardlinks them into a
+/// folder that stage users own.
 async fn clone_named(url: &str, reference: Option<&str>, dest: &Path) -> Result<String, GitError> {
     let parent = dest.parent().unwrap_or(Path::new("/"));
     let dest_text = dest.to_string_lossy();
-    let local = url
-        .strip_prefix("file://")
-        .filter(|path| path.starts_with('/') && !path.contains('%'));
-    let mut args = vec!["clone", "--quiet"];
-    if local.is_some() {
-        args.push("--no-hardlinks");
-    }
+    let mut args = vec!["clone", "--quiet", "--single-branch", "--no-local"];
     if let Some(reference) = reference {
         args.extend(["--branch", reference]);
     }
-    args.extend(["--", local.unwrap_or(url), &dest_text]);
+    args.extend(["--", url, &dest_text]);
     git(parent, &args).await?;
     let commit = git(dest, &["rev-parse", "--verify", "HEAD^{commit}"]).await?;
     let updates = format!("update HEAD {commit}\nupdate refs/heads/base {commit}\n");

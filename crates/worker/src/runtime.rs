@@ -173,14 +173,38 @@ pub enum RuntimeError {
 
 /// Runs stage containers.
 pub trait ContainerRuntime: Send + Sync + 'static {
-    /// Runs a stage to completion, sending its output while it runs. The container is removed
-    /// afterwards whatever happens, including timeouts and cancellation.
+    /// A stage container created and not started yet. Dropping it removes the container.
+    type Created: Send + Sync + 'static;
+
+    /// Creates a stage's container without starting it, so that the creation can overlap
+    /// other work (the run's clone). Its mounts' sources need not be filled yet.
+    fn create_stage(
+        &self,
+        spec: StageSpec,
+    ) -> impl Future<Output = Result<Self::Created, RuntimeError>> + Send;
+
+    /// Starts a created stage and runs it to completion, sending its output while it runs.
+    /// The container is removed afterwards whatever happens, including timeouts and
+    /// cancellation.
+    fn run_created(
+        &self,
+        created: Self::Created,
+        logs: mpsc::Sender<LogChunk>,
+        cancel: CancellationToken,
+    ) -> impl Future<Output = Result<StageOutput, RuntimeError>> + Send;
+
+    /// Creates a stage's container and runs it to completion (see [`Self::run_created`]).
     fn run_stage(
         &self,
         spec: StageSpec,
         logs: mpsc::Sender<LogChunk>,
         cancel: CancellationToken,
-    ) -> impl Future<Output = Result<StageOutput, RuntimeError>> + Send;
+    ) -> impl Future<Output = Result<StageOutput, RuntimeError>> + Send {
+        async move {
+            let created = self.create_stage(spec).await?;
+            self.run_created(created, logs, cancel).await
+        }
+    }
 
     /// Removes containers left by earlier instances of this worker, and overdue containers of
     /// any worker. Returns how many were removed.
