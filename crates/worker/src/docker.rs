@@ -299,24 +299,20 @@ impl DockerRuntime {
             }
             exit
         };
-        // The output is read while the container runs. Once it has stopped, the log stream
-        // gets LOG_DRAIN to end: a follow request that races the container's exit can stay
-        // open for ever on some engines (Docker 20.10), and must not hold a finished stage.
+        // The output is read while the container runs. Once it has stopped, each read of the
+        // log stream gets LOG_DRAIN: a follow request that races the container's exit can
+        // stay open for ever on some engines (Docker 20.10), and must not hold a finished
+        // stage. Forwarding what was read is never cut short.
+        let (stopped, stop_seen) = tokio::sync::watch::channel(false);
         let mut collected = Collected::default();
-        let exit = {
-            let following = collected.follow(&self.docker, id, &spec.redact, &logs);
-            tokio::pin!(following);
-            tokio::pin!(limited);
-            tokio::select! {
-                exit = &mut limited => {
-                    if tokio::time::timeout(LOG_DRAIN, &mut following).await.is_err() {
-                        tracing::warn!(container = %spec.name, "the log stream stayed open after the container stopped; it was closed");
-                    }
-                    exit
-                }
-                () = &mut following => limited.await,
-            }
-        };
+        let (exit, ()) = tokio::join!(
+            async {
+                let exit = limited.await;
+                let _ = stopped.send(true);
+                exit
+            },
+            collected.follow(&self.docker, id, &spec.redact, &logs, stop_seen)
+        );
         let (stdout, combined) = collected.finish(&spec.redact, &logs).await;
         Ok((exit?, stdout, combined))
     }
@@ -558,6 +554,7 @@ impl Collected {
         id: &str,
         secrets: &[String],
         logs: &mpsc::Sender<LogChunk>,
+        mut stopped: tokio::sync::watch::Receiver<bool>,
     ) {
         let options = LogsOptions::<String> {
             follow: true,
@@ -567,7 +564,29 @@ impl Collected {
             ..Default::default()
         };
         let mut stream = docker.logs(id, Some(options));
-        while let Some(item) = stream.next().await {
+        let mut container_stopped = *stopped.borrow();
+        loop {
+            let item = if container_stopped {
+                match tokio::time::timeout(LOG_DRAIN, stream.next()).await {
+                    Ok(item) => item,
+                    Err(_) => {
+                        tracing::warn!(container = %id, "the log stream stayed open after the container stopped; it was closed");
+                        break;
+                    }
+                }
+            } else {
+                tokio::select! {
+                    item = stream.next() => item,
+                    // A dropped sender means the same: the container is done.
+                    _ = stopped.changed() => {
+                        container_stopped = true;
+                        continue;
+                    }
+                }
+            };
+            let Some(item) = item else {
+                break;
+            };
             let (stream_kind, bytes) = match item {
                 Ok(LogOutput::StdOut { message }) => (LogStream::Stdout, message),
                 Ok(LogOutput::StdErr { message }) => (LogStream::Stderr, message),

@@ -307,6 +307,7 @@ impl<R: ContainerRuntime> Engine<R> {
         let repository = &run.job.repository;
         let src = run.src.clone();
         let clone = git::clone_at(&repository.url, repository.git_ref.as_deref(), &src);
+        let began = Instant::now();
         let (cloned, created) = if ahead {
             let (cloned, created) = tokio::join!(clone, self.create_first_implementer(run));
             (cloned, created)
@@ -314,12 +315,18 @@ impl<R: ContainerRuntime> Engine<R> {
             (clone.await, None)
         };
         run.base = cloned.map_err(|e| e.to_string())?;
+        // A container's deadline label allows one GIT_TIMEOUT between its creation and its
+        // start: after a clone that long, it is dropped (and removed), and made again.
+        if began.elapsed() > git::GIT_TIMEOUT / 2 {
+            return Ok(None);
+        }
         Ok(created)
     }
 
-    /// The first round's implementer: its folders, spec and (when the engine accepts it) its
-    /// container. `None` when its folders cannot be written; the round then tries again and
-    /// reports the error.
+    /// The first round's implementer: its folders, spec and container. `None` when either
+    /// cannot be made now; the round then makes them again, under a new stage number (a
+    /// create that timed out may still have made a container of that name), and reports the
+    /// error.
     async fn create_first_implementer(
         &self,
         run: &mut RunContext<'_>,
@@ -328,7 +335,7 @@ impl<R: ContainerRuntime> Engine<R> {
             .implement_spec(run, 1, &RoundReason::Initial, 0)
             .await
             .ok()?;
-        let created = self.runtime.create_stage(spec.clone()).await.ok();
+        let created = self.runtime.create_stage(spec.clone()).await.ok()?;
         Some(Ahead { spec, created })
     }
 
@@ -385,7 +392,7 @@ impl<R: ContainerRuntime> Engine<R> {
         let job = run.job;
         let profile = &job.implementer;
         let (spec, created) = match ahead {
-            Some(ahead) => (ahead.spec, ahead.created),
+            Some(ahead) => (ahead.spec, Some(ahead.created)),
             None => match self.implement_spec(run, round, reason, cycles_used).await {
                 Ok(spec) => (spec, None),
                 Err(error) => return Ok(Input::StageFailed { reason: error }),
@@ -1116,11 +1123,10 @@ impl<R: ContainerRuntime> Engine<R> {
 }
 
 /// The first implementer of a fresh run, prepared while its repository is cloned: its spec
-/// (its folders are written) and its container, unless the engine refused to create it then
-/// (the stage creates it again, and reports the error).
+/// (its folders are written) and its container, not started.
 struct Ahead<C> {
     spec: StageSpec,
-    created: Option<C>,
+    created: C,
 }
 
 /// What a checkpoint keeps of a paused run besides its source: the loop's state (its phase is

@@ -124,7 +124,15 @@ pub async fn clone_at(url: &str, reference: Option<&str>, dest: &Path) -> Result
     let dest_text = dest.to_string_lossy();
     git(
         parent,
-        &["clone", "--quiet", "--no-checkout", "--", url, &dest_text],
+        &[
+            "clone",
+            "--quiet",
+            "--no-checkout",
+            "--no-local",
+            "--",
+            url,
+            &dest_text,
+        ],
     )
     .await?;
     let commit = match reference {

@@ -352,6 +352,8 @@ struct Shared {
     slots: Arc<Semaphore>,
     /// Fired when in-flight runs must stop and be handed back.
     interrupt: CancellationToken,
+    /// Fired when the worker stops taking work (SIGTERM): jobs not started yet go back.
+    draining: CancellationToken,
 }
 
 /// Runs the worker until `shutdown` is cancelled, then drains: no new jobs, in-flight runs get
@@ -385,6 +387,7 @@ pub async fn run(
         lease_generation: std::sync::atomic::AtomicU64::new(0),
         running: Mutex::new(HashMap::new()),
         interrupt: CancellationToken::new(),
+        draining: CancellationToken::new(),
     });
     if let Err(error) = shared.engine.runtime().remove_orphans_now().await {
         warn!(%error, "orphan cleanup failed");
@@ -397,6 +400,7 @@ pub async fn run(
     shared.metrics.set_run_slots(shared.config.concurrency);
     info!(worker = %shared.config.worker_id, slots = shared.config.concurrency, "worker started");
     let consuming = consume_jobs(Arc::clone(&shared), &runs, shutdown.clone()).await;
+    shared.draining.cancel();
 
     info!(in_flight = runs.len(), "draining");
     runs.close();
@@ -658,7 +662,13 @@ async fn take_delivery(
             // (a broker restart drops every lease at once): give that worker time to take its
             // lease again before this one tries.
             if delivery.redelivered && !shared.running.lock().await.contains_key(&job.run_id) {
-                tokio::time::sleep(REDELIVERY_GRACE).await;
+                tokio::select! {
+                    () = tokio::time::sleep(REDELIVERY_GRACE) => {}
+                    () = shared.draining.cancelled() => {
+                        let _ = requeue(&delivery).await;
+                        return;
+                    }
+                }
             }
             let Ok(permit) = Arc::clone(&shared.slots).acquire_owned().await else {
                 let _ = requeue(&delivery).await;
