@@ -534,11 +534,8 @@ impl Drop for RemoveOnDrop {
     }
 }
 
-/// Streams a container's output: sends complete lines as chunks, and returns the captured
-/// stdout and the combined output (both redacted).
-/// A stage's output as it is read: the captured stdout, the combined tail, and the partial
-/// lines of each stream not yet forwarded. It lives outside the reading future, so that what
-/// was read is kept when that future is given up.
+/// A stage's output as it is read: the captured stdout and the combined tail (both redacted),
+/// and the partial lines of each stream not yet forwarded as chunks.
 #[derive(Debug, Default)]
 struct Collected {
     stdout: String,

@@ -309,8 +309,7 @@ impl<R: ContainerRuntime> Engine<R> {
         let clone = git::clone_at(&repository.url, repository.git_ref.as_deref(), &src);
         let began = Instant::now();
         let (cloned, created) = if ahead {
-            let (cloned, created) = tokio::join!(clone, self.create_first_implementer(run));
-            (cloned, created)
+            tokio::join!(clone, self.create_first_implementer(run))
         } else {
             (clone.await, None)
         };

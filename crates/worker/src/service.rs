@@ -73,32 +73,27 @@ pub struct AmqpSink {
 
 impl EventSink for AmqpSink {
     async fn publish(&self, event: Event) -> Result<(), PublishEvent> {
-        let payload = serde_json::to_vec(&event).map_err(|e| PublishEvent(e.to_string()))?;
-        self.publisher
-            .publish_reliably(
-                &self.topology.events(),
-                &event.routing_key(),
-                &payload,
-                self.deadline,
-            )
-            .await
-            .map_err(|e| PublishEvent(e.to_string()))
+        self.send(&event, true).await
     }
 }
 
 impl AmqpSink {
-    /// Publishes a heartbeat of `run_id` once, without retrying.
-    async fn publish_once(&self, run_id: Uuid, worker: &str) -> Result<(), AmqpError> {
-        let beat = Event::new(
-            run_id,
-            EventKind::Heartbeat {
-                worker: worker.to_string(),
-            },
-        );
-        let payload = serde_json::to_vec(&beat).map_err(|e| AmqpError::Pool(e.to_string()))?;
-        self.publisher
-            .publish(&self.topology.events(), &beat.routing_key(), &payload, None)
-            .await
+    /// Publishes `event` to the events exchange: `reliably` retries through a broker restart
+    /// for up to the publish deadline; otherwise there is one attempt (a heartbeat, which the
+    /// next one replaces).
+    async fn send(&self, event: &Event, reliably: bool) -> Result<(), PublishEvent> {
+        let payload = serde_json::to_vec(event).map_err(|e| PublishEvent(e.to_string()))?;
+        let (exchange, key) = (self.topology.events(), event.routing_key());
+        let sent = if reliably {
+            self.publisher
+                .publish_reliably(&exchange, &key, &payload, self.deadline)
+                .await
+        } else {
+            self.publisher
+                .publish(&exchange, &key, &payload, None)
+                .await
+        };
+        sent.map_err(|e| PublishEvent(e.to_string()))
     }
 }
 
@@ -683,7 +678,7 @@ async fn take_delivery(
 
 /// How long a redelivered job waits before its lease is tried: two sweeps, in which a live
 /// worker that still runs it declares its lease again.
-const REDELIVERY_GRACE: Duration = Duration::from_secs(10);
+const REDELIVERY_GRACE: Duration = Duration::from_secs(2 * SWEEP_INTERVAL.as_secs());
 
 /// The largest job message a worker reads.
 pub const MAX_JOB_BYTES: usize = 4 * 1024 * 1024;
@@ -778,11 +773,13 @@ async fn run_job(shared: &Shared, job: Job, delivery: lapin::message::Delivery) 
         heartbeat.tick().await;
         loop {
             heartbeat.tick().await;
-            if let Err(error) = shared
-                .sink
-                .publish_once(run_id, &shared.config.worker_id)
-                .await
-            {
+            let beat = Event::new(
+                run_id,
+                EventKind::Heartbeat {
+                    worker: shared.config.worker_id.clone(),
+                },
+            );
+            if let Err(error) = shared.sink.send(&beat, false).await {
                 warn!(%error, "heartbeat not published");
             }
         }
