@@ -13,14 +13,22 @@ scripts/chart-check.sh
 scripts/build-forgepool-image.sh --debug
 
 # The fault tests restart the shared broker and change its settings, so they run on their
-# own, one at a time, after everything else. Panics print no backtrace: a stuck run's failure
-# message ends with a summary of each service's threads, and CI shows the end of the output.
+# own, one at a time, after everything else, even when a test before them failed. Panics print
+# no backtrace: a stuck run's failure message ends with a summary of each service's threads.
+# When a test failed, scripts/diagnose.sh prints the services' state last.
+failed=0
 if cargo nextest --version >/dev/null 2>&1; then
-  RUST_BACKTRACE=0 cargo nextest run --workspace --no-fail-fast -E 'not binary(faults)'
-  RUST_BACKTRACE=0 cargo nextest run --no-fail-fast --test faults -j 1
+  RUST_BACKTRACE=0 cargo nextest run --workspace --no-fail-fast -E 'not binary(faults)' || failed=1
+  RUST_BACKTRACE=0 cargo nextest run --no-fail-fast --test faults -j 1 || failed=1
 else
-  RUST_BACKTRACE=0 cargo test --workspace --no-fail-fast -- --skip a_broker_restart --skip a_run_longer --skip sigterm_drains
-  RUST_BACKTRACE=0 cargo test --no-fail-fast --test faults -- --test-threads 1
+  RUST_BACKTRACE=0 cargo test --workspace --no-fail-fast -- --skip a_broker_restart --skip a_run_longer --skip sigterm_drains || failed=1
+  RUST_BACKTRACE=0 cargo test --no-fail-fast --test faults -- --test-threads 1 || failed=1
+fi
+if [ "$failed" -ne 0 ]; then
+  # The end of the output is what CI shows: the services' state when the suite failed.
+  scripts/diagnose.sh || true
+  echo "some tests failed (see above)" >&2
+  exit 1
 fi
 
 left="$(docker ps -aq --filter label=forgepool.managed=true)"

@@ -534,15 +534,15 @@ async fn cancelling_a_running_run_stops_its_container() {
 
 /// Containers of a run on the engine.
 fn container_count(run_id: &str) -> usize {
-    let output = std::process::Command::new("docker")
-        .args([
+    let output = common::output_within(
+        std::process::Command::new("docker").args([
             "ps",
             "-aq",
             "--filter",
             &format!("label=forgepool.run_id={run_id}"),
-        ])
-        .output()
-        .unwrap();
+        ]),
+        common::COMMAND_LIMIT,
+    );
     String::from_utf8_lossy(&output.stdout).lines().count()
 }
 
@@ -673,8 +673,8 @@ async fn a_worker_killed_during_the_final_review_leaves_an_unknown_outcome_not_a
     // Find the worker whose final reviewer is running, and kill it.
     let deadline = std::time::Instant::now() + Duration::from_secs(60);
     let worker = loop {
-        let output = std::process::Command::new("docker")
-            .args([
+        let output = common::output_within(
+            std::process::Command::new("docker").args([
                 "ps",
                 "--filter",
                 &format!("label=forgepool.run_id={run_id}"),
@@ -682,9 +682,9 @@ async fn a_worker_killed_during_the_final_review_leaves_an_unknown_outcome_not_a
                 "label=forgepool.stage=final_review",
                 "--format",
                 "{{.Label \"forgepool.worker\"}}",
-            ])
-            .output()
-            .unwrap();
+            ]),
+            common::COMMAND_LIMIT,
+        );
         let found = String::from_utf8_lossy(&output.stdout).trim().to_string();
         if !found.is_empty() {
             break found;

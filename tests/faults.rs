@@ -124,15 +124,15 @@ async fn sigterm_drains_a_worker_and_hands_its_run_back() {
         "the worker exits cleanly after draining\n{}",
         cluster.logs()
     );
-    let output = Command::new("docker")
-        .args([
+    let output = common::output_within(
+        std::process::Command::new("docker").args([
             "ps",
             "-aq",
             "--filter",
             &format!("label=forgepool.run_id={id}"),
-        ])
-        .output()
-        .unwrap();
+        ]),
+        common::COMMAND_LIMIT,
+    );
     assert!(
         String::from_utf8_lossy(&output.stdout).trim().is_empty(),
         "the drained worker left its container"

@@ -11,10 +11,7 @@ use std::time::{Duration, Instant};
 const IMAGE: &str = "forgepool:dev";
 
 fn docker(args: &[&str]) -> std::process::Output {
-    Command::new("docker")
-        .args(args)
-        .output()
-        .expect("docker runs")
+    common::output_within(Command::new("docker").args(args), common::COMMAND_LIMIT)
 }
 
 fn require_image() {
@@ -94,7 +91,15 @@ fn the_image_runs_the_dispatcher_as_a_non_root_user() {
         let deadline = Instant::now() + Duration::from_secs(30);
         loop {
             let status = Command::new("curl")
-                .args(["-s", "-o", "/dev/null", "-w", "%{http_code}"])
+                .args([
+                    "-s",
+                    "--max-time",
+                    "5",
+                    "-o",
+                    "/dev/null",
+                    "-w",
+                    "%{http_code}",
+                ])
                 .arg(format!("http://127.0.0.1:{port}/readyz"))
                 .output()
                 .map(|o| String::from_utf8_lossy(&o.stdout).to_string())
@@ -111,7 +116,12 @@ fn the_image_runs_the_dispatcher_as_a_non_root_user() {
         let deadline = Instant::now() + Duration::from_secs(20);
         loop {
             let text = Command::new("curl")
-                .args(["-s", &format!("http://127.0.0.1:{port}/metrics")])
+                .args([
+                    "-s",
+                    "--max-time",
+                    "5",
+                    &format!("http://127.0.0.1:{port}/metrics"),
+                ])
                 .output()
                 .map(|o| String::from_utf8_lossy(&o.stdout).to_string())
                 .unwrap_or_default();

@@ -4,6 +4,7 @@
 use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
+use std::sync::mpsc::RecvTimeoutError;
 use std::time::{Duration, Instant};
 
 use lapin::options::{BasicGetOptions, BasicPublishOptions, QueueDeleteOptions};
@@ -32,6 +33,21 @@ pub fn require_rabbitmq() {
     {
         panic!("RabbitMQ is not reachable on 127.0.0.1:5672: start it with `scripts/services.sh` and run the tests again");
     }
+}
+
+/// How long one request to the dispatcher's API may take, its body included.
+pub const HTTP_LIMIT: Duration = Duration::from_secs(120);
+
+/// How long one exchange with the broker by the harness may take.
+const BROKER_LIMIT: Duration = Duration::from_secs(30);
+
+/// Awaits `work` for at most [`BROKER_LIMIT`]; past it, panics saying what the broker did not do.
+async fn on_broker<T>(what: &str, work: impl std::future::Future<Output = T>) -> T {
+    tokio::time::timeout(BROKER_LIMIT, work)
+        .await
+        .unwrap_or_else(|_| {
+            panic!("RabbitMQ did not {what} within {BROKER_LIMIT:?} (`rabbitmq-diagnostics status` shows its state)")
+        })
 }
 
 /// A running process with its captured output.
@@ -133,7 +149,11 @@ impl Cluster {
             env: options.env,
             dispatcher: None,
             workers: Vec::new(),
-            http: reqwest::Client::new(),
+            // No request may hang a test: a dispatcher that stops answering fails it.
+            http: reqwest::Client::builder()
+                .timeout(HTTP_LIMIT)
+                .build()
+                .unwrap(),
         };
         cluster.start_dispatcher();
         for i in 0..workers {
@@ -412,67 +432,79 @@ impl Cluster {
         let properties = ConnectionProperties::default()
             .with_executor(tokio_executor_trait::Tokio::current())
             .with_reactor(tokio_reactor_trait::Tokio);
-        Connection::connect(AMQP_URL, properties).await.unwrap()
+        on_broker(
+            "accept a connection",
+            Connection::connect(AMQP_URL, properties),
+        )
+        .await
+        .unwrap()
     }
 
     /// Publishes raw bytes to a queue of this cluster (`jobs`, `submissions`…).
     pub async fn publish_raw(&self, queue: &str, payload: &[u8], reply_to: Option<&str>) {
         let connection = self.broker().await;
-        let channel = connection.create_channel().await.unwrap();
-        // Confirms make sure the broker has the message before the connection closes.
-        channel
-            .confirm_select(lapin::options::ConfirmSelectOptions::default())
-            .await
-            .unwrap();
-        let mut properties = BasicProperties::default().with_delivery_mode(2);
-        if let Some(reply_to) = reply_to {
-            properties = properties.with_reply_to(reply_to.into());
-        }
-        channel
-            .basic_publish(
-                "",
-                &format!("{}.{queue}", self.prefix),
-                BasicPublishOptions::default(),
-                payload,
-                properties,
-            )
-            .await
-            .unwrap()
-            .await
-            .unwrap();
-        let _ = connection.close(200, "bye").await;
+        let publish = async {
+            let channel = connection.create_channel().await.unwrap();
+            // Confirms make sure the broker has the message before the connection closes.
+            channel
+                .confirm_select(lapin::options::ConfirmSelectOptions::default())
+                .await
+                .unwrap();
+            let mut properties = BasicProperties::default().with_delivery_mode(2);
+            if let Some(reply_to) = reply_to {
+                properties = properties.with_reply_to(reply_to.into());
+            }
+            channel
+                .basic_publish(
+                    "",
+                    &format!("{}.{queue}", self.prefix),
+                    BasicPublishOptions::default(),
+                    payload,
+                    properties,
+                )
+                .await
+                .unwrap()
+                .await
+                .unwrap();
+        };
+        on_broker("confirm a publish", publish).await;
+        let _ = on_broker("close a connection", connection.close(200, "bye")).await;
     }
 
     /// Takes every message from the dead-letter queue: (payload, reason header).
     pub async fn dead_letters(&self) -> Vec<(Vec<u8>, String)> {
         let connection = self.broker().await;
-        let channel = connection.create_channel().await.unwrap();
-        let mut found = Vec::new();
-        while let Some(message) = channel
-            .basic_get(
-                &format!("{}.dead", self.prefix),
-                BasicGetOptions { no_ack: true },
-            )
-            .await
-            .unwrap()
-        {
-            let reason = message
-                .delivery
-                .properties
-                .headers()
-                .as_ref()
-                .and_then(|h| h.inner().get("x-forgepool-reason").cloned())
-                .and_then(|v| {
-                    if let lapin::types::AMQPValue::LongString(s) = v {
-                        Some(s.to_string())
-                    } else {
-                        None
-                    }
-                })
-                .unwrap_or_default();
-            found.push((message.delivery.data.clone(), reason));
-        }
-        let _ = connection.close(200, "bye").await;
+        let take = async {
+            let channel = connection.create_channel().await.unwrap();
+            let mut found = Vec::new();
+            while let Some(message) = channel
+                .basic_get(
+                    &format!("{}.dead", self.prefix),
+                    BasicGetOptions { no_ack: true },
+                )
+                .await
+                .unwrap()
+            {
+                let reason = message
+                    .delivery
+                    .properties
+                    .headers()
+                    .as_ref()
+                    .and_then(|h| h.inner().get("x-forgepool-reason").cloned())
+                    .and_then(|v| {
+                        if let lapin::types::AMQPValue::LongString(s) = v {
+                            Some(s.to_string())
+                        } else {
+                            None
+                        }
+                    })
+                    .unwrap_or_default();
+                found.push((message.delivery.data.clone(), reason));
+            }
+            found
+        };
+        let found = on_broker("hand over the dead letters", take).await;
+        let _ = on_broker("close a connection", connection.close(200, "bye")).await;
         found
     }
 
@@ -494,8 +526,12 @@ impl Cluster {
             .unwrap_or(0)
     }
 
-    /// Deletes this cluster's queues from the broker.
-    pub async fn delete_queues(&self) {
+    /// Stops the services, then deletes this cluster's queues from the broker; the end of a
+    /// test that passed. The services go first: a consumer whose queue is deleted declares
+    /// the topology again, and a quorum queue declared while it is being deleted can leave
+    /// RabbitMQ 3.10 unable to declare any quorum queue again.
+    pub async fn delete_queues(mut self) {
+        self.stop_services(Duration::from_secs(15));
         let connection = self.broker().await;
         for queue in [
             "submissions",
@@ -505,45 +541,91 @@ impl Cluster {
             "dispatcher.dead",
             "dispatcher.events",
         ] {
-            if let Ok(channel) = connection.create_channel().await {
-                let _ = channel
+            let delete = async {
+                let channel = connection.create_channel().await?;
+                channel
                     .queue_delete(
                         &format!("{}.{queue}", self.prefix),
                         QueueDeleteOptions::default(),
                     )
-                    .await;
-            }
+                    .await
+            };
+            on_broker("delete a queue", delete)
+                .await
+                .unwrap_or_else(|e| panic!("the queue {queue} cannot be deleted: {e}"));
         }
-        let _ = connection.close(200, "bye").await;
+        let _ = on_broker("close a connection", connection.close(200, "bye")).await;
+    }
+
+    /// Sends SIGTERM to the dispatcher and every worker, and waits up to `limit` for all of
+    /// them to exit (those still running are killed).
+    pub fn stop_services(&mut self, limit: Duration) {
+        let services: Vec<&mut Service> = self
+            .dispatcher
+            .iter_mut()
+            .chain(self.workers.iter_mut())
+            .collect();
+        for service in &services {
+            let _ = Command::new("kill")
+                .args(["-TERM", &service.child.id().to_string()])
+                .status();
+        }
+        let deadline = Instant::now() + limit;
+        for service in services {
+            while Instant::now() < deadline && matches!(service.child.try_wait(), Ok(None)) {
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            service.kill();
+        }
     }
 }
+
+/// How long a service may take to print its ready line. The dispatcher prints it once the
+/// broker topology is declared; it retries a broker that does not answer for longer than this.
+const READY_LIMIT: Duration = Duration::from_secs(90);
 
 fn spawn(mut command: Command, log: PathBuf, ready: &str) -> Service {
     let mut child = command.spawn().expect("the forgepool binary starts");
     let stdout = child.stdout.take().unwrap();
-    let mut reader = BufReader::new(stdout);
-    let mut line = String::new();
-    let address = loop {
-        line.clear();
-        if reader.read_line(&mut line).unwrap_or(0) == 0 {
-            let logged = std::fs::read_to_string(&log).unwrap_or_default();
-            panic!("the service exited before it was ready:\n{logged}");
-        }
-        if let Some(at) = line.find(ready) {
-            break line[at + ready.len()..].trim().to_string();
-        }
-    };
-    // Keep draining stdout so the service never blocks on a full pipe.
+    // Read stdout on a thread of its own, which keeps draining it afterwards so the service
+    // never blocks on a full pipe; the ready line comes back over a channel, boundedly.
+    let (found, address) = std::sync::mpsc::channel();
+    let ready = ready.to_string();
     std::thread::spawn(move || {
-        let mut sink = String::new();
-        while reader.read_line(&mut sink).unwrap_or(0) > 0 {
-            sink.clear();
+        let mut reader = BufReader::new(stdout);
+        let mut line = String::new();
+        let mut found = Some(found);
+        while reader.read_line(&mut line).unwrap_or(0) > 0 {
+            if let Some(at) = line.find(&ready) {
+                if let Some(found) = found.take() {
+                    let _ = found.send(line[at + ready.len()..].trim().to_string());
+                }
+            }
+            line.clear();
         }
     });
-    Service {
-        child,
-        address,
-        log,
+    match address.recv_timeout(READY_LIMIT) {
+        Ok(address) => Service {
+            child,
+            address,
+            log,
+        },
+        Err(error) => {
+            let exited = child.try_wait().ok().flatten();
+            let _ = child.kill();
+            let _ = child.wait();
+            let logged = std::fs::read_to_string(&log).unwrap_or_default();
+            let what = match (error, exited) {
+                (_, Some(status)) => format!("the service exited ({status}) before it was ready"),
+                (RecvTimeoutError::Disconnected, None) => {
+                    "the service closed its output before it was ready".to_string()
+                }
+                (RecvTimeoutError::Timeout, None) => format!(
+                    "the service was not ready within {READY_LIMIT:?} (is RabbitMQ answering? `rabbitmq-diagnostics status`)"
+                ),
+            };
+            panic!("{what}:\n{logged}");
+        }
     }
 }
 

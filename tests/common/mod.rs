@@ -9,8 +9,10 @@
 pub mod cluster;
 pub mod postgres;
 
+use std::io::Read;
 use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
 
 use dispatcher::store::{RunRecord, RunStore, SqliteStore};
 use proto::Event;
@@ -19,16 +21,73 @@ use uuid::Uuid;
 /// The image the test agents live in; `scripts/build-images.sh` builds it.
 pub const TEST_IMAGE: &str = "forgepool-test-agent:dev";
 
+/// How long a command of the harness (docker, curl, rabbitmqctl) may take.
+pub const COMMAND_LIMIT: Duration = Duration::from_secs(60);
+
+/// Runs `command` to its end within `limit`; past it, kills it and panics naming it. No test
+/// waits on an engine or a broker that stopped answering: it fails and says which.
+pub fn output_within(command: &mut Command, limit: Duration) -> Output {
+    let what = format!("{command:?}");
+    let mut child = command
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap_or_else(|e| panic!("{what} cannot start: {e}"));
+    // Read both pipes beside the wait, so that a full pipe never stalls the command.
+    let drain = |pipe: Option<Box<dyn Read + Send>>| {
+        std::thread::spawn(move || {
+            let mut bytes = Vec::new();
+            if let Some(mut pipe) = pipe {
+                let _ = pipe.read_to_end(&mut bytes);
+            }
+            bytes
+        })
+    };
+    let stdout = drain(
+        child
+            .stdout
+            .take()
+            .map(|p| Box::new(p) as Box<dyn Read + Send>),
+    );
+    let stderr = drain(
+        child
+            .stderr
+            .take()
+            .map(|p| Box::new(p) as Box<dyn Read + Send>),
+    );
+    let started = Instant::now();
+    let status = loop {
+        if let Some(status) = child.try_wait().expect("the command can be waited on") {
+            break status;
+        }
+        if started.elapsed() > limit {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!(
+                "{what} did not finish within {limit:?}: the service it talks to stopped answering"
+            );
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    Output {
+        status,
+        stdout: stdout.join().unwrap_or_default(),
+        stderr: stderr.join().unwrap_or_default(),
+    }
+}
+
 /// Fails (never skips) when the Docker engine or the test image is missing.
 pub fn require_docker() {
-    let info = Command::new("docker").arg("info").output();
-    if !info.is_ok_and(|o| o.status.success()) {
+    let info = output_within(Command::new("docker").arg("info"), COMMAND_LIMIT);
+    if !info.status.success() {
         panic!("the Docker engine is not reachable: start it with `scripts/services.sh` (or `dockerd &`) and run the tests again");
     }
-    let image = Command::new("docker")
-        .args(["image", "inspect", TEST_IMAGE])
-        .output();
-    if !image.is_ok_and(|o| o.status.success()) {
+    let image = output_within(
+        Command::new("docker").args(["image", "inspect", TEST_IMAGE]),
+        COMMAND_LIMIT,
+    );
+    if !image.status.success() {
         panic!("the test image {TEST_IMAGE} is missing: build it with `scripts/build-images.sh`");
     }
 }
@@ -198,7 +257,8 @@ impl Fixture {
     /// Runs a forgepool command (from [`Fixture::command`]) and reads back the run it printed.
     pub fn outcome(&self, mut command: Command) -> Outcome {
         let database = self.dir.path().join("runs.db");
-        let output = command.output().expect("the forgepool binary runs");
+        // Every stage has its own time limit; this bounds a run that ignores them.
+        let output = output_within(&mut command, Duration::from_secs(240));
         let stdout = String::from_utf8_lossy(&output.stdout).to_string();
         let stderr = String::from_utf8_lossy(&output.stderr).to_string();
         let run_id = stdout
@@ -271,15 +331,15 @@ impl Outcome {
     /// Asserts that no container of this run is left on the engine.
     pub fn assert_no_containers_left(&self) {
         let run_id = self.run_id.expect("a run id");
-        let output = Command::new("docker")
-            .args([
+        let output = output_within(
+            Command::new("docker").args([
                 "ps",
                 "-aq",
                 "--filter",
                 &format!("label=forgepool.run_id={run_id}"),
-            ])
-            .output()
-            .unwrap();
+            ]),
+            COMMAND_LIMIT,
+        );
         let left = String::from_utf8_lossy(&output.stdout).trim().to_string();
         assert!(
             left.is_empty(),
