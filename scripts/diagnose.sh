@@ -19,6 +19,8 @@ echo "forgepool containers: $(probe 20 docker ps -aq --filter label=forgepool.ma
 echo "--- rabbitmq"
 probe 20 rabbitmq-diagnostics -q alarms
 probe 20 rabbitmq-diagnostics -q check_running
+# Once every file handle is in use, RabbitMQ stalls new connections and queues silently.
+echo "file handles: $(probe 20 rabbitmqctl -q eval 'file_handle_cache:info([total_used, total_limit, sockets_used]).' | tr -d '\n ')"
 start=$(date +%s%N)
 queues="$(probe 60 rabbitmqctl -q list_queues --no-table-headers name type state consumers messages)"
 echo "listing queues took $(( ($(date +%s%N) - start) / 1000000 )) ms"
@@ -28,6 +30,8 @@ echo "$queues" | awk '$3 != "running"' | head -20
 log="$(ls -t /var/log/rabbitmq/rabbit@*.log 2>/dev/null | grep -v upgrade | head -1)"
 if [ -n "$log" ]; then
   echo "--- the broker's last errors and warnings ($log)"
-  grep -E '\[(error|warning)\]' "$log" | grep -v 'client unexpectedly closed' | cut -c1-220 | tail -25
+  # The first line of each report (a report's lines share its timestamp).
+  grep -E '\[(error|warning)\]' "$log" | grep -v 'client unexpectedly closed' |
+    awk '$1" "$2 != last { print; last = $1" "$2 }' | cut -c1-220 | tail -20
 fi
 echo "=== end of diagnosis"

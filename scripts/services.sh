@@ -45,6 +45,13 @@ if ! rabbitmq-diagnostics -q ping >/dev/null 2>&1; then
   if [ -n "${RABBITMQ_CONSUMER_TIMEOUT_MS:-}" ]; then
     echo "consumer_timeout = ${RABBITMQ_CONSUMER_TIMEOUT_MS}" > /etc/rabbitmq/rabbitmq.conf
   fi
+  # RabbitMQ 3.10 reserves three file handles for every quorum queue and, once its handles
+  # run out, stalls new connections and queues without an error. Debian starts it through
+  # `su`, whose PAM limits give it 1024 open files: about 300 quorum queues. Raise its limit
+  # towards the 65536 RabbitMQ's documentation asks for (never above this machine's hard limit).
+  nofile="$(ulimit -Hn)"
+  if [ "$nofile" = unlimited ] || [ "$nofile" -gt 65536 ]; then nofile=65536; fi
+  echo "rabbitmq - nofile $nofile" > /etc/security/limits.d/rabbitmq.conf
   rabbitmq-server -detached >/dev/null 2>&1 || true
   for _ in $(seq 1 120); do
     rabbitmq-diagnostics -q ping >/dev/null 2>&1 && break
@@ -53,7 +60,7 @@ if ! rabbitmq-diagnostics -q ping >/dev/null 2>&1; then
   rabbitmq-diagnostics -q ping >/dev/null 2>&1 || { log "rabbitmq-server did not start; see /var/log/rabbitmq/"; exit 1; }
   rabbitmqctl await_startup >/dev/null 2>&1 || true
 fi
-log "rabbitmq ready ($(rabbitmqctl version 2>/dev/null))"
+log "rabbitmq ready ($(rabbitmqctl version 2>/dev/null), $(rabbitmqctl eval 'file_handle_cache:info([total_limit]).' 2>/dev/null | tr -dc '0-9') file handles)"
 
 # PostgreSQL: a role and a database `forgepool` (password `forgepool`) on 127.0.0.1:5432. The
 # role may create databases: the store tests make a fresh one per test.
