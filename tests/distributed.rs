@@ -790,3 +790,89 @@ async fn the_final_review_ledger_on_the_broker_keeps_intents_and_receipts() {
         let _ = channel.queue_delete(&queue, Default::default()).await;
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_api_answers_while_rabbitmq_cannot_be_set_up() {
+    // Nothing listens on port 1: the dispatcher keeps trying to set up its queues.
+    let fixture = Fixture::new(None, &["change"], &["approve"]);
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let log = fixture.dir.path().join("dispatcher.log");
+    let mut dispatcher = std::process::Command::new(env!("CARGO_BIN_EXE_forgepool"))
+        .arg("dispatcher")
+        .args(["--listen", &format!("127.0.0.1:{port}")])
+        .arg("--skills")
+        .arg(&fixture.skills)
+        .arg("--agents")
+        .arg(&fixture.agents)
+        .arg("--database")
+        .arg(fixture.dir.path().join("runs.db"))
+        .env("FORGEPOOL_AMQP_URL", "amqp://guest:guest@127.0.0.1:1/%2f")
+        .env("FORGEPOOL_LOG", "info")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::fs::File::create(&log).unwrap())
+        .spawn()
+        .unwrap();
+    let http = reqwest::Client::builder()
+        .timeout(Duration::from_secs(5))
+        .build()
+        .unwrap();
+    let base = format!("http://127.0.0.1:{port}");
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    let ready = loop {
+        match http.get(format!("{base}/readyz")).send().await {
+            Ok(response) => break response,
+            Err(error) if std::time::Instant::now() < deadline && error.is_connect() => {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            Err(error) => panic!(
+                "/readyz did not answer: {error}\n{}",
+                std::fs::read_to_string(&log).unwrap_or_default()
+            ),
+        }
+    };
+    assert_eq!(ready.status(), 503, "not ready without its queues");
+    let body: serde_json::Value = ready.json().await.unwrap();
+    assert_eq!(body["broker"], false, "{body}");
+    assert_eq!(body["store"], true, "{body}");
+    let health = http.get(format!("{base}/healthz")).send().await.unwrap();
+    assert_eq!(health.status(), 200, "alive while it retries");
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    let logged = loop {
+        let logged = std::fs::read_to_string(&log).unwrap_or_default();
+        if logged.contains("cannot set up RabbitMQ yet; retrying")
+            || std::time::Instant::now() > deadline
+        {
+            break logged;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert!(
+        logged.contains("cannot set up RabbitMQ yet; retrying"),
+        "the retries are logged: {logged}"
+    );
+    // SIGTERM during the setup stops it at once, cleanly.
+    let _ = std::process::Command::new("kill")
+        .args(["-TERM", &dispatcher.id().to_string()])
+        .status();
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    let code = loop {
+        if let Some(status) = dispatcher.try_wait().unwrap() {
+            break status.code();
+        }
+        if std::time::Instant::now() > deadline {
+            let _ = dispatcher.kill();
+            panic!("the dispatcher did not stop within 10 s of SIGTERM");
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert_eq!(
+        code,
+        Some(0),
+        "{}",
+        std::fs::read_to_string(&log).unwrap_or_default()
+    );
+}

@@ -248,9 +248,9 @@ impl Dispatcher {
     }
 }
 
-/// Runs the dispatcher until `shutdown` is cancelled: HTTP on `listener`, the consumers, and
-/// the republisher. `ready` is called once the broker topology exists and HTTP is about to be
-/// served. Shutdown stops accepting HTTP first, then the consumers.
+/// Runs the dispatcher until `shutdown` is cancelled: HTTP on `listener` (served at once), the
+/// consumers, and the republisher. `ready` is called once the broker topology exists and the
+/// consumers are started. Shutdown stops accepting HTTP first, then the consumers.
 pub async fn run(
     config: DispatcherConfig,
     listener: tokio::net::TcpListener,
@@ -261,7 +261,6 @@ pub async fn run(
     info!(store = store.kind(), "run store open");
     let topology = Topology::new(&config.prefix);
     let publisher = Publisher::new(&config.amqp_url, "forgepool-dispatcher-publish")?;
-    declare_with_retry(&publisher, &topology, &shutdown).await?;
     let (events_stored, _) = watch::channel(0);
     let dispatcher = Arc::new(Dispatcher {
         store,
@@ -275,6 +274,28 @@ pub async fn run(
         metrics: Metrics::new(telemetry::Role::Dispatcher),
         amqp_url: config.amqp_url,
     });
+    // The API answers from the start, so that nobody waits on a bound socket while RabbitMQ is
+    // set up: `/readyz` says 503 until the events consumer is connected, and a run submitted
+    // before the topology exists is stored and published by the republisher afterwards.
+    let address = listener.local_addr().map_err(DispatcherError::Serve)?;
+    let app = crate::http::router(Arc::clone(&dispatcher));
+    let serve_shutdown = shutdown.clone();
+    let server = tokio::spawn(async move {
+        axum::serve(listener, app)
+            .with_graceful_shutdown(async move { serve_shutdown.cancelled().await })
+            .await
+    });
+    let declared = declare_with_retry(&dispatcher.publisher, &dispatcher.topology, &shutdown).await;
+    // Stopped while RabbitMQ was being set up: nothing else was started, so nothing is lost.
+    let stopped = shutdown.is_cancelled();
+    if stopped || declared.is_err() {
+        shutdown.cancel();
+        let _ = server.await;
+        return match declared {
+            Err(error) if !stopped => Err(error.into()),
+            _ => Ok(()),
+        };
+    }
     let tasks = TaskTracker::new();
     tasks.spawn(consume_events(Arc::clone(&dispatcher), shutdown.clone()));
     tasks.spawn(consume_submissions(
@@ -289,15 +310,9 @@ pub async fn run(
     tasks.spawn(refresh_gauges(Arc::clone(&dispatcher), shutdown.clone()));
     tasks.close();
 
-    let address = listener.local_addr().map_err(DispatcherError::Serve)?;
     info!(%address, "dispatcher listening");
     ready(address);
-    let app = crate::http::router(Arc::clone(&dispatcher));
-    let serve_shutdown = shutdown.clone();
-    axum::serve(listener, app)
-        .with_graceful_shutdown(async move { serve_shutdown.cancelled().await })
-        .await
-        .map_err(DispatcherError::Serve)?;
+    let served = server.await;
     shutdown.cancel();
     if tokio::time::timeout(Duration::from_secs(10), tasks.wait())
         .await
@@ -306,9 +321,14 @@ pub async fn run(
         warn!("background tasks did not stop within 10 s");
     }
     info!("dispatcher stopped");
-    Ok(())
+    match served {
+        Ok(result) => result.map_err(DispatcherError::Serve),
+        Err(panicked) => Err(DispatcherError::Serve(std::io::Error::other(panicked))),
+    }
 }
 
+/// Declares the topology, retrying a broker that refuses or does not answer (30 attempts of up
+/// to [`amqp::SESSION_TIMEOUT`]). Returns `Ok` as soon as `shutdown` is cancelled.
 async fn declare_with_retry(
     publisher: &Publisher,
     topology: &Topology,
@@ -317,15 +337,20 @@ async fn declare_with_retry(
     let mut attempts = 0;
     loop {
         let declare = async { topology.declare(&publisher.channel().await?).await };
-        let result = tokio::time::timeout(amqp::SESSION_TIMEOUT, declare)
-            .await
-            .unwrap_or_else(|_| Err(AmqpError::Pool("the broker did not answer in time".into())));
+        let result = tokio::select! {
+            result = tokio::time::timeout(amqp::SESSION_TIMEOUT, declare) => result
+                .unwrap_or_else(|_| Err(AmqpError::Pool("the broker did not answer in time".into()))),
+            () = shutdown.cancelled() => return Ok(()),
+        };
         match result {
             Ok(()) => return Ok(()),
             Err(error) if attempts < 30 && !shutdown.is_cancelled() => {
                 attempts += 1;
                 warn!(%error, "cannot set up RabbitMQ yet; retrying");
-                tokio::time::sleep(Duration::from_secs(1)).await;
+                tokio::select! {
+                    () = tokio::time::sleep(Duration::from_secs(1)) => {},
+                    () = shutdown.cancelled() => return Ok(()),
+                }
             }
             Err(error) => return Err(error),
         }
