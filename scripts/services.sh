@@ -51,8 +51,10 @@ if ! rabbitmq-diagnostics -q ping >/dev/null 2>&1; then
   # towards the 65536 RabbitMQ's documentation asks for (never above this machine's hard limit).
   nofile="$(ulimit -Hn)"
   if [ "$nofile" = unlimited ] || [ "$nofile" -gt 65536 ]; then nofile=65536; fi
+  mkdir -p /etc/security/limits.d
   echo "rabbitmq - nofile $nofile" > /etc/security/limits.d/rabbitmq.conf
-  rabbitmq-server -detached >/dev/null 2>&1 || true
+  # The limits file covers `su` with pam_limits; the ulimit covers a `su` without it.
+  (ulimit -n "$nofile" 2>/dev/null || true; rabbitmq-server -detached >/dev/null 2>&1) || true
   for _ in $(seq 1 120); do
     rabbitmq-diagnostics -q ping >/dev/null 2>&1 && break
     sleep 0.5
