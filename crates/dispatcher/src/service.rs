@@ -113,8 +113,11 @@ impl Dispatcher {
     /// Validates, freezes, stores and publishes a request. A run that is stored but cannot be
     /// published yet is published later by the republisher; it is never lost.
     pub async fn submit(&self, request: RunRequest) -> Result<Frozen, SubmitFailure> {
-        let frozen =
-            Freezer::from_process_env(&self.skills_dir, self.agents.clone()).freeze(request)?;
+        let freezer = Freezer::from_process_env(&self.skills_dir, self.agents.clone());
+        // Freezing reads the skill's files: on a blocking thread, never the runtime's.
+        let frozen = tokio::task::spawn_blocking(move || freezer.freeze(request))
+            .await
+            .unwrap_or_else(|panicked| std::panic::resume_unwind(panicked.into_panic()))?;
         self.store.insert_run(&frozen.job).await?;
         info!(run_id = %frozen.job.run_id, ticket = %frozen.job.ticket, "run accepted");
         if let Err(error) = self.publish_job(&frozen.job).await {
