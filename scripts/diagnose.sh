@@ -15,7 +15,7 @@ echo "--- docker"
 start=$(date +%s%N)
 probe 20 docker info --format 'containers {{.Containers}} running {{.ContainersRunning}}'
 echo "docker info took $(( ($(date +%s%N) - start) / 1000000 )) ms"
-echo "forgepool containers: $(probe 20 docker ps -aq --filter label=forgepool.managed=true | wc -l)"
+echo "forgepool containers: $(timeout 20 docker ps -aq --filter label=forgepool.managed=true | wc -l)"
 echo "--- rabbitmq"
 probe 20 rabbitmq-diagnostics -q alarms
 probe 20 rabbitmq-diagnostics -q check_running

@@ -39,6 +39,12 @@ if ! docker info >/dev/null 2>&1; then
 fi
 log "docker engine ready ($(docker version --format '{{.Server.Version}}'))"
 
+rabbit_handles() { rabbitmqctl -q eval 'file_handle_cache:info([total_limit]).' 2>/dev/null | tr -dc '0-9'; }
+if rabbitmq-diagnostics -q ping >/dev/null 2>&1 && [ "$(rabbit_handles)" -lt 10000 ] 2>/dev/null; then
+  # Started elsewhere with a low open-files limit (see below): start it again with ours.
+  log "restarting rabbitmq-server: it has $(rabbit_handles) file handles"
+  rabbitmqctl -q stop >/dev/null 2>&1 || true
+fi
 if ! rabbitmq-diagnostics -q ping >/dev/null 2>&1; then
   log "starting rabbitmq-server"
   mkdir -p /etc/rabbitmq
@@ -62,7 +68,7 @@ if ! rabbitmq-diagnostics -q ping >/dev/null 2>&1; then
   rabbitmq-diagnostics -q ping >/dev/null 2>&1 || { log "rabbitmq-server did not start; see /var/log/rabbitmq/"; exit 1; }
   rabbitmqctl await_startup >/dev/null 2>&1 || true
 fi
-log "rabbitmq ready ($(rabbitmqctl version 2>/dev/null), $(rabbitmqctl eval 'file_handle_cache:info([total_limit]).' 2>/dev/null | tr -dc '0-9') file handles)"
+log "rabbitmq ready ($(rabbitmqctl version 2>/dev/null), $(rabbit_handles) file handles)"
 
 # PostgreSQL: a role and a database `forgepool` (password `forgepool`) on 127.0.0.1:5432. The
 # role may create databases: the store tests make a fresh one per test.

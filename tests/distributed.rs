@@ -446,14 +446,19 @@ async fn clients_submit_wait_status_and_cancel() {
         serde_json::to_vec(&cluster.request_body("CLI-1", serde_json::json!({}))).unwrap(),
     )
     .unwrap();
-    let output = tokio::process::Command::new(env!("CARGO_BIN_EXE_forgepool"))
-        .arg("submit")
-        .arg(&file)
-        .arg("--wait")
-        .env("FORGEPOOL_DISPATCHER_URL", cluster.url())
-        .output()
-        .await
-        .unwrap();
+    let output = tokio::time::timeout(
+        common::cluster::HTTP_LIMIT,
+        tokio::process::Command::new(env!("CARGO_BIN_EXE_forgepool"))
+            .arg("submit")
+            .arg(&file)
+            .arg("--wait")
+            .env("FORGEPOOL_DISPATCHER_URL", cluster.url())
+            .kill_on_drop(true)
+            .output(),
+    )
+    .await
+    .expect("the forgepool client finished in time")
+    .unwrap();
     let stdout = String::from_utf8_lossy(&output.stdout);
     assert_eq!(
         output.status.code(),
@@ -470,12 +475,17 @@ async fn clients_submit_wait_status_and_cancel() {
         .nth(1)
         .unwrap()
         .to_string();
-    let status = tokio::process::Command::new(env!("CARGO_BIN_EXE_forgepool"))
-        .args(["status", &run_id])
-        .env("FORGEPOOL_DISPATCHER_URL", cluster.url())
-        .output()
-        .await
-        .unwrap();
+    let status = tokio::time::timeout(
+        common::cluster::HTTP_LIMIT,
+        tokio::process::Command::new(env!("CARGO_BIN_EXE_forgepool"))
+            .args(["status", &run_id])
+            .env("FORGEPOOL_DISPATCHER_URL", cluster.url())
+            .kill_on_drop(true)
+            .output(),
+    )
+    .await
+    .expect("the forgepool client finished in time")
+    .unwrap();
     let text = String::from_utf8_lossy(&status.stdout);
     assert!(
         text.contains(": delivered") && text.contains("delivered forge/cli-1"),
@@ -486,12 +496,17 @@ async fn clients_submit_wait_status_and_cancel() {
             && text.contains("round 1 (initial): tree "),
         "the budget, the rounds and their history are shown: {text}"
     );
-    let cancel = tokio::process::Command::new(env!("CARGO_BIN_EXE_forgepool"))
-        .args(["cancel", &run_id])
-        .env("FORGEPOOL_DISPATCHER_URL", cluster.url())
-        .output()
-        .await
-        .unwrap();
+    let cancel = tokio::time::timeout(
+        common::cluster::HTTP_LIMIT,
+        tokio::process::Command::new(env!("CARGO_BIN_EXE_forgepool"))
+            .args(["cancel", &run_id])
+            .env("FORGEPOOL_DISPATCHER_URL", cluster.url())
+            .kill_on_drop(true)
+            .output(),
+    )
+    .await
+    .expect("the forgepool client finished in time")
+    .unwrap();
     assert_eq!(
         cancel.status.code(),
         Some(2),
@@ -569,11 +584,12 @@ async fn a_paused_run_frees_its_slot_and_resumes_on_another_worker_with_its_budg
     // The one slot is free again: another run is taken while the first stays paused.
     let second = cluster.submit("PAUSE-2").await;
     wait_state(&cluster, &second, "paused").await;
-    let watch = std::process::Command::new(env!("CARGO_BIN_EXE_forgepool"))
-        .args(["watch", &first])
-        .env("FORGEPOOL_DISPATCHER_URL", cluster.url())
-        .output()
-        .unwrap();
+    let watch = common::output_within(
+        std::process::Command::new(env!("CARGO_BIN_EXE_forgepool"))
+            .args(["watch", &first])
+            .env("FORGEPOOL_DISPATCHER_URL", cluster.url()),
+        common::cluster::HTTP_LIMIT,
+    );
     assert_eq!(
         watch.status.code(),
         Some(75),
@@ -589,12 +605,17 @@ async fn a_paused_run_frees_its_slot_and_resumes_on_another_worker_with_its_budg
         1,
         &[("PROVIDER_READY", "yes"), ("FORGE_REPAIR_ATTEMPTS", "3")],
     );
-    let resume = tokio::process::Command::new(env!("CARGO_BIN_EXE_forgepool"))
-        .args(["resume", &first, "--wait"])
-        .env("FORGEPOOL_DISPATCHER_URL", cluster.url())
-        .output()
-        .await
-        .unwrap();
+    let resume = tokio::time::timeout(
+        common::cluster::HTTP_LIMIT,
+        tokio::process::Command::new(env!("CARGO_BIN_EXE_forgepool"))
+            .args(["resume", &first, "--wait"])
+            .env("FORGEPOOL_DISPATCHER_URL", cluster.url())
+            .kill_on_drop(true)
+            .output(),
+    )
+    .await
+    .expect("the forgepool client finished in time")
+    .unwrap();
     let printed = String::from_utf8_lossy(&resume.stdout).to_string();
     assert_eq!(
         resume.status.code(),
@@ -792,18 +813,203 @@ async fn the_final_review_ledger_on_the_broker_keeps_intents_and_receipts() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_api_answers_while_rabbitmq_cannot_be_set_up() {
-    // Nothing listens on port 1: the dispatcher keeps trying to set up its queues.
+async fn a_run_submitted_before_rabbitmq_is_reachable_is_delivered_once_it_is() {
+    common::cluster::require_rabbitmq();
     let fixture = Fixture::new(None, &["change"], &["approve"]);
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    let free_port = || {
+        std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port()
+    };
+    // The dispatcher's broker is a port where nothing listens yet.
+    let (http_port, broker_port) = (free_port(), free_port());
+    let prefix = format!("t{}", &uuid::Uuid::new_v4().simple().to_string()[..10]);
     let log = fixture.dir.path().join("dispatcher.log");
     let mut dispatcher = std::process::Command::new(env!("CARGO_BIN_EXE_forgepool"))
         .arg("dispatcher")
-        .args(["--listen", &format!("127.0.0.1:{port}")])
+        .args(["--listen", &format!("127.0.0.1:{http_port}")])
+        .arg("--skills")
+        .arg(&fixture.skills)
+        .arg("--agents")
+        .arg(&fixture.agents)
+        .arg("--database")
+        .arg(fixture.dir.path().join("runs.db"))
+        .env(
+            "FORGEPOOL_AMQP_URL",
+            format!("amqp://guest:guest@127.0.0.1:{broker_port}/%2f"),
+        )
+        .env("FORGEPOOL_AMQP_PREFIX", &prefix)
+        .env("FORGEPOOL_LOG", "info")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::fs::File::create(&log).unwrap())
+        .spawn()
+        .unwrap();
+    let logged = || std::fs::read_to_string(&log).unwrap_or_default();
+    let http = reqwest::Client::builder()
+        .timeout(Duration::from_secs(5))
+        .build()
+        .unwrap();
+    let base = format!("http://127.0.0.1:{http_port}");
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    let ready = loop {
+        match http.get(format!("{base}/readyz")).send().await {
+            Ok(response) => break response,
+            Err(error) if std::time::Instant::now() < deadline && error.is_connect() => {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            Err(error) => panic!("/readyz did not answer: {error}\n{}", logged()),
+        }
+    };
+    // The API answers while the dispatcher cannot set up its queues.
+    assert_eq!(ready.status(), 503, "not ready without its queues");
+    let body: serde_json::Value = ready.json().await.unwrap();
+    assert_eq!(body["broker"], false, "{body}");
+    assert_eq!(body["store"], true, "{body}");
+    let health = http.get(format!("{base}/healthz")).send().await.unwrap();
+    assert_eq!(health.status(), 200, "alive while it retries");
+    // A submission is accepted at once (the client gives up after 5 s) and stored.
+    let request = serde_json::json!({
+        "ticket": "EARLY-1", "skill": "implement-task", "brief": "Add the feature",
+        "repository": {"url": format!("file://{}", fixture.bare.display()), "ref": "main"}
+    });
+    let created = http
+        .post(format!("{base}/v1/runs"))
+        .json(&request)
+        .send()
+        .await
+        .unwrap_or_else(|e| panic!("the submission did not answer in time: {e}\n{}", logged()));
+    assert_eq!(created.status(), 201, "{}", logged());
+    let run_id = created.json::<serde_json::Value>().await.unwrap()["run_id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let run = |http: reqwest::Client| {
+        let url = format!("{base}/v1/runs/{run_id}");
+        async move {
+            http.get(url)
+                .send()
+                .await
+                .unwrap()
+                .json::<serde_json::Value>()
+                .await
+                .unwrap()
+        }
+    };
+    assert_eq!(run(http.clone()).await["state"], "queued");
+    assert!(
+        logged().contains("cannot set up RabbitMQ yet; retrying"),
+        "the retries are logged: {}",
+        logged()
+    );
+
+    // RabbitMQ becomes reachable on that port, and a worker joins.
+    let forwarder = tokio::net::TcpListener::bind(("127.0.0.1", broker_port))
+        .await
+        .unwrap();
+    let forwarding = tokio::spawn(async move {
+        while let Ok((mut inbound, _)) = forwarder.accept().await {
+            tokio::spawn(async move {
+                if let Ok(mut outbound) = tokio::net::TcpStream::connect("127.0.0.1:5672").await {
+                    let _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound).await;
+                }
+            });
+        }
+    });
+    let worker_log = fixture.dir.path().join("worker.log");
+    let mut command = std::process::Command::new(env!("CARGO_BIN_EXE_forgepool"));
+    command
+        .arg("worker")
+        .args(["--metrics-addr", "127.0.0.1:0", "--drain-seconds", "5"])
+        .args(["--worker-id", &format!("{prefix}-w0")])
+        .arg("--workspace")
+        .arg(fixture.dir.path().join("ws"))
+        .env("FORGEPOOL_AMQP_URL", common::cluster::AMQP_URL)
+        .env("FORGEPOOL_AMQP_PREFIX", &prefix)
+        .env("AGENT_SECRET", "sk-test-0123456789abcdef")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::fs::File::create(&worker_log).unwrap());
+    let mut worker = common::cluster::spawn(command, worker_log.clone(), "listening on ");
+    let deadline = std::time::Instant::now() + Duration::from_secs(120);
+    let view = loop {
+        let view = run(http.clone()).await;
+        let state = view["state"].as_str().unwrap_or_default().to_string();
+        if state == "delivered" || std::time::Instant::now() > deadline {
+            break view;
+        }
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    };
+    assert_eq!(
+        view["state"],
+        "delivered",
+        "the stored run was published once the queues existed: {}\n{}\n{}",
+        view["states"],
+        logged(),
+        std::fs::read_to_string(&worker_log).unwrap_or_default()
+    );
+    let ready = http.get(format!("{base}/readyz")).send().await.unwrap();
+    assert_eq!(ready.status(), 200, "ready once it consumes events");
+
+    // SIGTERM stops the dispatcher at once, even while a client follows a run that is not
+    // finished (no worker is left to take it): the event stream ends.
+    worker.terminate(Duration::from_secs(15));
+    let second = http
+        .post(format!("{base}/v1/runs"))
+        .json(&serde_json::json!({
+            "ticket": "EARLY-2", "skill": "implement-task", "brief": "Add the feature",
+            "repository": {"url": format!("file://{}", fixture.bare.display()), "ref": "main"}
+        }))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(second.status(), 201);
+    let second = second.json::<serde_json::Value>().await.unwrap()["run_id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let mut stream = http
+        .get(format!("{base}/v1/runs/{second}/events"))
+        .timeout(Duration::from_secs(60))
+        .send()
+        .await
+        .unwrap();
+    assert!(
+        stream.chunk().await.unwrap().is_some(),
+        "the stream is open"
+    );
+    let _ = std::process::Command::new("kill")
+        .args(["-TERM", &dispatcher.id().to_string()])
+        .status();
+    // Less than the 15 s the server would give a request that did not end by itself.
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    let code = loop {
+        if let Some(status) = dispatcher.try_wait().unwrap() {
+            break status.code();
+        }
+        if std::time::Instant::now() > deadline {
+            let _ = dispatcher.kill();
+            panic!(
+                "the dispatcher did not stop within 10 s of SIGTERM:\n{}",
+                logged()
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    while let Ok(Some(_)) = stream.chunk().await {}
+    assert_eq!(code, Some(0), "{}", logged());
+    forwarding.abort();
+    common::cluster::delete_prefix_queues(&prefix).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_stops_a_dispatcher_that_cannot_set_up_rabbitmq() {
+    // Nothing listens on port 1: the dispatcher keeps trying to set up its queues.
+    let fixture = Fixture::new(None, &["change"], &["approve"]);
+    let log = fixture.dir.path().join("dispatcher.log");
+    let mut dispatcher = std::process::Command::new(env!("CARGO_BIN_EXE_forgepool"))
+        .arg("dispatcher")
+        .args(["--listen", "127.0.0.1:0"])
         .arg("--skills")
         .arg(&fixture.skills)
         .arg("--agents")
@@ -816,45 +1022,16 @@ async fn the_api_answers_while_rabbitmq_cannot_be_set_up() {
         .stderr(std::fs::File::create(&log).unwrap())
         .spawn()
         .unwrap();
-    let http = reqwest::Client::builder()
-        .timeout(Duration::from_secs(5))
-        .build()
-        .unwrap();
-    let base = format!("http://127.0.0.1:{port}");
+    let logged = || std::fs::read_to_string(&log).unwrap_or_default();
     let deadline = std::time::Instant::now() + Duration::from_secs(20);
-    let ready = loop {
-        match http.get(format!("{base}/readyz")).send().await {
-            Ok(response) => break response,
-            Err(error) if std::time::Instant::now() < deadline && error.is_connect() => {
-                tokio::time::sleep(Duration::from_millis(100)).await;
-            }
-            Err(error) => panic!(
-                "/readyz did not answer: {error}\n{}",
-                std::fs::read_to_string(&log).unwrap_or_default()
-            ),
-        }
-    };
-    assert_eq!(ready.status(), 503, "not ready without its queues");
-    let body: serde_json::Value = ready.json().await.unwrap();
-    assert_eq!(body["broker"], false, "{body}");
-    assert_eq!(body["store"], true, "{body}");
-    let health = http.get(format!("{base}/healthz")).send().await.unwrap();
-    assert_eq!(health.status(), 200, "alive while it retries");
-    let deadline = std::time::Instant::now() + Duration::from_secs(10);
-    let logged = loop {
-        let logged = std::fs::read_to_string(&log).unwrap_or_default();
-        if logged.contains("cannot set up RabbitMQ yet; retrying")
-            || std::time::Instant::now() > deadline
-        {
-            break logged;
-        }
+    while !logged().contains("cannot set up RabbitMQ yet; retrying") {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no retry was logged:\n{}",
+            logged()
+        );
         tokio::time::sleep(Duration::from_millis(100)).await;
-    };
-    assert!(
-        logged.contains("cannot set up RabbitMQ yet; retrying"),
-        "the retries are logged: {logged}"
-    );
-    // SIGTERM during the setup stops it at once, cleanly.
+    }
     let _ = std::process::Command::new("kill")
         .args(["-TERM", &dispatcher.id().to_string()])
         .status();
@@ -872,7 +1049,7 @@ async fn the_api_answers_while_rabbitmq_cannot_be_set_up() {
     assert_eq!(
         code,
         Some(0),
-        "{}",
-        std::fs::read_to_string(&log).unwrap_or_default()
+        "stopped cleanly during the setup:\n{}",
+        logged()
     );
 }

@@ -13,10 +13,10 @@ use common::Fixture;
 const REVIEW: &str = "---\nmax_retries: 2\n---\n# Check\n";
 
 fn rabbitmqctl(args: &[&str]) {
-    let output = Command::new("rabbitmqctl")
-        .args(args)
-        .output()
-        .expect("rabbitmqctl runs");
+    let output = common::output_within(
+        Command::new("rabbitmqctl").args(args),
+        common::COMMAND_LIMIT,
+    );
     assert!(
         output.status.success(),
         "rabbitmqctl {args:?}: {}",

@@ -87,6 +87,8 @@ fn the_image_runs_the_dispatcher_as_a_non_root_user() {
         "{}",
         String::from_utf8_lossy(&started.stderr)
     );
+    // Whatever happens below, the container goes.
+    let _container = RemoveContainer(name.clone());
     let ready = {
         let deadline = Instant::now() + Duration::from_secs(30);
         loop {
@@ -135,6 +137,12 @@ fn the_image_runs_the_dispatcher_as_a_non_root_user() {
     let git = docker(&["exec", &name, "git", "--version"]);
     let logs = docker(&["logs", &name]);
     let stopped = docker(&["stop", "-t", "10", &name]);
+    // With the dispatcher stopped, its queues can go without being declared again.
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+        .block_on(common::cluster::delete_prefix_queues(&prefix));
     assert_eq!(
         ready,
         "200",
@@ -147,4 +155,15 @@ fn the_image_runs_the_dispatcher_as_a_non_root_user() {
     assert!(stopped.status.success());
     let logs = String::from_utf8_lossy(&logs.stderr);
     assert!(logs.contains("dispatcher listening"), "{logs}");
+}
+
+/// Removes a container when dropped (a failed assertion included), within 30 s.
+struct RemoveContainer(String);
+
+impl Drop for RemoveContainer {
+    fn drop(&mut self) {
+        let _ = Command::new("timeout")
+            .args(["30", "docker", "rm", "-f", &self.0])
+            .output();
+    }
 }

@@ -200,11 +200,12 @@ async fn a_secret_in_a_profile_reaches_no_output() {
     assert_eq!(views[0]["state"], "delivered", "{}", cluster.logs());
 
     let events = cluster.event_stream(&run_id).await;
-    let watch = std::process::Command::new(env!("CARGO_BIN_EXE_forgepool"))
-        .args(["watch", &run_id])
-        .env("FORGEPOOL_DISPATCHER_URL", cluster.url())
-        .output()
-        .unwrap();
+    let watch = common::output_within(
+        std::process::Command::new(env!("CARGO_BIN_EXE_forgepool"))
+            .args(["watch", &run_id])
+            .env("FORGEPOOL_DISPATCHER_URL", cluster.url()),
+        common::cluster::HTTP_LIMIT,
+    );
     let metrics = format!(
         "{}{}",
         scrape(&cluster.dispatcher.as_ref().unwrap().address).await,

@@ -507,30 +507,31 @@ fn containers_left_by_a_killed_run_are_removed_on_start() {
         .to_string();
     let orphan_run = uuid::Uuid::new_v4().to_string();
     // A container as a killed `forgepool run` leaves it: our labels, a process that is gone.
-    let started = std::process::Command::new("docker")
-        .args([
-            "run",
-            "-d",
-            "--label",
-            "forgepool.managed=true",
-            "--label",
-            "forgepool.worker=embedded",
-        ])
-        .args([
-            "--label",
-            "forgepool.instance=dead-instance",
-            "--label",
-            "forgepool.pid=4194303",
-        ])
-        .args([
-            "--label",
-            &format!("forgepool.host={host}"),
-            "--label",
-            &format!("forgepool.run_id={orphan_run}"),
-        ])
-        .args([common::TEST_IMAGE, "sleep", "600"])
-        .output()
-        .unwrap();
+    let started = common::output_within(
+        std::process::Command::new("docker")
+            .args([
+                "run",
+                "-d",
+                "--label",
+                "forgepool.managed=true",
+                "--label",
+                "forgepool.worker=embedded",
+            ])
+            .args([
+                "--label",
+                "forgepool.instance=dead-instance",
+                "--label",
+                "forgepool.pid=4194303",
+            ])
+            .args([
+                "--label",
+                &format!("forgepool.host={host}"),
+                "--label",
+                &format!("forgepool.run_id={orphan_run}"),
+            ])
+            .args([common::TEST_IMAGE, "sleep", "600"]),
+        common::COMMAND_LIMIT,
+    );
     assert!(
         started.status.success(),
         "{}",
@@ -538,46 +539,48 @@ fn containers_left_by_a_killed_run_are_removed_on_start() {
     );
     // A container of another worker must be left alone.
     let foreign_run = uuid::Uuid::new_v4().to_string();
-    let foreign = std::process::Command::new("docker")
-        .args([
-            "run",
-            "-d",
-            "--label",
-            "forgepool.managed=true",
-            "--label",
-            "forgepool.worker=someone-else",
-        ])
-        .args([
-            "--label",
-            &format!("forgepool.run_id={foreign_run}"),
-            common::TEST_IMAGE,
-            "sleep",
-            "600",
-        ])
-        .output()
-        .unwrap();
+    let foreign = common::output_within(
+        std::process::Command::new("docker")
+            .args([
+                "run",
+                "-d",
+                "--label",
+                "forgepool.managed=true",
+                "--label",
+                "forgepool.worker=someone-else",
+            ])
+            .args([
+                "--label",
+                &format!("forgepool.run_id={foreign_run}"),
+                common::TEST_IMAGE,
+                "sleep",
+                "600",
+            ]),
+        common::COMMAND_LIMIT,
+    );
     let foreign_id = String::from_utf8_lossy(&foreign.stdout).trim().to_string();
 
     let fixture = Fixture::new(None, &["change"], &["approve"]);
     let outcome = fixture.run("");
     assert_eq!(outcome.code, 0, "{}", outcome.printed());
     let list = |run: &str| {
-        let output = std::process::Command::new("docker")
-            .args([
+        let output = common::output_within(
+            std::process::Command::new("docker").args([
                 "ps",
                 "-aq",
                 "--filter",
                 &format!("label=forgepool.run_id={run}"),
-            ])
-            .output()
-            .unwrap();
+            ]),
+            common::COMMAND_LIMIT,
+        );
         String::from_utf8_lossy(&output.stdout).trim().to_string()
     };
     let orphan_left = list(&orphan_run);
     let foreign_left = list(&foreign_run);
-    let _ = std::process::Command::new("docker")
-        .args(["rm", "-f", &foreign_id])
-        .output();
+    let _ = common::output_within(
+        std::process::Command::new("docker").args(["rm", "-f", &foreign_id]),
+        common::COMMAND_LIMIT,
+    );
     assert!(
         orphan_left.is_empty(),
         "the orphan of a killed run was not removed"
@@ -600,18 +603,19 @@ fn unreachable_docker_engine_says_what_to_do() {
         ),
     )
     .unwrap();
-    let output = std::process::Command::new(env!("CARGO_BIN_EXE_forgepool"))
-        .arg("run")
-        .arg(&request)
-        .arg("--skills")
-        .arg(&fixture.skills)
-        .arg("--agents")
-        .arg(&fixture.agents)
-        .arg("--database")
-        .arg(fixture.dir.path().join("runs.db"))
-        .env("DOCKER_HOST", "unix:///nonexistent/docker.sock")
-        .output()
-        .unwrap();
+    let output = common::output_within(
+        std::process::Command::new(env!("CARGO_BIN_EXE_forgepool"))
+            .arg("run")
+            .arg(&request)
+            .arg("--skills")
+            .arg(&fixture.skills)
+            .arg("--agents")
+            .arg(&fixture.agents)
+            .arg("--database")
+            .arg(fixture.dir.path().join("runs.db"))
+            .env("DOCKER_HOST", "unix:///nonexistent/docker.sock"),
+        common::COMMAND_LIMIT,
+    );
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert_eq!(output.status.code(), Some(1), "{stderr}");
     assert!(

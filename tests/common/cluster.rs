@@ -382,8 +382,17 @@ impl Cluster {
         let services = self.dispatcher.iter().chain(self.workers.iter());
         for (n, service) in services.enumerate() {
             let pid = service.child.id().to_string();
-            let Ok(output) = Command::new("gdb")
-                .args(["-p", &pid, "-batch", "-ex", "thread apply all bt"])
+            // Bounded: this is the failure path, which must end.
+            let Ok(output) = Command::new("timeout")
+                .args([
+                    "60",
+                    "gdb",
+                    "-p",
+                    &pid,
+                    "-batch",
+                    "-ex",
+                    "thread apply all bt",
+                ])
                 .output()
             else {
                 summary.push_str("gdb is not installed: no thread backtraces\n");
@@ -429,15 +438,7 @@ impl Cluster {
 
     /// A broker connection for publishing and inspecting queues directly.
     pub async fn broker(&self) -> Connection {
-        let properties = ConnectionProperties::default()
-            .with_executor(tokio_executor_trait::Tokio::current())
-            .with_reactor(tokio_reactor_trait::Tokio);
-        on_broker(
-            "accept a connection",
-            Connection::connect(AMQP_URL, properties),
-        )
-        .await
-        .unwrap()
+        connect_broker().await
     }
 
     /// Publishes raw bytes to a queue of this cluster (`jobs`, `submissions`…).
@@ -532,38 +533,18 @@ impl Cluster {
     /// RabbitMQ 3.10 unable to declare any quorum queue again.
     pub async fn delete_queues(mut self) {
         self.stop_services(Duration::from_secs(15));
-        let connection = self.broker().await;
-        for queue in [
-            "submissions",
-            "jobs",
-            "jobs.wait",
-            "dead",
-            "dispatcher.dead",
-            "dispatcher.events",
-        ] {
-            let delete = async {
-                let channel = connection.create_channel().await?;
-                channel
-                    .queue_delete(
-                        &format!("{}.{queue}", self.prefix),
-                        QueueDeleteOptions::default(),
-                    )
-                    .await
-            };
-            on_broker("delete a queue", delete)
-                .await
-                .unwrap_or_else(|e| panic!("the queue {queue} cannot be deleted: {e}"));
-        }
-        let _ = on_broker("close a connection", connection.close(200, "bye")).await;
+        delete_prefix_queues(&self.prefix).await;
     }
 
     /// Sends SIGTERM to the dispatcher and every worker, and waits up to `limit` for all of
     /// them to exit (those still running are killed).
     pub fn stop_services(&mut self, limit: Duration) {
+        // Only services still running: a reaped process's id may belong to another by now.
         let services: Vec<&mut Service> = self
             .dispatcher
             .iter_mut()
             .chain(self.workers.iter_mut())
+            .filter_map(|service| matches!(service.child.try_wait(), Ok(None)).then_some(service))
             .collect();
         for service in &services {
             let _ = Command::new("kill")
@@ -580,11 +561,51 @@ impl Cluster {
     }
 }
 
+/// A connection to the test broker, within [`BROKER_LIMIT`].
+pub async fn connect_broker() -> Connection {
+    let properties = ConnectionProperties::default()
+        .with_executor(tokio_executor_trait::Tokio::current())
+        .with_reactor(tokio_reactor_trait::Tokio);
+    on_broker(
+        "accept a connection",
+        Connection::connect(AMQP_URL, properties),
+    )
+    .await
+    .unwrap()
+}
+
+/// Deletes the shared queues of the services under `prefix`, which must be stopped: a running
+/// consumer would declare them again.
+pub async fn delete_prefix_queues(prefix: &str) {
+    let connection = connect_broker().await;
+    for queue in [
+        "submissions",
+        "jobs",
+        "jobs.wait",
+        "dead",
+        "dispatcher.dead",
+        "dispatcher.events",
+    ] {
+        let delete = async {
+            let channel = connection.create_channel().await?;
+            channel
+                .queue_delete(&format!("{prefix}.{queue}"), QueueDeleteOptions::default())
+                .await
+        };
+        on_broker("delete a queue", delete)
+            .await
+            .unwrap_or_else(|e| panic!("the queue {prefix}.{queue} cannot be deleted: {e}"));
+    }
+    let _ = on_broker("close a connection", connection.close(200, "bye")).await;
+}
+
 /// How long a service may take to print its ready line. The dispatcher prints it once the
 /// broker topology is declared; it retries a broker that does not answer for longer than this.
 const READY_LIMIT: Duration = Duration::from_secs(90);
 
-fn spawn(mut command: Command, log: PathBuf, ready: &str) -> Service {
+/// Starts `command` (its stdout piped) and waits, boundedly, for the line containing `ready`;
+/// what follows it on that line is the service's address.
+pub fn spawn(mut command: Command, log: PathBuf, ready: &str) -> Service {
     let mut child = command.spawn().expect("the forgepool binary starts");
     let stdout = child.stdout.take().unwrap();
     // Read stdout on a thread of its own, which keeps draining it afterwards so the service

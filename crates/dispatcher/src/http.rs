@@ -358,14 +358,15 @@ async fn events(
         paused: false,
         pending: std::collections::VecDeque::new(),
     };
-    // The stream ends after a terminal state, or once everything stored is sent while the run
-    // is paused (a resume starts a new stream).
+    // The stream ends after a terminal state, once everything stored is sent while the run
+    // is paused (a resume starts a new stream), or when the dispatcher shuts down (clients
+    // say so and can watch again).
     let stream = futures_util::stream::unfold(follow, move |mut follow| async move {
         loop {
             if let Some(event) = follow.pending.pop_front() {
                 return Some((Ok(event), follow));
             }
-            if follow.finished {
+            if follow.finished || follow.dispatcher.stopping.is_cancelled() {
                 return None;
             }
             follow.wake.borrow_and_update();
@@ -404,11 +405,18 @@ async fn events(
                 }
             }
             if follow.pending.is_empty() {
-                let _ = tokio::time::timeout(Duration::from_secs(1), follow.wake.changed()).await;
+                let stopping = follow.dispatcher.stopping.clone();
+                tokio::select! {
+                    _ = tokio::time::timeout(Duration::from_secs(1), follow.wake.changed()) => {},
+                    () = stopping.cancelled() => {},
+                }
             }
         }
     });
-    Ok(Sse::new(stream).keep_alive(KeepAlive::default()))
+    // A comment first: the response starts at once, even for a run with nothing stored yet,
+    // instead of at the first event or keep-alive.
+    let opening = futures_util::stream::once(async { Ok(SseEvent::default().comment("events")) });
+    Ok(Sse::new(futures_util::StreamExt::chain(opening, stream)).keep_alive(KeepAlive::default()))
 }
 
 async fn ready(State(dispatcher): State<Arc<Dispatcher>>) -> Response {

@@ -104,6 +104,11 @@ pub struct Dispatcher {
     pub events_stored: watch::Sender<u64>,
     /// Whether the events consumer is connected (for `/readyz`).
     pub broker_ready: AtomicBool,
+    /// Whether the broker topology is declared; before, a submission is only stored, and the
+    /// republisher publishes it once the topology exists.
+    topology_ready: AtomicBool,
+    /// Cancelled at shutdown: event streams end, so that the HTTP server can stop.
+    pub stopping: CancellationToken,
     /// What `/metrics` serves.
     pub metrics: Metrics,
     amqp_url: String,
@@ -120,7 +125,11 @@ impl Dispatcher {
             .unwrap_or_else(|panicked| std::panic::resume_unwind(panicked.into_panic()))?;
         self.store.insert_run(&frozen.job).await?;
         info!(run_id = %frozen.job.run_id, ticket = %frozen.job.ticket, "run accepted");
-        if let Err(error) = self.publish_job(&frozen.job).await {
+        if !self.topology_ready.load(Ordering::SeqCst) {
+            // Publishing could only wait for the broker: the republisher publishes it as soon
+            // as the queues exist.
+            info!(run_id = %frozen.job.run_id, "job stored; it is published once RabbitMQ is set up");
+        } else if let Err(error) = self.publish_job(&frozen.job).await {
             warn!(run_id = %frozen.job.run_id, %error, "job stored but not yet published; it will be retried");
         }
         Ok(frozen)
@@ -274,6 +283,8 @@ pub async fn run(
         api_token: config.api_token,
         events_stored,
         broker_ready: AtomicBool::new(false),
+        topology_ready: AtomicBool::new(false),
+        stopping: shutdown.clone(),
         metrics: Metrics::new(telemetry::Role::Dispatcher),
         amqp_url: config.amqp_url,
     });
@@ -293,12 +304,14 @@ pub async fn run(
     let stopped = shutdown.is_cancelled();
     if stopped || declared.is_err() {
         shutdown.cancel();
-        let _ = server.await;
+        let served = stop_server(server, &shutdown).await;
         return match declared {
             Err(error) if !stopped => Err(error.into()),
-            _ => Ok(()),
+            _ => served,
         };
     }
+    let declared_at = std::time::SystemTime::now();
+    dispatcher.topology_ready.store(true, Ordering::SeqCst);
     let tasks = TaskTracker::new();
     tasks.spawn(consume_events(Arc::clone(&dispatcher), shutdown.clone()));
     tasks.spawn(consume_submissions(
@@ -309,13 +322,18 @@ pub async fn run(
         Arc::clone(&dispatcher),
         shutdown.clone(),
     ));
-    tasks.spawn(republish(Arc::clone(&dispatcher), shutdown.clone()));
+    tasks.spawn(republish(
+        Arc::clone(&dispatcher),
+        declared_at,
+        shutdown.clone(),
+    ));
     tasks.spawn(refresh_gauges(Arc::clone(&dispatcher), shutdown.clone()));
     tasks.close();
 
     info!(%address, "dispatcher listening");
     ready(address);
-    let served = server.await;
+    // The server ends once shutdown is cancelled and its connections close.
+    let served = stop_server(server, &shutdown).await;
     shutdown.cancel();
     if tokio::time::timeout(Duration::from_secs(10), tasks.wait())
         .await
@@ -324,9 +342,30 @@ pub async fn run(
         warn!("background tasks did not stop within 10 s");
     }
     info!("dispatcher stopped");
-    match served {
-        Ok(result) => result.map_err(DispatcherError::Serve),
-        Err(panicked) => Err(DispatcherError::Serve(std::io::Error::other(panicked))),
+    served
+}
+
+/// How long the HTTP server gets, after shutdown, for the requests in flight.
+const SERVE_DRAIN: Duration = Duration::from_secs(15);
+
+/// Waits for the HTTP server task to end. Once `shutdown` is cancelled it gets [`SERVE_DRAIN`]
+/// for the requests in flight (event streams end on shutdown); then it is aborted.
+async fn stop_server(
+    mut server: tokio::task::JoinHandle<std::io::Result<()>>,
+    shutdown: &CancellationToken,
+) -> Result<(), DispatcherError> {
+    let ended = tokio::select! {
+        ended = &mut server => Some(ended),
+        () = shutdown.cancelled() => tokio::time::timeout(SERVE_DRAIN, &mut server).await.ok(),
+    };
+    match ended {
+        Some(Ok(result)) => result.map_err(DispatcherError::Serve),
+        Some(Err(panicked)) => Err(DispatcherError::Serve(std::io::Error::other(panicked))),
+        None => {
+            server.abort();
+            warn!("HTTP requests still open {SERVE_DRAIN:?} after shutdown were cut");
+            Ok(())
+        }
     }
 }
 
@@ -676,11 +715,20 @@ async fn refresh_gauges(dispatcher: Arc<Dispatcher>, shutdown: CancellationToken
     }
 }
 
-async fn republish(dispatcher: Arc<Dispatcher>, shutdown: CancellationToken) {
+/// Publishes stored jobs that are not published yet. The first pass takes every job stored
+/// before `declared_at` (submissions while RabbitMQ was set up were only stored); later passes
+/// take jobs older than the inline publish's own deadline, so that a job being published right
+/// now is not published twice.
+async fn republish(
+    dispatcher: Arc<Dispatcher>,
+    declared_at: std::time::SystemTime,
+    shutdown: CancellationToken,
+) {
+    let mut first = Some(declared_at);
     loop {
-        // Only runs older than the inline publish's own deadline: a run being published right now
-        // must not be published twice.
-        let cutoff = std::time::SystemTime::now() - PUBLISH_DEADLINE - Duration::from_secs(5);
+        let cutoff = first.take().unwrap_or_else(|| {
+            std::time::SystemTime::now() - PUBLISH_DEADLINE - Duration::from_secs(5)
+        });
         match dispatcher
             .store
             .unpublished_jobs(proto::format_timestamp(cutoff))
