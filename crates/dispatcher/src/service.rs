@@ -341,6 +341,7 @@ pub async fn run(
     {
         warn!("background tasks did not stop within 10 s");
     }
+    dispatcher.publisher.close().await;
     info!("dispatcher stopped");
     served
 }

@@ -413,6 +413,11 @@ pub async fn run(
     }
     background.close();
     let _ = tokio::time::timeout(Duration::from_secs(5), background.wait()).await;
+    // Goodbyes to the broker, rather than sockets dropped with the runtime.
+    if let Some(connection) = shared.leases.lock().await.take() {
+        let _ = tokio::time::timeout(Duration::from_secs(5), connection.close(200, "bye")).await;
+    }
+    shared.publisher.close().await;
     info!("worker stopped");
     Ok(())
 }
@@ -948,7 +953,7 @@ async fn control_loop(shared: Arc<Shared>, shutdown: CancellationToken) {
                 })?;
             Ok::<_, AmqpError>((connection, consumer))
         };
-        let (_connection, mut consumer) = match session.await {
+        let (connection, mut consumer) = match session.await {
             Ok(session) => session,
             Err(error) => {
                 warn!(%error, "cannot receive cancel requests; retrying");
@@ -973,7 +978,10 @@ async fn control_loop(shared: Arc<Shared>, shutdown: CancellationToken) {
                     }
                     _ => break,
                 },
-                () = shutdown.cancelled() => return,
+                () = shutdown.cancelled() => {
+                    let _ = tokio::time::timeout(Duration::from_secs(5), connection.close(200, "bye")).await;
+                    return;
+                }
             }
         }
     }
