@@ -12,6 +12,21 @@ use common::Fixture;
 
 const REVIEW: &str = "---\nmax_retries: 2\n---\n# Check\n";
 
+/// Runs a forgepool client command against the cluster's dispatcher, within the API's limit.
+async fn client(cluster: &Cluster, args: &[&str]) -> std::process::Output {
+    tokio::time::timeout(
+        common::cluster::HTTP_LIMIT,
+        tokio::process::Command::new(env!("CARGO_BIN_EXE_forgepool"))
+            .args(args)
+            .env("FORGEPOOL_DISPATCHER_URL", cluster.url())
+            .kill_on_drop(true)
+            .output(),
+    )
+    .await
+    .expect("the forgepool client finished in time")
+    .expect("the forgepool client starts")
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn thirty_runs_on_three_workers_are_each_delivered_once() {
     let fixture = Fixture::new(Some(REVIEW), &["change"], &["approve"]);
@@ -446,19 +461,7 @@ async fn clients_submit_wait_status_and_cancel() {
         serde_json::to_vec(&cluster.request_body("CLI-1", serde_json::json!({}))).unwrap(),
     )
     .unwrap();
-    let output = tokio::time::timeout(
-        common::cluster::HTTP_LIMIT,
-        tokio::process::Command::new(env!("CARGO_BIN_EXE_forgepool"))
-            .arg("submit")
-            .arg(&file)
-            .arg("--wait")
-            .env("FORGEPOOL_DISPATCHER_URL", cluster.url())
-            .kill_on_drop(true)
-            .output(),
-    )
-    .await
-    .expect("the forgepool client finished in time")
-    .unwrap();
+    let output = client(&cluster, &["submit", file.to_str().unwrap(), "--wait"]).await;
     let stdout = String::from_utf8_lossy(&output.stdout);
     assert_eq!(
         output.status.code(),
@@ -475,17 +478,7 @@ async fn clients_submit_wait_status_and_cancel() {
         .nth(1)
         .unwrap()
         .to_string();
-    let status = tokio::time::timeout(
-        common::cluster::HTTP_LIMIT,
-        tokio::process::Command::new(env!("CARGO_BIN_EXE_forgepool"))
-            .args(["status", &run_id])
-            .env("FORGEPOOL_DISPATCHER_URL", cluster.url())
-            .kill_on_drop(true)
-            .output(),
-    )
-    .await
-    .expect("the forgepool client finished in time")
-    .unwrap();
+    let status = client(&cluster, &["status", &run_id]).await;
     let text = String::from_utf8_lossy(&status.stdout);
     assert!(
         text.contains(": delivered") && text.contains("delivered forge/cli-1"),
@@ -496,17 +489,7 @@ async fn clients_submit_wait_status_and_cancel() {
             && text.contains("round 1 (initial): tree "),
         "the budget, the rounds and their history are shown: {text}"
     );
-    let cancel = tokio::time::timeout(
-        common::cluster::HTTP_LIMIT,
-        tokio::process::Command::new(env!("CARGO_BIN_EXE_forgepool"))
-            .args(["cancel", &run_id])
-            .env("FORGEPOOL_DISPATCHER_URL", cluster.url())
-            .kill_on_drop(true)
-            .output(),
-    )
-    .await
-    .expect("the forgepool client finished in time")
-    .unwrap();
+    let cancel = client(&cluster, &["cancel", &run_id]).await;
     assert_eq!(
         cancel.status.code(),
         Some(2),
@@ -605,17 +588,7 @@ async fn a_paused_run_frees_its_slot_and_resumes_on_another_worker_with_its_budg
         1,
         &[("PROVIDER_READY", "yes"), ("FORGE_REPAIR_ATTEMPTS", "3")],
     );
-    let resume = tokio::time::timeout(
-        common::cluster::HTTP_LIMIT,
-        tokio::process::Command::new(env!("CARGO_BIN_EXE_forgepool"))
-            .args(["resume", &first, "--wait"])
-            .env("FORGEPOOL_DISPATCHER_URL", cluster.url())
-            .kill_on_drop(true)
-            .output(),
-    )
-    .await
-    .expect("the forgepool client finished in time")
-    .unwrap();
+    let resume = client(&cluster, &["resume", &first, "--wait"]).await;
     let printed = String::from_utf8_lossy(&resume.stdout).to_string();
     assert_eq!(
         resume.status.code(),
@@ -826,26 +799,12 @@ async fn a_run_submitted_before_rabbitmq_is_reachable_is_delivered_once_it_is() 
     // The dispatcher's broker is a port where nothing listens yet.
     let (http_port, broker_port) = (free_port(), free_port());
     let prefix = format!("t{}", &uuid::Uuid::new_v4().simple().to_string()[..10]);
-    let log = fixture.dir.path().join("dispatcher.log");
-    let mut dispatcher = std::process::Command::new(env!("CARGO_BIN_EXE_forgepool"))
-        .arg("dispatcher")
-        .args(["--listen", &format!("127.0.0.1:{http_port}")])
-        .arg("--skills")
-        .arg(&fixture.skills)
-        .arg("--agents")
-        .arg(&fixture.agents)
-        .arg("--database")
-        .arg(fixture.dir.path().join("runs.db"))
-        .env(
-            "FORGEPOOL_AMQP_URL",
-            format!("amqp://guest:guest@127.0.0.1:{broker_port}/%2f"),
-        )
-        .env("FORGEPOOL_AMQP_PREFIX", &prefix)
-        .env("FORGEPOOL_LOG", "info")
-        .stdout(std::process::Stdio::null())
-        .stderr(std::fs::File::create(&log).unwrap())
-        .spawn()
-        .unwrap();
+    let (mut dispatcher, log) = bare_dispatcher(
+        &fixture,
+        &format!("127.0.0.1:{http_port}"),
+        &format!("amqp://guest:guest@127.0.0.1:{broker_port}/%2f"),
+        &prefix,
+    );
     let logged = || std::fs::read_to_string(&log).unwrap_or_default();
     let http = reqwest::Client::builder()
         .timeout(Duration::from_secs(5))
@@ -1006,22 +965,12 @@ async fn a_run_submitted_before_rabbitmq_is_reachable_is_delivered_once_it_is() 
 async fn sigterm_stops_a_dispatcher_that_cannot_set_up_rabbitmq() {
     // Nothing listens on port 1: the dispatcher keeps trying to set up its queues.
     let fixture = Fixture::new(None, &["change"], &["approve"]);
-    let log = fixture.dir.path().join("dispatcher.log");
-    let mut dispatcher = std::process::Command::new(env!("CARGO_BIN_EXE_forgepool"))
-        .arg("dispatcher")
-        .args(["--listen", "127.0.0.1:0"])
-        .arg("--skills")
-        .arg(&fixture.skills)
-        .arg("--agents")
-        .arg(&fixture.agents)
-        .arg("--database")
-        .arg(fixture.dir.path().join("runs.db"))
-        .env("FORGEPOOL_AMQP_URL", "amqp://guest:guest@127.0.0.1:1/%2f")
-        .env("FORGEPOOL_LOG", "info")
-        .stdout(std::process::Stdio::null())
-        .stderr(std::fs::File::create(&log).unwrap())
-        .spawn()
-        .unwrap();
+    let (mut dispatcher, log) = bare_dispatcher(
+        &fixture,
+        "127.0.0.1:0",
+        "amqp://guest:guest@127.0.0.1:1/%2f",
+        "forgepool",
+    );
     let logged = || std::fs::read_to_string(&log).unwrap_or_default();
     let deadline = std::time::Instant::now() + Duration::from_secs(20);
     while !logged().contains("cannot set up RabbitMQ yet; retrying") {
@@ -1052,4 +1001,31 @@ async fn sigterm_stops_a_dispatcher_that_cannot_set_up_rabbitmq() {
         "stopped cleanly during the setup:\n{}",
         logged()
     );
+}
+
+/// A dispatcher process on `listen` with the fixture's skills, agents and store, using the
+/// broker at `amqp_url` under `prefix`; its log file is returned beside it.
+fn bare_dispatcher(
+    fixture: &Fixture,
+    listen: &str,
+    amqp_url: &str,
+    prefix: &str,
+) -> (std::process::Child, std::path::PathBuf) {
+    let log = fixture.dir.path().join("dispatcher.log");
+    let child = std::process::Command::new(env!("CARGO_BIN_EXE_forgepool"))
+        .args(["dispatcher", "--listen", listen])
+        .arg("--skills")
+        .arg(&fixture.skills)
+        .arg("--agents")
+        .arg(&fixture.agents)
+        .arg("--database")
+        .arg(fixture.dir.path().join("runs.db"))
+        .env("FORGEPOOL_AMQP_URL", amqp_url)
+        .env("FORGEPOOL_AMQP_PREFIX", prefix)
+        .env("FORGEPOOL_LOG", "info")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::fs::File::create(&log).unwrap())
+        .spawn()
+        .unwrap();
+    (child, log)
 }
