@@ -39,8 +39,15 @@ if ! docker info >/dev/null 2>&1; then
 fi
 log "docker engine ready ($(docker version --format '{{.Server.Version}}'))"
 
+# RabbitMQ 3.10 reserves three file handles for every quorum queue and, once its handles run
+# out, stalls new connections and queues without an error. Debian starts it through `su`, whose
+# PAM limits give it 1024 open files: about 300 quorum queues. It gets the 65536 RabbitMQ's
+# documentation asks for, or this machine's hard limit if that is lower.
+nofile="$(ulimit -Hn)"
+if [ "$nofile" = unlimited ] || [ "$nofile" -gt 65536 ]; then nofile=65536; fi
 rabbit_handles() { rabbitmqctl -q eval 'file_handle_cache:info([total_limit]).' 2>/dev/null | tr -dc '0-9'; }
-if rabbitmq-diagnostics -q ping >/dev/null 2>&1 && [ "$(rabbit_handles)" -lt 10000 ] 2>/dev/null; then
+enough=$(( nofile < 10000 ? nofile / 2 : 10000 ))
+if rabbitmq-diagnostics -q ping >/dev/null 2>&1 && [ "$(rabbit_handles)" -lt "$enough" ] 2>/dev/null; then
   # Started elsewhere with a low open-files limit (see below): start it again with ours.
   log "restarting rabbitmq-server: it has $(rabbit_handles) file handles"
   rabbitmqctl -q stop >/dev/null 2>&1 || true
@@ -51,14 +58,8 @@ if ! rabbitmq-diagnostics -q ping >/dev/null 2>&1; then
   if [ -n "${RABBITMQ_CONSUMER_TIMEOUT_MS:-}" ]; then
     echo "consumer_timeout = ${RABBITMQ_CONSUMER_TIMEOUT_MS}" > /etc/rabbitmq/rabbitmq.conf
   fi
-  # RabbitMQ 3.10 reserves three file handles for every quorum queue and, once its handles
-  # run out, stalls new connections and queues without an error. Debian starts it through
-  # `su`, whose PAM limits give it 1024 open files: about 300 quorum queues. Raise its limit
-  # towards the 65536 RabbitMQ's documentation asks for (never above this machine's hard limit).
-  nofile="$(ulimit -Hn)"
-  if [ "$nofile" = unlimited ] || [ "$nofile" -gt 65536 ]; then nofile=65536; fi
-  mkdir -p /etc/security/limits.d
-  echo "rabbitmq - nofile $nofile" > /etc/security/limits.d/rabbitmq.conf
+  { mkdir -p /etc/security/limits.d && echo "rabbitmq - nofile $nofile" > /etc/security/limits.d/rabbitmq.conf; } 2>/dev/null ||
+    log "cannot write /etc/security/limits.d/rabbitmq.conf: RabbitMQ keeps the limit su gives it"
   # The limits file covers `su` with pam_limits; the ulimit covers a `su` without it.
   (ulimit -n "$nofile" 2>/dev/null || true; rabbitmq-server -detached >/dev/null 2>&1) || true
   for _ in $(seq 1 120); do
