@@ -937,26 +937,10 @@ async fn a_run_submitted_before_rabbitmq_is_reachable_is_delivered_once_it_is() 
         stream.chunk().await.unwrap().is_some(),
         "the stream is open"
     );
-    let _ = std::process::Command::new("kill")
-        .args(["-TERM", &dispatcher.id().to_string()])
-        .status();
     // Less than the 15 s the server would give a request that did not end by itself.
-    let deadline = std::time::Instant::now() + Duration::from_secs(10);
-    let code = loop {
-        if let Some(status) = dispatcher.try_wait().unwrap() {
-            break status.code();
-        }
-        if std::time::Instant::now() > deadline {
-            let _ = dispatcher.kill();
-            panic!(
-                "the dispatcher did not stop within 10 s of SIGTERM:\n{}",
-                logged()
-            );
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    };
+    let code = dispatcher.terminate(Duration::from_secs(10));
     while let Ok(Some(_)) = stream.chunk().await {}
-    assert_eq!(code, Some(0), "{}", logged());
+    assert_eq!(code, Some(0), "stopped within 10 s:\n{}", logged());
     forwarding.abort();
     common::cluster::delete_prefix_queues(&prefix).await;
 }
@@ -981,20 +965,7 @@ async fn sigterm_stops_a_dispatcher_that_cannot_set_up_rabbitmq() {
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    let _ = std::process::Command::new("kill")
-        .args(["-TERM", &dispatcher.id().to_string()])
-        .status();
-    let deadline = std::time::Instant::now() + Duration::from_secs(10);
-    let code = loop {
-        if let Some(status) = dispatcher.try_wait().unwrap() {
-            break status.code();
-        }
-        if std::time::Instant::now() > deadline {
-            let _ = dispatcher.kill();
-            panic!("the dispatcher did not stop within 10 s of SIGTERM");
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    };
+    let code = dispatcher.terminate(Duration::from_secs(10));
     assert_eq!(
         code,
         Some(0),
@@ -1004,13 +975,13 @@ async fn sigterm_stops_a_dispatcher_that_cannot_set_up_rabbitmq() {
 }
 
 /// A dispatcher process on `listen` with the fixture's skills, agents and store, using the
-/// broker at `amqp_url` under `prefix`; its log file is returned beside it.
+/// broker at `amqp_url` under `prefix`. It is not waited on: its ready line needs the broker.
 fn bare_dispatcher(
     fixture: &Fixture,
     listen: &str,
     amqp_url: &str,
     prefix: &str,
-) -> (std::process::Child, std::path::PathBuf) {
+) -> (common::cluster::Service, std::path::PathBuf) {
     let log = fixture.dir.path().join("dispatcher.log");
     let child = std::process::Command::new(env!("CARGO_BIN_EXE_forgepool"))
         .args(["dispatcher", "--listen", listen])
@@ -1027,5 +998,10 @@ fn bare_dispatcher(
         .stderr(std::fs::File::create(&log).unwrap())
         .spawn()
         .unwrap();
-    (child, log)
+    let service = common::cluster::Service {
+        child,
+        address: listen.to_string(),
+        log: log.clone(),
+    };
+    (service, log)
 }
