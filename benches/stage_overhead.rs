@@ -146,6 +146,8 @@ fn spec(name: String) -> StageSpec {
         memory_bytes: 128 << 20,
         cpus: 0.5,
         pids_limit: 512,
+        read_only_root: true,
+        disk_bytes: proto::DEFAULT_DISK_BYTES,
         user: Some("65534:65534".into()),
         workdir: None,
         timeout: Duration::from_secs(60),

@@ -136,7 +136,7 @@ def main():
         f"[agents.i]\nimage = \"{IMAGE}\"\ncommand = {json.dumps(IMPLEMENT)}\nmemory = \"128m\"\ncpus = 0.5\n"
         f"[agents.r]\nimage = \"{IMAGE}\"\ncommand = {json.dumps(REVIEW)}\nmemory = \"128m\"\ncpus = 0.5\n")
     prefix = "bench" + uuid.uuid4().hex[:8]
-    env = dict(os.environ, FORGEPOOL_AMQP_PREFIX=prefix, FORGEPOOL_LOG=os.environ.get("BENCH_LOG", "warn,lapin=off"))
+    env = dict(os.environ, FORGEPOOL_AMQP_PREFIX=prefix, FORGEPOOL_JOB_KEY=os.environ.get("FORGEPOOL_JOB_KEY", "bench-cluster-job-key-0123456789"), FORGEPOOL_LOG=os.environ.get("BENCH_LOG", "warn,lapin=off"))
 
     creates = {}
     events = subprocess.Popen(["docker", "events", "--format", "{{json .}}", "--filter", "type=container",
@@ -156,7 +156,7 @@ def main():
                                  "--agents", agents, "--database", os.path.join(work, "runs.db")], env,
                                 os.path.join(work, "dispatcher.log"))
     workers = [spawn(["worker", "--metrics-addr", "127.0.0.1:0", "--worker-id", f"{prefix}-{i}", "--concurrency", str(slots),
-                      "--workspace", os.path.join(work, f"ws{i}")], env, os.path.join(work, f"worker{i}.log"))[0]
+                      "--workspace", os.path.join(work, f"ws{i}"), "--agents", agents], env, os.path.join(work, f"worker{i}.log"))[0]
                for i in range(worker_count)]
     time.sleep(2)
     base = f"http://{address}"

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Starts a local cluster: one dispatcher on 127.0.0.1:8080 and N workers (default 2), using
-# RabbitMQ and Docker from scripts/services.sh. Logs and the store go to ./cluster/.
+# RabbitMQ and Docker from # Dispatcher and workers sign and check jobs with the same key.
+export FORGEPOOL_JOB_KEY="${FORGEPOOL_JOB_KEY:-$(head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n')}"
+scripts/services.sh. Logs and the store go to ./cluster/.
 #   scripts/cluster.sh [WORKERS] [SKILLS_DIR] [AGENTS_FILE]
 # Stop it with: pkill -TERM -f 'forgepool (dispatcher|worker)'
 set -euo pipefail
@@ -17,7 +19,7 @@ mkdir -p cluster
 echo "dispatcher: pid $!, http://127.0.0.1:8080, log cluster/dispatcher.log"
 for i in $(seq 1 "$workers"); do
   ./target/release/forgepool worker --worker-id "local-$i" --metrics-addr "127.0.0.1:$((9090 + i))" \
-    --workspace "cluster/workspaces-$i" > "cluster/worker-$i.log" 2>&1 &
+    --workspace "cluster/workspaces-$i" --agents "$agents" > "cluster/worker-$i.log" 2>&1 &
   echo "worker local-$i: pid $!, metrics http://127.0.0.1:$((9090 + i))/metrics, log cluster/worker-$i.log"
 done
 echo "submit with: ./target/release/forgepool submit REQUEST.toml --wait"

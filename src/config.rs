@@ -14,6 +14,12 @@ pub const ENV_SKILLS_DIR: &str = "FORGEPOOL_SKILLS_DIR";
 pub const ENV_AGENTS_FILE: &str = "FORGEPOOL_AGENTS_FILE";
 /// Where workspaces live.
 pub const ENV_WORKSPACE_DIR: &str = "FORGEPOOL_WORKSPACE_DIR";
+/// The key that signs and checks job messages.
+pub const ENV_JOB_KEY: &str = "FORGEPOOL_JOB_KEY";
+/// The repository URL schemes accepted.
+pub const ENV_ALLOWED_URL_SCHEMES: &str = "FORGEPOOL_ALLOWED_URL_SCHEMES";
+/// The operator's permission for profiles with `network = "bridge"`.
+pub const ENV_ALLOW_BRIDGE: &str = "FORGEPOOL_ALLOW_BRIDGE_NETWORK";
 /// Compatibility: the cycle-file poll interval in seconds.
 pub const ENV_POLL_INTERVAL: &str = "AUTO_REVIEW_POLL_INTERVAL";
 
@@ -32,11 +38,53 @@ pub struct RunArgs {
     pub local: LocalArgs,
 }
 
+/// What the trust boundary lets in, for every command that runs or accepts runs.
+#[derive(Debug, Args)]
+pub struct StageArgs {
+    /// Repository URL schemes accepted (comma-separated; of https, http, ssh, git, file).
+    #[arg(long = "allowed-url-schemes", env = ENV_ALLOWED_URL_SCHEMES, default_value = "https,ssh,file", value_parser = parse_schemes)]
+    pub allowed_schemes: AllowedSchemes,
+    /// Let profiles with `network = "bridge"` run (unrestricted network for their stages).
+    #[arg(long = "allow-bridge-network", env = ENV_ALLOW_BRIDGE, default_value = "false", value_parser = clap::builder::BoolishValueParser::new())]
+    pub allow_bridge: bool,
+}
+
+/// The repository URL schemes accepted (one value, so that clap keeps the list whole).
+#[derive(Debug, Clone)]
+pub struct AllowedSchemes(pub Vec<String>);
+
+fn parse_schemes(text: &str) -> Result<AllowedSchemes, String> {
+    proto::names::parse_schemes(text)
+        .map(AllowedSchemes)
+        .map_err(|e| format!("{ENV_ALLOWED_URL_SCHEMES} {e}"))
+}
+
+/// The job key, required by both services in distributed mode.
+#[derive(Debug, Args)]
+pub struct JobKeyArgs {
+    /// The key dispatcher and workers share to sign and check job messages (16+ characters).
+    #[arg(long = "job-key", env = ENV_JOB_KEY, hide_env_values = true, value_parser = parse_job_key)]
+    pub job_key: Option<proto::JobKey>,
+}
+
+impl JobKeyArgs {
+    /// The key, or the message that says how to set it.
+    pub fn required(&self) -> Result<proto::JobKey, String> {
+        self.job_key.clone().ok_or_else(|| {
+            format!("{ENV_JOB_KEY} is unset: dispatcher and workers need the same secret key (16 or more characters, for example from `openssl rand -hex 32`) to sign and check jobs")
+        })
+    }
+}
+
+fn parse_job_key(text: &str) -> Result<proto::JobKey, String> {
+    proto::JobKey::new(text).map_err(|e| format!("{ENV_JOB_KEY} {e}"))
+}
+
 /// Where an embedded run keeps its records and workspaces (`run`, `resume --local`).
 #[derive(Debug, Args)]
 pub struct LocalArgs {
     /// The run store: a SQLite file path, `sqlite://PATH` or a `postgres://` URL.
-    #[arg(long, env = ENV_DATABASE_URL, default_value = "./forgepool.db")]
+    #[arg(long, env = ENV_DATABASE_URL, default_value = "./forgepool.db", hide_env_values = true)]
     pub database: String,
     /// Where run workspaces are created (default: a folder under the system temp dir).
     #[arg(long, env = ENV_WORKSPACE_DIR)]
@@ -44,6 +92,8 @@ pub struct LocalArgs {
     /// Seconds between scans of `.forge/` while a stage runs.
     #[arg(long, env = ENV_POLL_INTERVAL, default_value = "0.1", value_parser = parse_poll_interval)]
     pub poll_interval: Duration,
+    #[command(flatten)]
+    pub stages: StageArgs,
 }
 
 impl LocalArgs {
@@ -104,7 +154,7 @@ pub struct DispatcherArgs {
     #[arg(long, env = ENV_LISTEN, default_value = "127.0.0.1:8080")]
     pub listen: std::net::SocketAddr,
     /// The run store: a SQLite file path or `sqlite://PATH`.
-    #[arg(long, env = ENV_DATABASE_URL, default_value = "./forgepool.db")]
+    #[arg(long, env = ENV_DATABASE_URL, default_value = "./forgepool.db", hide_env_values = true)]
     pub database: String,
     /// The skills directory.
     #[arg(long, env = ENV_SKILLS_DIR, default_value = "./skills")]
@@ -115,6 +165,10 @@ pub struct DispatcherArgs {
     /// The bearer token clients must send; unset means no authentication (loopback only).
     #[arg(long = "api-token", env = ENV_API_TOKEN, hide_env_values = true)]
     pub api_token: Option<String>,
+    #[command(flatten)]
+    pub job_key: JobKeyArgs,
+    #[command(flatten)]
+    pub stages: StageArgs,
 }
 
 /// `forgepool worker`.
@@ -140,6 +194,13 @@ pub struct WorkerArgs {
     /// Seconds between scans of `.forge/` while a stage runs.
     #[arg(long, env = ENV_POLL_INTERVAL, default_value = "0.1", value_parser = parse_poll_interval)]
     pub poll_interval: Duration,
+    /// The agent profiles file: a job's profiles must be the same as the worker's own.
+    #[arg(long, env = ENV_AGENTS_FILE, default_value = "./agents.toml")]
+    pub agents: PathBuf,
+    #[command(flatten)]
+    pub job_key: JobKeyArgs,
+    #[command(flatten)]
+    pub stages: StageArgs,
 }
 
 impl WorkerArgs {

@@ -51,7 +51,9 @@ pub async fn run(args: RunArgs) -> i32 {
         Ok(request) => request,
         Err(error) => return invalid(format!("{}: {error}", args.file.display())),
     };
-    let frozen = match Freezer::from_process_env(&args.skills, agents).freeze(request) {
+    let freezer = Freezer::from_process_env(&args.skills, agents)
+        .with_allowed_schemes(args.local.stages.allowed_schemes.0.clone());
+    let frozen = match freezer.freeze(request) {
         Ok(frozen) => frozen,
         Err(error) => return invalid(format!("{}: {error}", args.file.display())),
     };
@@ -127,6 +129,7 @@ pub async fn resume(run_id: &str, local: &LocalArgs) -> i32 {
 /// Runs a stored job in this process, recording and printing its events; returns the exit
 /// code of its final state.
 async fn execute(store: &Store, job: proto::Job, local: &LocalArgs) -> i32 {
+    worker::git::set_allowed_schemes(local.stages.allowed_schemes.0.clone());
     let run_id = job.run_id;
     let workspace_root = match local.workspace_root() {
         Ok(root) => root,
@@ -163,6 +166,7 @@ async fn execute(store: &Store, job: proto::Job, local: &LocalArgs) -> i32 {
         runtime,
         EngineConfig {
             poll_interval: local.poll_interval,
+            allow_bridge: local.stages.allow_bridge,
             ..EngineConfig::for_process(workspace_root)
         },
     );

@@ -82,6 +82,7 @@ mod tests {
                 verdict: verdict.into(),
                 feedback: feedback.into(),
                 content: serde_json::json!({}),
+                origin: Default::default(),
             },
         }
     }

@@ -41,6 +41,10 @@ pub async fn dispatcher(args: DispatcherArgs) -> i32 {
         Ok(agents) => agents,
         Err(error) => return invalid(error.to_string()),
     };
+    let job_key = match args.job_key.required() {
+        Ok(key) => key,
+        Err(message) => return invalid(message),
+    };
     let listener = match tokio::net::TcpListener::bind(args.listen).await {
         Ok(listener) => listener,
         Err(error) => {
@@ -57,6 +61,8 @@ pub async fn dispatcher(args: DispatcherArgs) -> i32 {
         skills_dir: args.skills,
         agents,
         api_token: args.api_token,
+        job_key,
+        allowed_schemes: args.stages.allowed_schemes.0,
     };
     let shutdown = shutdown_on_signal();
     // The line tests and scripts wait for: printed once the broker topology exists.
@@ -80,6 +86,15 @@ pub async fn worker(args: WorkerArgs) -> i32 {
         Ok(root) => root,
         Err(message) => return invalid(message),
     };
+    let job_key = match args.job_key.required() {
+        Ok(key) => key,
+        Err(message) => return invalid(message),
+    };
+    let agents = match AgentBook::load(&args.agents) {
+        Ok(agents) => agents,
+        Err(error) => return invalid(error.to_string()),
+    };
+    worker::git::set_allowed_schemes(args.stages.allowed_schemes.0.clone());
     let worker_id = args.worker_id.clone().unwrap_or_else(|| {
         std::fs::read_to_string("/proc/sys/kernel/hostname")
             .map(|h| h.trim().to_string())
@@ -109,6 +124,7 @@ pub async fn worker(args: WorkerArgs) -> i32 {
         runtime,
         EngineConfig {
             poll_interval: args.poll_interval,
+            allow_bridge: args.stages.allow_bridge,
             ..EngineConfig::for_process(workspace_root)
         },
     );
@@ -150,6 +166,9 @@ pub async fn worker(args: WorkerArgs) -> i32 {
         drain: Duration::from_secs(args.drain_seconds),
         heartbeat: Duration::from_secs(10),
         publish_deadline: Duration::from_secs(600),
+        job_key,
+        profiles: agents.profiles().clone(),
+        allowed_schemes: args.stages.allowed_schemes.0,
     };
     let code = match worker::service::run(config, engine, metrics_registry, shutdown.clone()).await
     {

@@ -79,6 +79,8 @@ fn the_image_runs_the_dispatcher_as_a_non_root_user() {
         "FORGEPOOL_AGENTS_FILE=/etc/forgepool/agents.toml",
         "-e",
         "FORGEPOOL_LOG=info",
+        "-e",
+        "FORGEPOOL_JOB_KEY=forgepool-image-test-key-0123456789",
         IMAGE,
         "dispatcher",
     ]);

@@ -43,6 +43,7 @@ fn cycle(run_id: Uuid, n: u32, verdict: &str) -> Event {
                 verdict: verdict.into(),
                 feedback: String::new(),
                 content: serde_json::json!({"cycle": n}),
+                origin: Default::default(),
             },
         },
     )

@@ -14,6 +14,8 @@ use super::Fixture;
 
 /// The broker the tests use.
 pub const AMQP_URL: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
+/// The job key every test service shares (`FORGEPOOL_JOB_KEY`).
+pub const JOB_KEY: &str = "forgepool-test-job-key-0123456789";
 
 /// The states a run view went through, in order.
 pub fn state_names(view: &serde_json::Value) -> Vec<&str> {
@@ -171,6 +173,7 @@ impl Cluster {
             .env("FORGEPOOL_AMQP_PREFIX", &self.prefix)
             .env("FORGEPOOL_LOG", "info,lapin=off")
             .env("AGENT_SECRET", "sk-test-0123456789abcdef")
+            .env("FORGEPOOL_JOB_KEY", JOB_KEY)
             .env_remove("AUTO_REVIEW_MAX_RETRIES")
             .env_remove("FORGE_REPAIR_ATTEMPTS")
             .envs(self.env.iter().map(|(k, v)| (k, v)))
@@ -218,6 +221,8 @@ impl Cluster {
             .arg(&workspace)
             .arg("--drain-seconds")
             .arg("5")
+            .arg("--agents")
+            .arg(&self.fixture.agents)
             .envs(env.iter().copied());
         self.workers.push(spawn(command, log, "listening on "));
         self.workers.len() - 1

@@ -74,6 +74,8 @@ struct ProfileEntry {
     cpus: Option<f64>,
     timeout_seconds: Option<u64>,
     user: Option<String>,
+    read_only_root: Option<bool>,
+    disk: Option<String>,
 }
 
 impl AgentBook {
@@ -116,6 +118,11 @@ impl AgentBook {
         })
     }
 
+    /// Every profile, by name.
+    pub fn profiles(&self) -> &BTreeMap<String, AgentProfile> {
+        &self.profiles
+    }
+
     /// The profile called `name`.
     pub fn get(&self, name: &str) -> Option<&AgentProfile> {
         self.profiles.get(name)
@@ -147,20 +154,30 @@ fn check_profile(name: &str, entry: ProfileEntry) -> Result<AgentProfile, String
         return Err(format!("{} must name a container image", key("image")));
     }
     for variable in &entry.env {
-        let valid = variable
-            .chars()
-            .next()
-            .is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
-            && variable
-                .chars()
-                .all(|c| c.is_ascii_alphanumeric() || c == '_');
-        if !valid {
+        if let Some(why) = proto::names::env_name_refusal(variable) {
             return Err(format!(
-                "{} holds {variable:?}; it lists environment variable names (like ANTHROPIC_API_KEY), never values",
+                "{} holds {variable:?}, which is not allowed: {why}",
                 key("env")
             ));
         }
     }
+    if let Some(user) = &entry.user {
+        if proto::names::is_root_user(user) {
+            return Err(format!(
+                "{} is {user:?}, which is root: stages never run as root; name a non-root uid:gid",
+                key("user")
+            ));
+        }
+    }
+    let disk_bytes = match entry.disk.as_deref() {
+        None => proto::DEFAULT_DISK_BYTES,
+        Some(text) => parse_memory(text).ok_or_else(|| {
+            format!(
+                "{} must be a size like \"512m\" or \"4g\" of at least 6m, got {text:?}",
+                key("disk")
+            )
+        })?,
+    };
     let network = match entry.network.as_deref() {
         None | Some("none") => Network::None,
         Some("bridge") => Network::Bridge,
@@ -203,6 +220,8 @@ fn check_profile(name: &str, entry: ProfileEntry) -> Result<AgentProfile, String
         cpus,
         timeout_seconds,
         user: entry.user,
+        read_only_root: entry.read_only_root.unwrap_or(true),
+        disk_bytes,
     })
 }
 

@@ -35,6 +35,8 @@ pub struct Freezer {
     skills_dir: PathBuf,
     agents: AgentBook,
     env: Vec<(String, String)>,
+    /// The repository URL schemes accepted (`FORGEPOOL_ALLOWED_URL_SCHEMES`).
+    allowed_schemes: Vec<String>,
 }
 
 /// A frozen job and the warnings to show its submitter.
@@ -58,7 +60,14 @@ impl Freezer {
             skills_dir: skills_dir.into(),
             agents,
             env,
+            allowed_schemes: proto::names::default_allowed_schemes(),
         }
+    }
+
+    /// The same freezer accepting only repository URLs of `schemes`.
+    pub fn with_allowed_schemes(mut self, schemes: Vec<String>) -> Freezer {
+        self.allowed_schemes = schemes;
+        self
     }
 
     /// A freezer that reads the compatibility variables from the process environment.
@@ -99,7 +108,7 @@ impl Freezer {
             .unwrap_or_else(|| names::default_step(&request.skill));
         names::check_step(&step)?;
         check_brief(&request.brief)?;
-        check_repository(&request.repository)?;
+        check_repository(&request.repository, &self.allowed_schemes)?;
         check_commands(&request.commands)?;
         let repair_budget = self.repair_budget(request.repair_attempts, &mut warnings)?;
 
@@ -267,16 +276,15 @@ fn check_brief(brief: &str) -> Result<(), SubmitError> {
     Ok(())
 }
 
-fn check_repository(repository: &proto::RepositoryRef) -> Result<(), SubmitError> {
+fn check_repository(
+    repository: &proto::RepositoryRef,
+    allowed_schemes: &[String],
+) -> Result<(), SubmitError> {
     let url = repository.url.as_str();
     let unsafe_text =
         |s: &str| s.starts_with('-') || s.chars().any(|c| c.is_control() || c.is_whitespace());
-    if url.is_empty() || unsafe_text(url) {
-        return Err(SubmitError::invalid(
-            "repository.url",
-            "must be a git URL without spaces or control characters that does not start with '-'",
-            url,
-        ));
+    if let Err(rule) = proto::names::check_url(url, allowed_schemes) {
+        return Err(SubmitError::invalid("repository.url", &rule, url));
     }
     if let Some(reference) = &repository.git_ref {
         let forbidden = ["..", "~", "^", ":", "?", "*", "[", "\\", "@{", "//"];

@@ -11,24 +11,12 @@ pub fn project_of(ticket: &str) -> Result<String, SubmitError> {
             ticket,
         )
     };
-    let (project, number) = ticket.rsplit_once('-').ok_or_else(invalid)?;
-    let mut chars = project.chars();
-    let first_ok = chars.next().is_some_and(|c| c.is_ascii_alphabetic());
-    let rest_ok = chars.all(|c| c.is_ascii_alphanumeric() || c == '_');
-    let number_ok = !number.is_empty() && number.bytes().all(|b| b.is_ascii_digit());
-    if first_ok && rest_ok && number_ok {
-        Ok(project.to_ascii_lowercase())
-    } else {
-        Err(invalid())
-    }
+    proto::names::project_of(ticket).ok_or_else(invalid)
 }
 
 /// Checks a skill name against `^[a-z0-9][a-z0-9-]{0,63}$`.
 pub fn check_skill(skill: &str) -> Result<(), SubmitError> {
-    let ok = matches_name(skill, |b| {
-        b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-'
-    });
-    if ok {
+    if proto::names::is_skill(skill) {
         Ok(())
     } else {
         Err(SubmitError::invalid(
@@ -41,10 +29,7 @@ pub fn check_skill(skill: &str) -> Result<(), SubmitError> {
 
 /// Checks a step name against `^[a-z0-9][a-z0-9_]{0,63}$`.
 pub fn check_step(step: &str) -> Result<(), SubmitError> {
-    let ok = matches_name(step, |b| {
-        b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_'
-    });
-    if ok {
+    if proto::names::is_step(step) {
         Ok(())
     } else {
         Err(SubmitError::invalid(
@@ -58,14 +43,6 @@ pub fn check_step(step: &str) -> Result<(), SubmitError> {
 /// The default step name of a skill: its name with `-` replaced by `_`.
 pub fn default_step(skill: &str) -> String {
     skill.replace('-', "_")
-}
-
-/// A name of 1..=64 bytes whose first byte is `[a-z0-9]` and whose other bytes pass `rest`.
-fn matches_name(name: &str, rest: impl Fn(u8) -> bool) -> bool {
-    let bytes = name.as_bytes();
-    (1..=64).contains(&bytes.len())
-        && (bytes[0].is_ascii_lowercase() || bytes[0].is_ascii_digit())
-        && bytes[1..].iter().all(|&b| rest(b))
 }
 
 #[cfg(test)]

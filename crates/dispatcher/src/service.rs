@@ -46,6 +46,10 @@ pub struct DispatcherConfig {
     pub agents: AgentBook,
     /// The bearer token; `None` turns authentication off.
     pub api_token: Option<String>,
+    /// The key that signs every job (`FORGEPOOL_JOB_KEY`), shared with the workers.
+    pub job_key: proto::JobKey,
+    /// The repository URL schemes accepted at submission.
+    pub allowed_schemes: Vec<String>,
 }
 
 /// A failure that stops the dispatcher.
@@ -98,6 +102,8 @@ pub struct Dispatcher {
     pub topology: Topology,
     skills_dir: PathBuf,
     agents: AgentBook,
+    job_key: proto::JobKey,
+    allowed_schemes: Vec<String>,
     /// The bearer token, when authentication is on.
     pub api_token: Option<String>,
     /// Bumped after every stored event; watchers wait on it.
@@ -118,7 +124,8 @@ impl Dispatcher {
     /// Validates, freezes, stores and publishes a request. A run that is stored but cannot be
     /// published yet is published later by the republisher; it is never lost.
     pub async fn submit(&self, request: RunRequest) -> Result<Frozen, SubmitFailure> {
-        let freezer = Freezer::from_process_env(&self.skills_dir, self.agents.clone());
+        let freezer = Freezer::from_process_env(&self.skills_dir, self.agents.clone())
+            .with_allowed_schemes(self.allowed_schemes.clone());
         // Freezing reads the skill's files: on a blocking thread, never the runtime's.
         let frozen = tokio::task::spawn_blocking(move || freezer.freeze(request))
             .await
@@ -137,8 +144,15 @@ impl Dispatcher {
 
     async fn publish_job(&self, job: &Job) -> Result<(), AmqpError> {
         let payload = serde_json::to_vec(job).unwrap_or_default();
+        let headers = amqp::signature_headers(self.job_key.sign(&payload));
         self.publisher
-            .publish_reliably("", &self.topology.jobs(), &payload, PUBLISH_DEADLINE)
+            .publish_reliably(
+                "",
+                &self.topology.jobs(),
+                &payload,
+                Some(headers),
+                PUBLISH_DEADLINE,
+            )
             .await?;
         if let Err(error) = self.store.mark_published(job.run_id).await {
             warn!(run_id = %job.run_id, %error, "cannot mark the job published; it may be published twice");
@@ -280,6 +294,8 @@ pub async fn run(
         topology,
         skills_dir: config.skills_dir,
         agents: config.agents,
+        job_key: config.job_key,
+        allowed_schemes: config.allowed_schemes,
         api_token: config.api_token,
         events_stored,
         broker_ready: AtomicBool::new(false),
@@ -627,7 +643,7 @@ async fn dead_letter(
     dispatcher.metrics.dead_lettered(source);
     match dispatcher
         .publisher
-        .dead_letter(&dispatcher.topology, source, &delivery.data, reason)
+        .dead_letter(&dispatcher.topology, source, &delivery.data, reason, None)
         .await
     {
         Ok(()) => {
@@ -660,8 +676,18 @@ async fn handle_dead_letter(dispatcher: Arc<Dispatcher>, delivery: lapin::messag
     let from_jobs = source.is_some_and(|queue| {
         queue == dispatcher.topology.jobs() || queue == dispatcher.topology.jobs_wait()
     });
+    // Only a job this dispatcher signed may fail its run: a forged message naming a real run
+    // (refused by a worker) must not end that run.
+    let signed = dispatcher
+        .job_key
+        .verify(
+            &delivery.data,
+            amqp::header_text(&delivery.properties, proto::SIGNATURE_HEADER).as_deref(),
+        )
+        .is_ok();
     let run_id = serde_json::from_slice::<serde_json::Value>(&delivery.data)
         .ok()
+        .filter(|_| signed)
         .and_then(|message| Uuid::parse_str(message.get("run_id")?.as_str()?).ok());
     if let (true, Some(run_id)) = (from_jobs, run_id) {
         match dispatcher.store.get_run(run_id).await {

@@ -549,12 +549,16 @@ impl Publisher {
         exchange: &str,
         routing_key: &str,
         payload: &[u8],
+        headers: Option<FieldTable>,
         deadline: Duration,
     ) -> Result<(), AmqpError> {
         let started = std::time::Instant::now();
         let mut backoff = Duration::from_millis(100);
         loop {
-            match self.publish(exchange, routing_key, payload, None).await {
+            match self
+                .publish(exchange, routing_key, payload, headers.clone())
+                .await
+            {
                 Ok(()) => return Ok(()),
                 Err(error) if started.elapsed() + backoff < deadline => {
                     tracing::warn!(%error, "publish failed; retrying");
@@ -569,14 +573,23 @@ impl Publisher {
 
     /// Publishes a message taken from `source` (a queue name) to the dead-letter exchange,
     /// with the reason and the source in headers.
+    /// A job's signature travels along, so that the dispatcher can tell a job it signed from
+    /// a forged one.
     pub async fn dead_letter(
         &self,
         topology: &Topology,
         source: &str,
         payload: &[u8],
         reason: &str,
+        original: Option<&BasicProperties>,
     ) -> Result<(), AmqpError> {
         let mut headers = FieldTable::default();
+        if let Some(signature) = original.and_then(|p| header_text(p, crate::SIGNATURE_HEADER)) {
+            headers.insert(
+                crate::SIGNATURE_HEADER.into(),
+                AMQPValue::LongString(LongString::from(signature)),
+            );
+        }
         headers.insert(
             REASON_HEADER.into(),
             AMQPValue::LongString(LongString::from(reason.to_string())),
@@ -587,6 +600,25 @@ impl Publisher {
         );
         self.publish(&topology.dead(), "", payload, Some(headers))
             .await
+    }
+}
+
+/// The headers that carry a job's signature.
+pub fn signature_headers(signature: String) -> FieldTable {
+    let mut headers = FieldTable::default();
+    headers.insert(
+        crate::SIGNATURE_HEADER.into(),
+        AMQPValue::LongString(LongString::from(signature)),
+    );
+    headers
+}
+
+/// A text header of a message, if it has one.
+pub fn header_text(properties: &BasicProperties, name: &str) -> Option<String> {
+    match properties.headers().as_ref()?.inner().get(name)? {
+        AMQPValue::LongString(value) => Some(value.to_string()),
+        AMQPValue::ShortString(value) => Some(value.to_string()),
+        _ => None,
     }
 }
 

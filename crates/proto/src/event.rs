@@ -180,6 +180,21 @@ pub struct CycleRecord {
     pub feedback: String,
     /// The whole file, exactly as written.
     pub content: serde_json::Value,
+    /// Who wrote it: forgepool's own review, or a container's own loop. A container's file
+    /// never replaces forgepool's record of the same name.
+    #[serde(default)]
+    pub origin: CycleOrigin,
+}
+
+/// Who wrote a review cycle file.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum CycleOrigin {
+    /// A stage container wrote it into `/workspace/.forge/` for its own review loop.
+    #[default]
+    Container,
+    /// forgepool wrote it from the review stage that produced it.
+    Forgepool,
 }
 
 /// Where a paused run stopped: the source it had reached and the loop's state, enough for any
@@ -338,6 +353,7 @@ mod tests {
                     verdict: "rejected".into(),
                     feedback: "Missing tests".into(),
                     content,
+                    origin: Default::default(),
                 },
             },
         );

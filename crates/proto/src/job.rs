@@ -102,6 +102,167 @@ pub struct AgentProfile {
     pub timeout_seconds: u64,
     /// The user the container runs as; the worker chooses a non-root one when absent.
     pub user: Option<String>,
+    /// The container's root filesystem is read-only, with a size-limited tmpfs at `/tmp`.
+    #[serde(default = "read_only_by_default")]
+    pub read_only_root: bool,
+    /// The most the stage may write to `/tmp`, and the largest file it may write anywhere.
+    #[serde(default = "default_disk_bytes")]
+    pub disk_bytes: u64,
+}
+
+/// A profile's `disk` when it sets none: 4 GiB.
+pub const DEFAULT_DISK_BYTES: u64 = 4 << 30;
+
+fn read_only_by_default() -> bool {
+    true
+}
+
+fn default_disk_bytes() -> u64 {
+    DEFAULT_DISK_BYTES
+}
+
+/// The largest brief a job may carry: 256 KiB.
+pub const MAX_BRIEF_BYTES: usize = 256 * 1024;
+/// The largest skill or review text a job may carry: 1 MiB.
+pub const MAX_SKILL_TEXT_BYTES: usize = 1024 * 1024;
+/// The most verification commands a job may carry.
+pub const MAX_COMMANDS: usize = 64;
+
+impl Job {
+    /// Checks every field a worker relies on, as a worker must: a job message is untrusted
+    /// input even when its signature checks (the dispatcher that signed it may be older). The
+    /// error names the field and the rule.
+    pub fn check(&self) -> Result<(), String> {
+        match crate::names::project_of(&self.ticket) {
+            Some(project) if project == self.project => {}
+            Some(_) => {
+                return Err(format!(
+                    "project {:?} is not the ticket's project",
+                    self.project
+                ))
+            }
+            None => {
+                return Err(format!(
+                    "ticket {:?} must match ^[A-Za-z][A-Za-z0-9_]*-[0-9]+$",
+                    self.ticket
+                ))
+            }
+        }
+        if !crate::names::is_skill(&self.skill) {
+            return Err(format!(
+                "skill {:?} must match ^[a-z0-9][a-z0-9-]{{0,63}}$",
+                self.skill
+            ));
+        }
+        if !crate::names::is_step(&self.step) {
+            return Err(format!(
+                "step {:?} must match ^[a-z0-9][a-z0-9_]{{0,63}}$",
+                self.step
+            ));
+        }
+        if self.brief.len() > MAX_BRIEF_BYTES {
+            return Err(format!(
+                "brief is {} bytes, over {MAX_BRIEF_BYTES}",
+                self.brief.len()
+            ));
+        }
+        let review_text = self.review.as_ref().map_or(0, |r| r.instructions.len());
+        if self.skill_md.len() > MAX_SKILL_TEXT_BYTES || review_text > MAX_SKILL_TEXT_BYTES {
+            return Err(format!(
+                "skill_md and review.instructions may be at most {MAX_SKILL_TEXT_BYTES} bytes each"
+            ));
+        }
+        if self.repair_budget > 3 {
+            return Err(format!(
+                "repair_budget {} must be 0 to 3",
+                self.repair_budget
+            ));
+        }
+        if self.commands.len() > MAX_COMMANDS {
+            return Err(format!(
+                "at most {MAX_COMMANDS} commands, got {}",
+                self.commands.len()
+            ));
+        }
+        for (index, command) in self.commands.iter().enumerate() {
+            if command.argv.is_empty() || command.timeout == 0 {
+                return Err(format!(
+                    "commands[{index}] needs a non-empty argv and a timeout of at least 1 s"
+                ));
+            }
+        }
+        if self.review.is_some() != self.reviewer.is_some() {
+            return Err("review and reviewer must be present together".into());
+        }
+        let profiles = [
+            ("implementer", Some(&self.implementer)),
+            ("reviewer", self.reviewer.as_ref()),
+            ("final_reviewer", self.final_reviewer.as_ref()),
+        ];
+        for (role, profile) in profiles {
+            if let Some(profile) = profile {
+                profile.check().map_err(|e| format!("{role}: {e}"))?;
+            }
+        }
+        Ok(())
+    }
+}
+
+impl AgentProfile {
+    /// Checks what no profile may ask for: a root user, or a variable forgepool or the
+    /// container must own.
+    pub fn check(&self) -> Result<(), String> {
+        if self.image.trim().is_empty() || self.image.chars().any(char::is_control) {
+            return Err(format!(
+                "profile `{}`: image must name a container image",
+                self.name
+            ));
+        }
+        if let Some(user) = &self.user {
+            if crate::names::is_root_user(user) {
+                return Err(format!(
+                    "profile `{}`: user {user:?} is root; stages never run as root",
+                    self.name
+                ));
+            }
+        }
+        for name in &self.env {
+            if let Some(why) = crate::names::env_name_refusal(name) {
+                return Err(format!(
+                    "profile `{}`: env {name:?} is not allowed: {why}",
+                    self.name
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// The fields in which this profile differs from `other`, by name.
+    pub fn differences(&self, other: &AgentProfile) -> Vec<&'static str> {
+        let mut fields = Vec::new();
+        let mut check = |name, differs: bool| {
+            if differs {
+                fields.push(name);
+            }
+        };
+        check("image", self.image != other.image);
+        check("command", self.command != other.command);
+        check("env", self.env != other.env);
+        check("network", self.network != other.network);
+        check("user", self.user != other.user);
+        check("memory", self.memory_bytes != other.memory_bytes);
+        check("cpus", self.cpus != other.cpus);
+        check(
+            "timeout_seconds",
+            self.timeout_seconds != other.timeout_seconds,
+        );
+        check(
+            "read_only_root",
+            self.read_only_root != other.read_only_root,
+        );
+        check("disk", self.disk_bytes != other.disk_bytes);
+        fields
+    }
 }
 
 /// A stage container's network.
@@ -140,6 +301,8 @@ mod tests {
             cpus: 2.0,
             timeout_seconds: 1800,
             user: None,
+            read_only_root: true,
+            disk_bytes: DEFAULT_DISK_BYTES,
         }
     }
 

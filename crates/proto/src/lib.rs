@@ -10,18 +10,22 @@ pub mod amqp;
 mod api;
 mod event;
 mod job;
+pub mod names;
 mod request;
+pub mod signing;
 mod state;
 
 pub use api::{
     ApiError, ApiErrorBody, Control, RunList, RunSummary, RunView, StateChange, SubmitResponse,
 };
 pub use event::{
-    latest_checkpoint, resumed_event, CheckResult, Checkpoint, CycleRecord, Event, EventKind,
-    LogStream, RoundRecord, RunResult, Stage, MAX_CHECKPOINT_PATCH_BYTES, RESUMED_REASON,
+    latest_checkpoint, resumed_event, CheckResult, Checkpoint, CycleOrigin, CycleRecord, Event,
+    EventKind, LogStream, RoundRecord, RunResult, Stage, MAX_CHECKPOINT_PATCH_BYTES,
+    RESUMED_REASON,
 };
-pub use job::{AgentProfile, Job, Network, ReviewConfig};
+pub use job::{AgentProfile, Job, Network, ReviewConfig, DEFAULT_DISK_BYTES};
 pub use request::{AgentChoice, Assurance, RepositoryRef, RunRequest, VerifyCommand};
+pub use signing::{JobKey, SIGNATURE_HEADER};
 pub use state::RunState;
 
 /// The version of every message schema in this crate. Bumped on any incompatible change.

@@ -383,6 +383,7 @@ mod tests {
                 verdict: verdict.into(),
                 feedback: String::new(),
                 content: serde_json::json!({}),
+                origin: Default::default(),
             },
         };
         for event in [
@@ -515,6 +516,7 @@ mod tests {
                         verdict: verdict.into(),
                         feedback: String::new(),
                         content: serde_json::json!({}),
+                        origin: Default::default(),
                     },
                 },
             );

@@ -5,66 +5,91 @@
 //! content changed; temporary files and anything that is not `{step}/review_cycle_{N}.json` with
 //! a JSON object holding `cycle` and `verdict` are ignored until they become valid.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
 
-use proto::CycleRecord;
+use proto::{CycleOrigin, CycleRecord};
+
+use crate::confined::{Confined, EntryKind};
 
 /// The largest cycle file read: 1 MiB.
 pub const MAX_CYCLE_FILE_BYTES: u64 = 1024 * 1024;
+/// The most cycle files collected from a workspace in one run.
+pub const MAX_CYCLE_FILES: usize = 1000;
 
 /// Remembers which cycle files were already reported.
 #[derive(Debug, Default)]
 pub struct CycleCollector {
-    forge_dir: PathBuf,
-    seen: HashMap<PathBuf, u64>,
+    workspace: PathBuf,
+    seen: HashMap<(String, String), u64>,
+    /// Files forgepool wrote itself (`(step, file)`): their record is forgepool's, and the
+    /// copy in the workspace, which a later stage could change, is never read back.
+    owned: HashSet<(String, String)>,
 }
 
 impl CycleCollector {
     /// A collector over `{workspace}/.forge`.
     pub fn new(workspace: &Path) -> CycleCollector {
         CycleCollector {
-            forge_dir: workspace.join(".forge"),
+            workspace: workspace.to_path_buf(),
             seen: HashMap::new(),
+            owned: HashSet::new(),
         }
     }
 
+    /// Marks a cycle file as forgepool's own: it is never collected from the workspace.
+    pub fn own(&mut self, step: &str, file: &str) {
+        self.owned.insert((step.to_string(), file.to_string()));
+    }
+
     /// Returns the cycle files that are new or changed since the last scan, ordered by step
-    /// and cycle. Blocking: call it from a blocking task.
+    /// and cycle. Nothing is read through a symlink, and only regular files up to
+    /// [`MAX_CYCLE_FILE_BYTES`] count. Blocking: call it from a blocking task.
     pub fn scan(&mut self) -> Vec<CycleRecord> {
         let mut found = Vec::new();
-        let Ok(steps) = std::fs::read_dir(&self.forge_dir) else {
+        // The workspace root belongs to the worker's run folder; `.forge` and everything below
+        // it is the agent's, so it is walked without following symlinks.
+        let Ok(forge) = Confined::open(&self.workspace).and_then(|w| {
+            w.subdir(Path::new(".forge"))
+                .map_err(|e| std::io::Error::other(e.to_string()))
+        }) else {
             return found;
         };
-        for step in steps.flatten() {
-            let step_name = step.file_name().to_string_lossy().to_string();
-            // Symlinks are never followed: a stage must not point the collector elsewhere.
-            if step_name == "history" || !step.file_type().is_ok_and(|t| t.is_dir()) {
+        let Ok(steps) = forge.entries() else {
+            return found;
+        };
+        for (step_name, kind) in steps {
+            if step_name == "history" || kind != EntryKind::Dir {
                 continue;
             }
-            let Ok(files) = std::fs::read_dir(step.path()) else {
+            let Ok(step) = forge.subdir(Path::new(&step_name)) else {
                 continue;
             };
-            for file in files.flatten() {
-                let name = file.file_name().to_string_lossy().to_string();
+            let Ok(files) = step.entries() else {
+                continue;
+            };
+            for (name, kind) in files {
                 let Some(cycle) = cycle_number(&name) else {
                     continue;
                 };
-                if !file.file_type().is_ok_and(|t| t.is_file()) {
+                let key = (step_name.clone(), name.clone());
+                if kind != EntryKind::File || self.owned.contains(&key) {
                     continue;
                 }
-                let path = file.path();
-                let Ok(bytes) = read_capped(&path) else {
+                let Ok(bytes) = step.read(Path::new(&name), MAX_CYCLE_FILE_BYTES) else {
                     continue;
                 };
                 let digest = fnv1a(&bytes);
-                if self.seen.get(&path) == Some(&digest) {
+                if self.seen.get(&key) == Some(&digest) {
+                    continue;
+                }
+                if !self.seen.contains_key(&key) && self.seen.len() >= MAX_CYCLE_FILES {
                     continue;
                 }
                 let Some(record) = parse_cycle(&step_name, &name, cycle, &bytes) else {
                     continue;
                 };
-                self.seen.insert(path, digest);
+                self.seen.insert(key, digest);
                 found.push(record);
             }
         }
@@ -80,14 +105,6 @@ fn cycle_number(name: &str) -> Option<u32> {
         return None;
     }
     digits.parse().ok()
-}
-
-fn read_capped(path: &Path) -> std::io::Result<Vec<u8>> {
-    let metadata = std::fs::symlink_metadata(path)?;
-    if metadata.len() > MAX_CYCLE_FILE_BYTES {
-        return Err(std::io::Error::other("cycle file too large"));
-    }
-    std::fs::read(path)
 }
 
 fn parse_cycle(step: &str, file: &str, cycle: u32, bytes: &[u8]) -> Option<CycleRecord> {
@@ -110,6 +127,7 @@ fn parse_cycle(step: &str, file: &str, cycle: u32, bytes: &[u8]) -> Option<Cycle
             .unwrap_or_default()
             .to_string(),
         content,
+        origin: CycleOrigin::Container,
     })
 }
 
@@ -120,17 +138,23 @@ fn fnv1a(bytes: &[u8]) -> u64 {
     })
 }
 
-/// Writes `bytes` to `path` atomically: a temporary file in the same folder, then a rename.
-pub fn write_atomically(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
-    let dir = path
-        .parent()
-        .ok_or_else(|| std::io::Error::other("path has no parent"))?;
-    std::fs::create_dir_all(dir)?;
-    let mut temporary = tempfile::NamedTempFile::new_in(dir)?;
-    std::io::Write::write_all(&mut temporary, bytes)?;
-    temporary.as_file().sync_all()?;
-    temporary.persist(path).map_err(|e| e.error)?;
-    Ok(())
+/// Writes `bytes` to `{workspace}/{relative}` atomically (a temporary file in the same folder,
+/// then a rename), creating the folders on the way. The workspace is the agent's: a symlink
+/// anywhere below it fails the write instead of leading it elsewhere.
+pub fn write_atomically(workspace: &Path, relative: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    let name = relative
+        .file_name()
+        .and_then(|n| n.to_str())
+        .ok_or_else(|| std::io::Error::other("the path has no file name"))?;
+    let folder = relative.parent().unwrap_or(Path::new(""));
+    let root = Confined::open(workspace)?;
+    let dir = if folder.as_os_str().is_empty() {
+        root
+    } else {
+        root.create_subdir(folder)
+            .map_err(|e| std::io::Error::other(format!("{}: {e}", folder.display())))?
+    };
+    dir.write_atomically(name, bytes)
 }
 
 #[cfg(test)]
@@ -230,10 +254,40 @@ mod tests {
     }
 
     #[test]
+    fn never_reads_through_a_symlink_nor_a_file_forgepool_owns() {
+        let dir = tempfile::tempdir().unwrap();
+        let outside = tempfile::tempdir().unwrap();
+        std::fs::write(
+            outside.path().join("review_cycle_7.json"),
+            r#"{"cycle": 7, "verdict": "approved", "feedback": "host decoy"}"#,
+        )
+        .unwrap();
+        std::fs::create_dir_all(dir.path().join(".forge/s")).unwrap();
+        std::os::unix::fs::symlink(outside.path(), dir.path().join(".forge/linked")).unwrap();
+        std::os::unix::fs::symlink(
+            outside.path().join("review_cycle_7.json"),
+            dir.path().join(".forge/s/review_cycle_7.json"),
+        )
+        .unwrap();
+        write(
+            dir.path(),
+            ".forge/s/review_cycle_1.json",
+            r#"{"cycle": 1, "verdict": "approved", "feedback": "rewritten by round 2"}"#,
+        );
+        let mut collector = CycleCollector::new(dir.path());
+        collector.own("s", "review_cycle_1.json");
+        assert!(collector.scan().is_empty());
+        // A symlinked .forge is not followed either.
+        let other = tempfile::tempdir().unwrap();
+        std::os::unix::fs::symlink(outside.path(), other.path().join(".forge")).unwrap();
+        assert!(CycleCollector::new(other.path()).scan().is_empty());
+    }
+
+    #[test]
     fn atomic_writes_leave_no_temporary_file() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join(".forge/s/review_cycle_1.json");
-        write_atomically(&path, b"{}").unwrap();
+        write_atomically(dir.path(), Path::new(".forge/s/review_cycle_1.json"), b"{}").unwrap();
         let names: Vec<_> = std::fs::read_dir(path.parent().unwrap())
             .unwrap()
             .flatten()

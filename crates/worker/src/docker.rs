@@ -15,7 +15,7 @@ use bollard::container::{
     RemoveContainerOptions, WaitContainerOptions,
 };
 use bollard::image::CreateImageOptions;
-use bollard::models::HostConfig;
+use bollard::models::{HostConfig, ResourcesUlimits};
 use bollard::Docker;
 use futures_util::StreamExt;
 use proto::LogStream;
@@ -25,7 +25,7 @@ use tokio_util::sync::CancellationToken;
 use crate::runtime::{
     redact, tail, ContainerRuntime, LogChunk, RuntimeError, StageExit, StageOutput, StageSpec,
     LABEL_CLUSTER, LABEL_DEADLINE, LABEL_HOST, LABEL_INSTANCE, LABEL_MANAGED, LABEL_PID,
-    LABEL_WORKER, MAX_CAPTURED_STDOUT, TAIL_BYTES,
+    LABEL_WORKER, MAX_CAPTURED_STDOUT, MAX_LOG_BYTES, MAX_LOG_LINES, MAX_PARTIAL_LINE, TAIL_BYTES,
 };
 
 /// The limit on any single Docker API call (create, start, remove, list, inspect).
@@ -214,6 +214,14 @@ impl DockerRuntime {
                 memory_swap: Some(memory),
                 nano_cpus: Some((spec.cpus * 1e9) as i64),
                 init: Some(true),
+                readonly_rootfs: Some(spec.read_only_root),
+                tmpfs: spec.read_only_root.then(|| {
+                    HashMap::from([(
+                        "/tmp".to_string(),
+                        format!("rw,nosuid,nodev,size={},mode=1777", spec.disk_bytes),
+                    )])
+                }),
+                ulimits: Some(stage_ulimits(spec)),
                 ..Default::default()
             }),
             ..Default::default()
@@ -541,6 +549,12 @@ struct Collected {
     stdout: String,
     combined: String,
     pending: [String; 2],
+    /// Bytes and lines forwarded as log chunks so far.
+    forwarded_bytes: usize,
+    forwarded_lines: usize,
+    /// Bytes and lines past the caps: counted, never forwarded.
+    dropped_bytes: usize,
+    dropped_lines: usize,
 }
 
 impl Collected {
@@ -597,6 +611,10 @@ impl Collected {
             if let Some(end) = slot.rfind('\n') {
                 let lines: String = slot.drain(..=end).collect();
                 self.emit(&lines, stream_kind, secrets, logs).await;
+            } else if slot.len() > MAX_PARTIAL_LINE {
+                // A line without end is forwarded in pieces: the buffer stays bounded.
+                let piece = std::mem::take(slot);
+                self.emit(&piece, stream_kind, secrets, logs).await;
             }
         }
     }
@@ -617,6 +635,18 @@ impl Collected {
                 self.emit(&rest, kind, secrets, logs).await;
             }
         }
+        if self.dropped_bytes > 0 {
+            let summary = format!(
+                "[forgepool: {} more bytes in {} lines of output were not stored; a stage keeps at most {} bytes and {} lines of its log]\n",
+                self.dropped_bytes, self.dropped_lines, MAX_LOG_BYTES, MAX_LOG_LINES
+            );
+            let _ = logs
+                .send(LogChunk {
+                    stream: LogStream::Stderr,
+                    text: summary,
+                })
+                .await;
+        }
         (self.stdout, self.combined)
     }
 
@@ -629,16 +659,61 @@ impl Collected {
     ) {
         let text = redact(text, secrets);
         if stream == LogStream::Stdout && self.stdout.len() < MAX_CAPTURED_STDOUT {
-            self.stdout.push_str(&text);
+            let room = MAX_CAPTURED_STDOUT - self.stdout.len();
+            self.stdout.push_str(head(&text, room));
         }
         self.combined.push_str(&text);
         if self.combined.len() > 4 * TAIL_BYTES {
             self.combined = tail(&self.combined, TAIL_BYTES).to_string();
         }
+        let lines = text.matches('\n').count().max(1);
+        if self.forwarded_bytes + text.len() > MAX_LOG_BYTES
+            || self.forwarded_lines + lines > MAX_LOG_LINES
+        {
+            self.dropped_bytes += text.len();
+            self.dropped_lines += lines;
+            return;
+        }
+        self.forwarded_bytes += text.len();
+        self.forwarded_lines += lines;
         // The receiver is gone only when the engine stopped listening; output is still
         // captured.
         let _ = logs.send(LogChunk { stream, text }).await;
     }
+}
+
+/// The resource limits of every stage's processes: open files, processes of the stage user,
+/// the largest file it may write (its disk allowance), and no core dumps.
+fn stage_ulimits(spec: &StageSpec) -> Vec<ResourcesUlimits> {
+    let limit = |name: &str, value: i64| ResourcesUlimits {
+        name: Some(name.to_string()),
+        soft: Some(value),
+        hard: Some(value),
+    };
+    vec![
+        limit("nofile", STAGE_OPEN_FILES),
+        limit("nproc", STAGE_PROCESSES),
+        limit("fsize", i64::try_from(spec.disk_bytes).unwrap_or(i64::MAX)),
+        limit("core", 0),
+    ]
+}
+
+/// The open-files limit of a stage's processes.
+const STAGE_OPEN_FILES: i64 = 4096;
+/// The processes limit of the stage user (the container's pids limit is the tighter bound per
+/// stage; this one counts every process of that user on the host).
+const STAGE_PROCESSES: i64 = 8192;
+
+/// The first `limit` bytes of `text` on a character boundary.
+fn head(text: &str, limit: usize) -> &str {
+    if text.len() <= limit {
+        return text;
+    }
+    let mut end = limit;
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    &text[..end]
 }
 
 async fn bounded<T>(

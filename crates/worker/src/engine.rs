@@ -11,8 +11,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use proto::{
-    AgentProfile, CheckResult, Checkpoint, CycleRecord, Event, EventKind, Job, Network,
-    RoundRecord, RunResult, RunState, Stage, MAX_CHECKPOINT_PATCH_BYTES,
+    AgentProfile, CheckResult, Checkpoint, CycleOrigin, CycleRecord, Event, EventKind, Job,
+    Network, RoundRecord, RunResult, RunState, Stage, MAX_CHECKPOINT_PATCH_BYTES,
 };
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
@@ -29,6 +29,7 @@ use crate::runtime::{
     tail, ContainerRuntime, LogChunk, Mount, StageExit, StageOutput, StageSpec, LABEL_RUN,
     LABEL_STAGE,
 };
+use crate::sink::Redacting;
 use crate::sink::{EventSink, PublishEvent};
 use crate::verdict::{self, Verdict};
 
@@ -57,6 +58,9 @@ pub struct EngineConfig {
     pub can_chown: bool,
     /// The pids limit of every stage container.
     pub pids_limit: i64,
+    /// Whether the operator lets profiles with `network = "bridge"` run
+    /// (`FORGEPOOL_ALLOW_BRIDGE_NETWORK`).
+    pub allow_bridge: bool,
 }
 
 impl EngineConfig {
@@ -75,6 +79,7 @@ impl EngineConfig {
             },
             can_chown,
             pids_limit: DEFAULT_PIDS_LIMIT,
+            allow_bridge: false,
         }
     }
 }
@@ -114,6 +119,9 @@ impl<R: ContainerRuntime> Engine<R> {
     ) -> Result<Option<RunResult>, PublishEvent> {
         let span = tracing::info_span!("run", run_id = %job.run_id, ticket = %job.ticket, stage = tracing::field::Empty, cycle = tracing::field::Empty);
         async {
+            // Every event of the run leaves through the redacting sink: a secret an agent wrote
+            // into a file, or that git printed, is never stored or shown.
+            let sink = &Redacting::new(sink, run_secrets(job));
             let root = self.config.workspace_root.join(job.run_id.to_string());
             let mut run = RunContext::new(job, &root);
             // Stages stop on either token; the loop tells the two apart.
@@ -185,6 +193,9 @@ impl<R: ContainerRuntime> Engine<R> {
                     return Ok(None);
                 }
             }
+        }
+        if let Some(reason) = self.refusal(run.job) {
+            return Ok(Some((RunState::Failed, reason)));
         }
         // The workspace is prepared while the broker confirms that the run started: neither
         // waits for the other, and no stage starts before both are done.
@@ -292,6 +303,30 @@ impl<R: ContainerRuntime> Engine<R> {
         }
     }
 
+    /// Why this worker will not run the job at all, if it will not: a profile asks for what the
+    /// operator did not allow, or the repository URL's scheme is not allowed.
+    fn refusal(&self, job: &Job) -> Option<String> {
+        let profiles = [
+            Some(&job.implementer),
+            job.reviewer.as_ref(),
+            job.final_reviewer.as_ref(),
+        ];
+        for profile in profiles.into_iter().flatten() {
+            if profile.network == Network::Bridge && !self.config.allow_bridge {
+                return Some(format!(
+                    "the profile `{}` asks for network = \"bridge\" (unrestricted network), which this worker's operator has not allowed (FORGEPOOL_ALLOW_BRIDGE_NETWORK=true)",
+                    profile.name
+                ));
+            }
+            if let Err(error) = profile.check() {
+                return Some(error);
+            }
+        }
+        proto::names::check_url(&job.repository.url, &git::allowed_schemes())
+            .err()
+            .map(|e| format!("repository.url {e}"))
+    }
+
     /// Clones the repository into the run's workspace.
     /// Makes the run's folder and clones the repository into it. With `ahead`, the first
     /// implementer's container is created while the clone runs, and returned.
@@ -305,8 +340,8 @@ impl<R: ContainerRuntime> Engine<R> {
             .await
             .map_err(|e| format!("{}: {e}", run.root.display()))?;
         let repository = &run.job.repository;
-        let src = run.src.clone();
-        let clone = git::clone_at(&repository.url, repository.git_ref.as_deref(), &src);
+        let repo = run.repo.clone();
+        let clone = git::clone_at(&repository.url, repository.git_ref.as_deref(), &repo);
         let began = Instant::now();
         let (cloned, created) = if ahead {
             tokio::join!(clone, self.create_first_implementer(run))
@@ -314,6 +349,9 @@ impl<R: ContainerRuntime> Engine<R> {
             (clone.await, None)
         };
         run.base = cloned.map_err(|e| e.to_string())?;
+        repo.make_disposable_copy()
+            .await
+            .map_err(|e| format!("cannot give the stages their git copy: {e}"))?;
         // A container's deadline label allows one GIT_TIMEOUT between its creation and its
         // start: after a clone that long, it is dropped (and removed), and made again.
         if began.elapsed() > git::GIT_TIMEOUT / 2 {
@@ -363,7 +401,7 @@ impl<R: ContainerRuntime> Engine<R> {
         }
         let stage_dir = run.stage_dirs(Stage::Implement, &prompt, None).await?;
         let profile = &job.implementer;
-        let mounts = agent_mounts(&run.src, false, &stage_dir);
+        let mounts = agent_mounts(&run.repo.work_tree, false, &stage_dir);
         Ok(self.spec(
             run,
             Stage::Implement,
@@ -430,7 +468,7 @@ impl<R: ContainerRuntime> Engine<R> {
                     last_line(&output.tail)
                 ),
             },
-            StageExit::Exited(0) => match git::snapshot_tree(&run.src).await {
+            StageExit::Exited(0) => match git::snapshot_tree(&run.repo).await {
                 Ok(tree) => {
                     run.rounds.push(RoundRecord {
                         round,
@@ -566,7 +604,7 @@ impl<R: ContainerRuntime> Engine<R> {
             Ok(commit) => commit,
             Err(error) => return Ok(Input::StageFailed { reason: error }),
         };
-        let diff = git::diff(&run.src, &run.base, &commit)
+        let diff = git::diff(&run.repo, &run.base, &commit)
             .await
             .unwrap_or_default();
         let prompt = format!(
@@ -628,7 +666,8 @@ impl<R: ContainerRuntime> Engine<R> {
                 tail(&output.tail, 2048)
             )),
         };
-        let file = serde_json::json!({
+        let file_name = format!("review_cycle_{cycle}.json");
+        let content = serde_json::json!({
             "cycle": cycle,
             "max_cycles": review.max_cycles,
             "verdict": verdict.word(),
@@ -640,18 +679,24 @@ impl<R: ContainerRuntime> Engine<R> {
             "ticket": job.ticket,
             "step": job.step,
         });
-        let path = run
-            .src
-            .join(".forge")
-            .join(&job.step)
-            .join(format!("review_cycle_{cycle}.json"));
-        let bytes = serde_json::to_vec_pretty(&file).unwrap_or_default();
-        let written = tokio::task::spawn_blocking(move || write_atomically(&path, &bytes)).await;
-        if !matches!(written, Ok(Ok(()))) {
-            return Ok(Input::StageFailed {
-                reason: "cannot write the review cycle file".into(),
-            });
+        // The record is forgepool's, made from this stage: it is published from here, and the
+        // copy in the workspace (for the implementer's next round) is never read back.
+        let record = CycleRecord {
+            step: job.step.clone(),
+            file: file_name.clone(),
+            cycle,
+            max_cycles: Some(review.max_cycles),
+            verdict: verdict.word().to_string(),
+            feedback: verdict.feedback.clone(),
+            content,
+            origin: CycleOrigin::Forgepool,
+        };
+        run.collector.own(&job.step, &file_name);
+        if let Err(error) = run.write_cycle_file(&record).await {
+            return Ok(Input::StageFailed { reason: error });
         }
+        run.record_cycle(record.clone());
+        publish(sink, job.run_id, EventKind::Cycle { cycle: record }).await?;
         self.sweep(run, sink).await?;
         run.history.push(serde_json::json!({"round": round, "stage": "review", "cycle": cycle, "verdict": verdict.word(), "feedback": verdict.feedback}));
         Ok(Input::Reviewed {
@@ -738,7 +783,7 @@ impl<R: ContainerRuntime> Engine<R> {
             Ok(commit) => commit,
             Err(error) => return Ok(Input::StageFailed { reason: error }),
         };
-        let diff = git::diff(&run.src, &run.base, &commit)
+        let diff = git::diff(&run.repo, &run.base, &commit)
             .await
             .unwrap_or_default();
         let passed: Vec<String> = run
@@ -855,7 +900,7 @@ impl<R: ContainerRuntime> Engine<R> {
 
     async fn deliver(&self, run: &mut RunContext<'_>, tree: &str) -> Input {
         let job = run.job;
-        let current = match git::snapshot_tree(&run.src).await {
+        let current = match git::snapshot_tree(&run.repo).await {
             Ok(current) => current,
             Err(error) => {
                 return Input::DeliveryFailed {
@@ -875,7 +920,7 @@ impl<R: ContainerRuntime> Engine<R> {
             job.run_id
         );
         let commit =
-            match git::commit_tree(&run.src, tree, &run.base, &message, &job.submitted_at).await {
+            match git::commit_tree(&run.repo, tree, &run.base, &message, &job.submitted_at).await {
                 Ok(commit) => commit,
                 Err(error) => {
                     return Input::DeliveryFailed {
@@ -884,7 +929,7 @@ impl<R: ContainerRuntime> Engine<R> {
                 }
             };
         let branch = format!("forge/{}", job.ticket.to_ascii_lowercase());
-        if let Err(error) = git::push(&run.src, &job.repository.url, &commit, &branch).await {
+        if let Err(error) = git::push(&run.repo, &job.repository.url, &commit, &branch).await {
             return Input::DeliveryFailed {
                 reason: format!("cannot push {branch}: {error}"),
             };
@@ -954,6 +999,8 @@ impl<R: ContainerRuntime> Engine<R> {
             memory_bytes: profile.memory_bytes,
             cpus: profile.cpus,
             pids_limit: self.config.pids_limit,
+            read_only_root: profile.read_only_root,
+            disk_bytes: profile.disk_bytes,
             user: Some(user),
             workdir: Some("/workspace".into()),
             timeout: Duration::from_secs(timeout_seconds),
@@ -1103,7 +1150,9 @@ impl<R: ContainerRuntime> Engine<R> {
         .map_err(|e| PublishEvent(format!("cycle scan failed: {e}")))?;
         run.collector = collector;
         for cycle in found {
-            run.record_cycle(cycle.clone());
+            if !run.record_cycle(cycle.clone()) {
+                continue;
+            }
             publish(sink, run.job.run_id, EventKind::Cycle { cycle }).await?;
         }
         Ok(())
@@ -1145,7 +1194,9 @@ struct Snapshot {
 struct RunContext<'a> {
     job: &'a Job,
     root: PathBuf,
-    src: PathBuf,
+    /// The run's repository: a private git folder and the work tree (`{root}/src`) that the
+    /// implementer changes.
+    repo: git::Repo,
     base: String,
     stage_count: u32,
     collector: CycleCollector,
@@ -1169,7 +1220,7 @@ impl<'a> RunContext<'a> {
             job,
             root: root.to_path_buf(),
             collector: CycleCollector::new(&src),
-            src,
+            repo: git::Repo::new(root.join("repo.git"), src),
             base: String::new(),
             stage_count: 0,
             history: Vec::new(),
@@ -1194,17 +1245,43 @@ impl<'a> RunContext<'a> {
         }
     }
 
-    fn record_cycle(&mut self, cycle: CycleRecord) {
+    /// Keeps a cycle record for the report; `false` when it was dropped because it would
+    /// replace forgepool's own record of the same file with a container's.
+    fn record_cycle(&mut self, cycle: CycleRecord) -> bool {
         match self
             .cycles
             .iter_mut()
             .find(|c| c.step == cycle.step && c.file == cycle.file)
         {
+            Some(existing)
+                if existing.origin == CycleOrigin::Forgepool
+                    && cycle.origin != CycleOrigin::Forgepool =>
+            {
+                return false
+            }
             Some(existing) => *existing = cycle,
             None => self.cycles.push(cycle),
         }
         self.cycles
             .sort_by(|a, b| (&a.step, a.cycle).cmp(&(&b.step, b.cycle)));
+        true
+    }
+
+    /// Writes forgepool's cycle file into the workspace's `.forge/{step}/`, never through a
+    /// symlink the agent placed there.
+    async fn write_cycle_file(&self, record: &CycleRecord) -> Result<(), String> {
+        let workspace = self.repo.work_tree.clone();
+        let relative = PathBuf::from(".forge")
+            .join(&record.step)
+            .join(&record.file);
+        let bytes = serde_json::to_vec_pretty(&record.content).unwrap_or_default();
+        let shown = relative.display().to_string();
+        tokio::task::spawn_blocking(move || write_atomically(&workspace, &relative, &bytes))
+            .await
+            .map_err(|e| e.to_string())?
+            .map_err(|e| {
+                format!("cannot write the review cycle file {shown} in the workspace: {e}")
+            })
     }
 
     /// Saves where a paused run stopped. `phase` is the phase to repeat on resume; the source is
@@ -1218,15 +1295,14 @@ impl<'a> RunContext<'a> {
             | Phase::Deliver { tree } => tree.clone(),
             _ => match self.rounds.last() {
                 Some(round) => round.tree.clone(),
-                None => git::git(
-                    &self.src,
-                    &["rev-parse", &format!("{}^{{tree}}", self.base)],
-                )
-                .await
-                .map_err(|e| e.to_string())?,
+                None => self
+                    .repo
+                    .git(&["rev-parse", &format!("{}^{{tree}}", self.base)])
+                    .await
+                    .map_err(|e| e.to_string())?,
             },
         };
-        let patch = git::checkpoint_patch(&self.src, &self.base, &tree)
+        let patch = git::checkpoint_patch(&self.repo, &self.base, &tree)
             .await
             .map_err(|e| e.to_string())?;
         if patch.len() > MAX_CHECKPOINT_PATCH_BYTES {
@@ -1272,17 +1348,16 @@ impl<'a> RunContext<'a> {
         let snapshot: Snapshot = serde_json::from_value(checkpoint.state.clone())
             .map_err(|e| format!("unreadable loop state: {e}"))?;
         let failed = |e: git::GitError| e.to_string();
-        git::git(
-            &self.src,
-            &["checkout", "--quiet", "--detach", &checkpoint.base],
-        )
-        .await
-        .map_err(|e| format!("the base commit {} is gone: {e}", checkpoint.base))?;
-        git::git(&self.src, &["branch", "--force", "base", &checkpoint.base])
+        self.repo
+            .git_in_tree(&["checkout", "--quiet", "--detach", &checkpoint.base])
+            .await
+            .map_err(|e| format!("the base commit {} is gone: {e}", checkpoint.base))?;
+        self.repo
+            .git(&["branch", "--force", "base", &checkpoint.base])
             .await
             .map_err(failed)?;
         self.base = checkpoint.base.clone();
-        let tree = git::apply_checkpoint(&self.src, &checkpoint.patch)
+        let tree = git::apply_checkpoint(&self.repo, &checkpoint.patch)
             .await
             .map_err(|e| format!("the saved change does not apply: {e}"))?;
         if tree != checkpoint.tree {
@@ -1292,12 +1367,10 @@ impl<'a> RunContext<'a> {
             ));
         }
         for cycle in &snapshot.cycles {
-            let path = self.src.join(".forge").join(&cycle.step).join(&cycle.file);
-            let bytes = serde_json::to_vec_pretty(&cycle.content).unwrap_or_default();
-            tokio::task::spawn_blocking(move || write_atomically(&path, &bytes))
-                .await
-                .map_err(|e| e.to_string())?
-                .map_err(|e| format!("cannot restore a cycle file: {e}"))?;
+            if cycle.origin == CycleOrigin::Forgepool {
+                self.collector.own(&cycle.step, &cycle.file);
+            }
+            self.write_cycle_file(cycle).await?;
         }
         // The restored files are known: they are not reported again.
         let mut collector = std::mem::take(&mut self.collector);
@@ -1361,12 +1434,10 @@ impl<'a> RunContext<'a> {
 
     /// Writes `.forge/history/{ticket}.json` in the working copy.
     async fn write_workspace_history(&self) -> Result<(), String> {
-        let path = self
-            .src
-            .join(".forge/history")
-            .join(format!("{}.json", self.job.ticket));
+        let workspace = self.repo.work_tree.clone();
+        let relative = PathBuf::from(".forge/history").join(format!("{}.json", self.job.ticket));
         let bytes = serde_json::to_vec_pretty(&self.history).unwrap_or_default();
-        tokio::task::spawn_blocking(move || write_atomically(&path, &bytes))
+        tokio::task::spawn_blocking(move || write_atomically(&workspace, &relative, &bytes))
             .await
             .map_err(|e| e.to_string())?
             .map_err(|e| format!("cannot write the history file: {e}"))
@@ -1377,7 +1448,7 @@ impl<'a> RunContext<'a> {
         let _ = remove_dir(dest).await;
         let message = format!("forgepool candidate for {}", self.job.ticket);
         let commit = git::commit_tree(
-            &self.src,
+            &self.repo,
             tree,
             &self.base,
             &message,
@@ -1385,7 +1456,7 @@ impl<'a> RunContext<'a> {
         )
         .await
         .map_err(|e| e.to_string())?;
-        git::copy_at(&self.src, &commit, &self.base, dest)
+        git::copy_at(&self.repo, &commit, &self.base, dest)
             .await
             .map_err(|e| e.to_string())?;
         Ok(commit)
@@ -1543,6 +1614,20 @@ fn process_owner() -> (u32, u32) {
     std::fs::metadata("/proc/self")
         .map(|m| (m.uid(), m.gid()))
         .unwrap_or((0, 0))
+}
+
+/// The values of every secret the run's profiles name, from the worker's environment.
+fn run_secrets(job: &Job) -> Vec<String> {
+    [
+        Some(&job.implementer),
+        job.reviewer.as_ref(),
+        job.final_reviewer.as_ref(),
+    ]
+    .into_iter()
+    .flatten()
+    .flat_map(|profile| profile.env.iter())
+    .filter_map(|name| std::env::var(name).ok())
+    .collect()
 }
 
 fn last_line(text: &str) -> &str {

@@ -6,12 +6,17 @@
 //! else refuses the report, and a refused report blocks the run.
 
 use std::collections::HashSet;
+use std::os::unix::fs::MetadataExt;
 use std::path::{Component, Path};
+
+use crate::confined::{Confined, ReadError};
 
 use serde::{Deserialize, Serialize};
 
 /// The largest report accepted: 256 KiB.
 pub const MAX_REPORT_BYTES: u64 = 256 * 1024;
+/// The largest source file a finding may point at: 8 MiB.
+pub const MAX_SOURCE_FILE_BYTES: u64 = 8 * 1024 * 1024;
 /// The most findings a report may hold.
 pub const MAX_FINDINGS: usize = 30;
 
@@ -79,9 +84,8 @@ pub fn validate(output_dir: &Path, source: &Path) -> Result<FinalReport, String>
     if !approved && raw.findings.is_empty() {
         return Err("review.json says changes_required but lists no finding".into());
     }
-    let root = source
-        .canonicalize()
-        .map_err(|e| format!("cannot read the reviewed source copy: {e}"))?;
+    let root =
+        Confined::open(source).map_err(|e| format!("cannot read the reviewed source copy: {e}"))?;
     for (index, finding) in raw.findings.iter().enumerate() {
         let at = format!("findings[{index}]");
         if !matches!(
@@ -115,21 +119,23 @@ pub fn validate(output_dir: &Path, source: &Path) -> Result<FinalReport, String>
                 finding.path
             ));
         }
-        let file = root.join(relative);
-        let real = file.canonicalize().map_err(|_| {
-            format!(
-                "{at}.path {:?} does not exist in the reviewed source",
-                finding.path
-            )
-        })?;
-        if !real.starts_with(&root) || !real.is_file() {
-            return Err(format!(
-                "{at}.path {:?} is not a file inside the reviewed source",
-                finding.path
-            ));
-        }
-        let content =
-            std::fs::read(&real).map_err(|e| format!("{at}.path {:?}: {e}", finding.path))?;
+        // The source holds whatever the implementer made, symlinks included: the file is read
+        // without following any.
+        let content = match root.read(relative, MAX_SOURCE_FILE_BYTES) {
+            Ok(content) => content,
+            Err(ReadError::Missing) => {
+                return Err(format!(
+                    "{at}.path {:?} does not exist in the reviewed source",
+                    finding.path
+                ))
+            }
+            Err(error) => {
+                return Err(format!(
+                    "{at}.path {:?} is not a file inside the reviewed source: it {error}",
+                    finding.path
+                ))
+            }
+        };
         let content = String::from_utf8_lossy(&content);
         let lines = content.lines().count() as u64;
         if finding.line == 0 || finding.line > lines {
@@ -152,15 +158,12 @@ pub fn validate(output_dir: &Path, source: &Path) -> Result<FinalReport, String>
 /// Reads `review.json`, refusing an output folder that holds anything else, a symlink or a
 /// hardlink, or a report over the size limit.
 fn read_only_report(output_dir: &Path) -> Result<String, String> {
-    use std::os::unix::fs::MetadataExt;
-    let entries: Vec<_> = std::fs::read_dir(output_dir)
-        .map_err(|e| format!("cannot read the final review's output folder: {e}"))?
-        .flatten()
-        .collect();
-    let names: HashSet<String> = entries
-        .iter()
-        .map(|e| e.file_name().to_string_lossy().to_string())
-        .collect();
+    let folder = Confined::open(output_dir)
+        .map_err(|e| format!("cannot read the final review's output folder: {e}"))?;
+    let entries = folder
+        .entries()
+        .map_err(|e| format!("cannot read the final review's output folder: {e}"))?;
+    let names: HashSet<String> = entries.iter().map(|(name, _)| name.clone()).collect();
     if !names.contains("review.json") {
         return Err("the final reviewer wrote no /forge/output/review.json".into());
     }
@@ -174,22 +177,20 @@ fn read_only_report(output_dir: &Path) -> Result<String, String> {
     }
     let path = output_dir.join("review.json");
     let metadata = std::fs::symlink_metadata(&path).map_err(|e| format!("review.json: {e}"))?;
-    if metadata.file_type().is_symlink() {
-        return Err("review.json is a symlink".into());
-    }
-    if !metadata.is_file() {
-        return Err("review.json is not a regular file".into());
-    }
     if metadata.nlink() > 1 {
         return Err("review.json is a hardlink".into());
     }
-    if metadata.len() > MAX_REPORT_BYTES {
-        return Err(format!(
-            "review.json is {} bytes, over the limit of {MAX_REPORT_BYTES}",
-            metadata.len()
-        ));
-    }
-    std::fs::read_to_string(&path).map_err(|e| format!("review.json: {e}"))
+    let bytes = folder
+        .read(Path::new("review.json"), MAX_REPORT_BYTES)
+        .map_err(|error| match error {
+            ReadError::Symlink => "review.json is a symlink".to_string(),
+            ReadError::NotRegular => "review.json is not a regular file".to_string(),
+            ReadError::TooLarge { size, .. } => {
+                format!("review.json is {size} bytes, over the limit of {MAX_REPORT_BYTES}")
+            }
+            other => format!("review.json {other}"),
+        })?;
+    String::from_utf8(bytes).map_err(|_| "review.json is not UTF-8".to_string())
 }
 
 /// Names the kind of credential-like content in `text`, if any.

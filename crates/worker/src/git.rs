@@ -1,15 +1,42 @@
 //! Git through the `git` command line: clone, snapshot a tree, make review copies, deliver.
 //!
-//! The worker owns every repository it touches under its workspace folder; stage containers
-//! write into them as another user, so every call trusts the folder (`safe.directory`).
+//! forgepool's git only trusts itself. A run's repository is a [`Repo`]: a **private git
+//! folder** that only the worker ever touches (its config, hooks, index, objects and refs)
+//! and the **work tree** that stages change. The work tree is mounted into stages; the git
+//! folder never is. An implementer that wants git gets a disposable copy of the git folder as
+//! `/workspace/.git`, which forgepool never reads: git itself skips every `.git` entry of a
+//! work tree. Every git process runs without system or global configuration, without hooks
+//! or an fsmonitor, with `protocol.allow` limited to the allowed schemes, and never in a
+//! folder an agent could have prepared: so no `core.fsmonitor`, filter, `diff.external`,
+//! `url.*.insteadOf`, `core.worktree`, gitfile or alternate an agent writes is ever honoured.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
 use std::time::Duration;
 
 use tokio::process::Command;
 
 /// The limit on one git command (clone and push of large repositories included).
 pub const GIT_TIMEOUT: Duration = Duration::from_secs(600);
+
+/// The most bytes of git's standard error kept in an error.
+const MAX_STDERR: usize = 4096;
+
+static ALLOWED_SCHEMES: OnceLock<Vec<String>> = OnceLock::new();
+
+/// Sets the URL schemes git may use for the process (`FORGEPOOL_ALLOWED_URL_SCHEMES`). The
+/// first call wins; without one, [`proto::names::DEFAULT_ALLOWED_SCHEMES`] apply.
+pub fn set_allowed_schemes(schemes: Vec<String>) {
+    let _ = ALLOWED_SCHEMES.set(schemes);
+}
+
+/// The URL schemes git may use.
+pub fn allowed_schemes() -> Vec<String> {
+    ALLOWED_SCHEMES
+        .get()
+        .cloned()
+        .unwrap_or_else(proto::names::default_allowed_schemes)
+}
 
 /// A failed git command.
 #[derive(Debug, thiserror::Error)]
@@ -28,15 +55,78 @@ pub enum GitError {
     /// git did not finish in time.
     #[error("`git {0}` did not finish within {GIT_TIMEOUT:?}")]
     Timeout(String),
+    /// The change holds something forgepool does not deliver.
+    #[error("{0}")]
+    Refused(String),
 }
 
 /// The identity of delivery commits.
 const AUTHOR_NAME: &str = "forgepool";
 const AUTHOR_EMAIL: &str = "forgepool@localhost";
 
-/// Runs `git args` in `dir` and returns its trimmed stdout.
+/// A run's repository: the private git folder and the work tree stages change.
+#[derive(Debug, Clone)]
+pub struct Repo {
+    /// The git folder; only the worker touches it, it is never mounted into a stage.
+    pub git_dir: PathBuf,
+    /// The work tree; stages change it, so nothing in it is trusted.
+    pub work_tree: PathBuf,
+}
+
+impl Repo {
+    /// A repository of a run: `{root}/repo.git` and the work tree `work_tree`.
+    pub fn new(git_dir: PathBuf, work_tree: PathBuf) -> Repo {
+        Repo { git_dir, work_tree }
+    }
+
+    /// Runs git on the git folder alone (objects and refs; the work tree is not read).
+    pub async fn git(&self, args: &[&str]) -> Result<String, GitError> {
+        let git_dir = format!("--git-dir={}", self.git_dir.display());
+        let mut all = vec![git_dir.as_str()];
+        all.extend_from_slice(args);
+        run_git(&self.git_dir, &all, &[], None).await
+    }
+
+    /// Runs git on the git folder with the work tree.
+    pub async fn git_in_tree(&self, args: &[&str]) -> Result<String, GitError> {
+        self.git_in_tree_with_input(args, None).await
+    }
+
+    async fn git_in_tree_with_input(
+        &self,
+        args: &[&str],
+        input: Option<&str>,
+    ) -> Result<String, GitError> {
+        let git_dir = format!("--git-dir={}", self.git_dir.display());
+        let work_tree = format!("--work-tree={}", self.work_tree.display());
+        let mut all = vec![git_dir.as_str(), work_tree.as_str()];
+        all.extend_from_slice(args);
+        // Pathspecs are relative to the work tree; the explicit git folder means git never
+        // looks for one in it.
+        run_git(&self.work_tree, &all, &[], input).await
+    }
+
+    /// Gives the stages a git repository of their own at `{work tree}/.git`: a copy of the git
+    /// folder, which forgepool never reads back (git skips `.git` in a work tree).
+    pub async fn make_disposable_copy(&self) -> Result<(), GitError> {
+        let from = self.git_dir.clone();
+        let to = self.work_tree.join(".git");
+        tokio::task::spawn_blocking(move || {
+            if std::fs::symlink_metadata(&to).is_ok() {
+                remove_any(&to)?;
+            }
+            copy_tree(&from, &to)
+        })
+        .await
+        .map_err(|e| GitError::Spawn(std::io::Error::other(e)))?
+        .map_err(GitError::Spawn)
+    }
+}
+
+/// Runs `git args` in `dir` (a folder forgepool made and no stage can write) and returns its
+/// trimmed stdout.
 pub async fn git(dir: &Path, args: &[&str]) -> Result<String, GitError> {
-    git_with_env(dir, args, &[]).await
+    run_git(dir, args, &[], None).await
 }
 
 /// Runs `git args` in `dir` with extra environment variables.
@@ -48,10 +138,48 @@ pub async fn git_with_env(
     run_git(dir, args, env, None).await
 }
 
-/// Runs `git args` in `dir` with `input` on its standard input.
-pub async fn git_with_input(dir: &Path, args: &[&str], input: &str) -> Result<String, GitError> {
-    run_git(dir, args, &[], Some(input)).await
+/// The configuration every git process of forgepool gets on its command line, which outranks
+/// the repository's own: no hooks, no fsmonitor, no helper programs, only allowed protocols.
+fn hardening() -> Vec<String> {
+    let mut args: Vec<String> = [
+        "core.hooksPath=/dev/null",
+        "core.fsmonitor=false",
+        "core.untrackedCache=false",
+        "core.excludesFile=/dev/null",
+        "core.attributesFile=/dev/null",
+        "core.askPass=",
+        "credential.helper=",
+        "diff.external=",
+        "protocol.allow=never",
+        "advice.addEmbeddedRepo=false",
+        "init.templateDir=",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    for scheme in allowed_schemes() {
+        args.push(format!("protocol.{scheme}.allow=always"));
+    }
+    args.into_iter()
+        .flat_map(|a| ["-c".to_string(), a])
+        .collect()
 }
+
+/// Variables of the worker's environment that would point git elsewhere.
+const GIT_ENVIRONMENT: &[&str] = &[
+    "GIT_DIR",
+    "GIT_WORK_TREE",
+    "GIT_INDEX_FILE",
+    "GIT_OBJECT_DIRECTORY",
+    "GIT_ALTERNATE_OBJECT_DIRECTORIES",
+    "GIT_CONFIG",
+    "GIT_CONFIG_PARAMETERS",
+    "GIT_CONFIG_COUNT",
+    "GIT_EXTERNAL_DIFF",
+    "GIT_CEILING_DIRECTORIES",
+    "GIT_NAMESPACE",
+    "GIT_COMMON_DIR",
+];
 
 async fn run_git(
     dir: &Path,
@@ -61,14 +189,13 @@ async fn run_git(
 ) -> Result<String, GitError> {
     let mut command = Command::new("git");
     command
-        .arg("-c")
-        .arg("safe.directory=*")
-        .arg("-c")
-        .arg("core.hooksPath=/dev/null")
+        .args(hardening())
         .args(args)
         .current_dir(dir)
         .env("GIT_TERMINAL_PROMPT", "0")
         .env("GIT_CONFIG_NOSYSTEM", "1")
+        .env("GIT_CONFIG_GLOBAL", "/dev/null")
+        .env("GIT_PROTOCOL_FROM_USER", "0")
         .env("GIT_AUTHOR_NAME", AUTHOR_NAME)
         .env("GIT_AUTHOR_EMAIL", AUTHOR_EMAIL)
         .env("GIT_COMMITTER_NAME", AUTHOR_NAME)
@@ -81,10 +208,18 @@ async fn run_git(
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
         .kill_on_drop(true);
+    for name in GIT_ENVIRONMENT {
+        command.env_remove(name);
+    }
     for (name, value) in env {
         command.env(name, value);
     }
-    let shown = args.join(" ");
+    let shown = args
+        .iter()
+        .filter(|a| !a.starts_with("--git-dir=") && !a.starts_with("--work-tree="))
+        .copied()
+        .collect::<Vec<_>>()
+        .join(" ");
     let finished = async {
         let mut child = command.spawn()?;
         if let (Some(input), Some(mut stdin)) = (input, child.stdin.take()) {
@@ -98,67 +233,79 @@ async fn run_git(
         .map_err(|_| GitError::Timeout(shown.clone()))?
         .map_err(GitError::Spawn)?;
     if !output.status.success() {
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        let stderr = crate::runtime::tail(stderr.trim(), MAX_STDERR);
         return Err(GitError::Failed {
             command: shown,
-            stderr: String::from_utf8_lossy(&output.stderr).trim().to_string(),
+            stderr: stderr.to_string(),
         });
     }
     Ok(String::from_utf8_lossy(&output.stdout).trim().to_string())
 }
 
-/// Clones `url` into `dest` and returns the commit id of `reference` (the default branch when
-/// `None`), checked out detached and also kept as the branch `base`.
-pub async fn clone_at(url: &str, reference: Option<&str>, dest: &Path) -> Result<String, GitError> {
+/// Clones `url` into the run's repository (its git folder and work tree, neither existing
+/// yet) and returns the commit id of `reference` (the default branch when `None`), checked out
+/// detached and also kept as the branch `base`.
+pub async fn clone_at(url: &str, reference: Option<&str>, repo: &Repo) -> Result<String, GitError> {
+    proto::names::check_url(url, &allowed_schemes())
+        .map_err(|reason| GitError::Refused(format!("repository URL refused: {reason}")))?;
     // A branch or tag (or the default branch) is cloned and checked out in one git process;
     // a commit id, or a name the fast path cannot find, takes the general path below.
     if !reference.is_some_and(looks_like_commit) {
-        match clone_named(url, reference, dest).await {
+        match clone_named(url, reference, repo).await {
             Ok(commit) => return Ok(commit),
             Err(error) if reference.is_none() => return Err(error),
             Err(_) => {
-                let _ = tokio::fs::remove_dir_all(dest).await;
+                let _ = tokio::fs::remove_dir_all(&repo.work_tree).await;
+                let _ = tokio::fs::remove_dir_all(&repo.git_dir).await;
             }
         }
     }
-    let parent = dest.parent().unwrap_or(Path::new("/"));
-    let dest_text = dest.to_string_lossy();
-    git(
-        parent,
-        &[
-            "clone",
-            "--quiet",
-            "--no-checkout",
-            "--no-local",
-            "--",
-            url,
-            &dest_text,
-        ],
-    )
-    .await?;
+    clone_into(url, &["--no-checkout"], repo).await?;
     let commit = match reference {
-        None => git(dest, &["rev-parse", "--verify", "HEAD^{commit}"]).await?,
+        None => {
+            repo.git(&["rev-parse", "--verify", "HEAD^{commit}"])
+                .await?
+        }
         Some(reference) => {
             let remote = format!("refs/remotes/origin/{reference}^{{commit}}");
-            match git(dest, &["rev-parse", "--verify", "--quiet", &remote]).await {
-                Ok(commit) if !commit.is_empty() => commit,
-                _ => git(
-                    dest,
-                    &["rev-parse", "--verify", &format!("{reference}^{{commit}}")],
-                )
+            match repo
+                .git(&["rev-parse", "--verify", "--quiet", &remote])
                 .await
-                .map_err(|_| GitError::Failed {
-                    command: format!("rev-parse {reference}"),
-                    stderr: format!(
-                        "the repository has no branch, tag or commit named `{reference}`"
-                    ),
-                })?,
+            {
+                Ok(commit) if !commit.is_empty() => commit,
+                _ => repo
+                    .git(&["rev-parse", "--verify", &format!("{reference}^{{commit}}")])
+                    .await
+                    .map_err(|_| GitError::Failed {
+                        command: format!("rev-parse {reference}"),
+                        stderr: format!(
+                            "the repository has no branch, tag or commit named `{reference}`"
+                        ),
+                    })?,
             }
         }
     };
-    git(dest, &["checkout", "--quiet", "--detach", &commit]).await?;
-    git(dest, &["branch", "--force", "base", &commit]).await?;
-    exclude_forge(dest).await?;
+    repo.git_in_tree(&["checkout", "--quiet", "--detach", &commit])
+        .await?;
+    repo.git(&["branch", "--force", "base", &commit]).await?;
+    exclude_forge(repo).await?;
     Ok(commit)
+}
+
+/// `git clone` with the git folder kept apart from the work tree. The `.git` file git leaves
+/// in the work tree is removed: forgepool always names its git folder itself.
+async fn clone_into(url: &str, options: &[&str], repo: &Repo) -> Result<(), GitError> {
+    let parent = repo.work_tree.parent().unwrap_or(Path::new("/"));
+    let git_dir = repo.git_dir.to_string_lossy();
+    let work_tree = repo.work_tree.to_string_lossy();
+    let mut args = vec!["clone", "--quiet", "--no-local"];
+    args.extend_from_slice(options);
+    args.extend(["--separate-git-dir", &git_dir, "--", url, &work_tree]);
+    git(parent, &args).await?;
+    tokio::fs::remove_file(repo.work_tree.join(".git"))
+        .await
+        .map_err(GitError::Spawn)
 }
 
 /// Clones `url` with `reference` (a branch or tag; the default branch when `None`) checked
@@ -167,19 +314,25 @@ pub async fn clone_at(url: &str, reference: Option<&str>, dest: &Path) -> Result
 /// `forge/*` branch among them) cost nothing. Local paths go through the pack protocol too,
 /// which measured faster than copying the object files, and never hardlinks them into a
 /// folder that stage users own.
-async fn clone_named(url: &str, reference: Option<&str>, dest: &Path) -> Result<String, GitError> {
-    let parent = dest.parent().unwrap_or(Path::new("/"));
-    let dest_text = dest.to_string_lossy();
-    let mut args = vec!["clone", "--quiet", "--single-branch", "--no-local"];
+async fn clone_named(url: &str, reference: Option<&str>, repo: &Repo) -> Result<String, GitError> {
+    let mut options = vec!["--single-branch"];
     if let Some(reference) = reference {
-        args.extend(["--branch", reference]);
+        options.extend(["--branch", reference]);
     }
-    args.extend(["--", url, &dest_text]);
-    git(parent, &args).await?;
-    let commit = git(dest, &["rev-parse", "--verify", "HEAD^{commit}"]).await?;
+    clone_into(url, &options, repo).await?;
+    let commit = repo
+        .git(&["rev-parse", "--verify", "HEAD^{commit}"])
+        .await?;
     let updates = format!("update HEAD {commit}\nupdate refs/heads/base {commit}\n");
-    git_with_input(dest, &["update-ref", "--no-deref", "--stdin"], &updates).await?;
-    exclude_forge(dest).await?;
+    let git_dir = format!("--git-dir={}", repo.git_dir.display());
+    run_git(
+        &repo.git_dir,
+        &[&git_dir, "update-ref", "--no-deref", "--stdin"],
+        &[],
+        Some(&updates),
+    )
+    .await?;
+    exclude_forge(repo).await?;
     Ok(commit)
 }
 
@@ -189,14 +342,15 @@ fn looks_like_commit(reference: &str) -> bool {
 }
 
 /// Keeps `.forge/` out of every snapshot and commit of a repository.
-async fn exclude_forge(repo: &Path) -> Result<(), GitError> {
-    let exclude = repo.join(".git/info/exclude");
+async fn exclude_forge(repo: &Repo) -> Result<(), GitError> {
+    let info = repo.git_dir.join("info");
+    let exclude = info.join("exclude");
     let mut text = tokio::fs::read_to_string(&exclude)
         .await
         .unwrap_or_default();
     if !text.lines().any(|l| l == "/.forge/") {
         text.push_str("\n/.forge/\n");
-        tokio::fs::create_dir_all(repo.join(".git/info"))
+        tokio::fs::create_dir_all(&info)
             .await
             .map_err(GitError::Spawn)?;
         tokio::fs::write(&exclude, text)
@@ -206,41 +360,51 @@ async fn exclude_forge(repo: &Path) -> Result<(), GitError> {
     Ok(())
 }
 
-/// Records the working tree (everything but `.forge/`) and returns its tree id.
-pub async fn snapshot_tree(repo: &Path) -> Result<String, GitError> {
-    git(
-        repo,
-        &["add", "--all", "--force", "--", ".", ":(exclude).forge"],
-    )
+/// Records the work tree (everything but `.forge/`, `.git` and what `.gitignore` ignores) and
+/// returns its tree id. A change that adds or moves a gitlink (a nested repository) is
+/// refused: its commit id would come from a folder the agent chose.
+pub async fn snapshot_tree(repo: &Repo) -> Result<String, GitError> {
+    repo.git_in_tree(&["add", "--all"]).await?;
+    repo.git_in_tree(&[
+        "rm",
+        "-r",
+        "--cached",
+        "--quiet",
+        "--ignore-unmatch",
+        "--",
+        ".forge",
+    ])
     .await?;
-    git(
-        repo,
-        &[
-            "rm",
-            "-r",
-            "--cached",
-            "--quiet",
-            "--ignore-unmatch",
-            "--",
-            ".forge",
-        ],
-    )
-    .await?;
-    git(repo, &["write-tree"]).await
+    let changed = repo
+        .git(&["diff-index", "--cached", "--raw", "--no-renames", "base"])
+        .await?;
+    if let Some(path) = changed.lines().find_map(|line| {
+        let (meta, path) = line.split_once('\t')?;
+        meta.split_whitespace()
+            .nth(1)
+            .filter(|mode| *mode == "160000")
+            .map(|_| path.to_string())
+    }) {
+        return Err(GitError::Refused(format!(
+            "the change adds a nested git repository at `{path}`; forgepool does not deliver gitlinks: remove its .git folder"
+        )));
+    }
+    repo.git(&["write-tree"]).await
 }
 
 /// Makes a commit of `tree` on `parent`, dated `date` so the same inputs give the same commit.
 pub async fn commit_tree(
-    repo: &Path,
+    repo: &Repo,
     tree: &str,
     parent: &str,
     message: &str,
     date: &str,
 ) -> Result<String, GitError> {
     let env = [("GIT_AUTHOR_DATE", date), ("GIT_COMMITTER_DATE", date)];
+    let git_dir = format!("--git-dir={}", repo.git_dir.display());
     git_with_env(
-        repo,
-        &["commit-tree", tree, "-p", parent, "-m", message],
+        &repo.git_dir,
+        &[&git_dir, "commit-tree", tree, "-p", parent, "-m", message],
         &env,
     )
     .await
@@ -248,26 +412,20 @@ pub async fn commit_tree(
 
 /// Makes a fresh copy of `repo` at `dest` with `commit` checked out and `base` as a branch, so
 /// `git diff base...HEAD` shows the change. The copy shares nothing writable with `repo`.
-pub async fn copy_at(repo: &Path, commit: &str, base: &str, dest: &Path) -> Result<(), GitError> {
-    git(
-        repo,
-        &["update-ref", "refs/heads/forgepool-candidate", commit],
-    )
-    .await?;
+pub async fn copy_at(repo: &Repo, commit: &str, base: &str, dest: &Path) -> Result<(), GitError> {
+    repo.git(&["update-ref", "refs/heads/forgepool-candidate", commit])
+        .await?;
     let parent = dest.parent().unwrap_or(Path::new("/"));
-    let source = repo.to_string_lossy();
+    let source = repo.git_dir.to_string_lossy();
     let dest_text = dest.to_string_lossy();
-    // The source belongs to the stage user, and the upload-pack that a local clone starts does
-    // not inherit our `safe.directory`, so it is given its own.
-    let upload_pack = "git -c safe.directory=* upload-pack";
     git(
         parent,
         &[
+            "-c",
+            "protocol.file.allow=always",
             "clone",
             "--quiet",
             "--no-hardlinks",
-            "--upload-pack",
-            upload_pack,
             "--branch",
             "forgepool-candidate",
             "--",
@@ -282,34 +440,44 @@ pub async fn copy_at(repo: &Path, commit: &str, base: &str, dest: &Path) -> Resu
 }
 
 /// The change from `base` to `commit` as a binary-safe patch.
-pub async fn diff(repo: &Path, base: &str, commit: &str) -> Result<String, GitError> {
-    git(repo, &["diff", "--binary", base, commit]).await
+pub async fn diff(repo: &Repo, base: &str, commit: &str) -> Result<String, GitError> {
+    repo.git(&[
+        "diff",
+        "--binary",
+        "--no-ext-diff",
+        "--no-textconv",
+        base,
+        commit,
+    ])
+    .await
 }
 
 /// Pushes `commit` to `branch` of `url`, replacing what the branch held.
-pub async fn push(repo: &Path, url: &str, commit: &str, branch: &str) -> Result<(), GitError> {
+pub async fn push(repo: &Repo, url: &str, commit: &str, branch: &str) -> Result<(), GitError> {
+    proto::names::check_url(url, &allowed_schemes())
+        .map_err(|reason| GitError::Refused(format!("repository URL refused: {reason}")))?;
     let refspec = format!("+{commit}:refs/heads/{branch}");
-    git(repo, &["push", "--quiet", "--", url, &refspec])
+    repo.git(&["push", "--quiet", "--no-verify", "--", url, &refspec])
         .await
         .map(|_| ())
 }
 
 /// The change from `base` (a commit) to `tree`, as a patch that [`apply_checkpoint`] replays
 /// exactly. Every file is encoded as binary, so the patch is ASCII whatever the files hold.
-pub async fn checkpoint_patch(repo: &Path, base: &str, tree: &str) -> Result<String, GitError> {
+pub async fn checkpoint_patch(repo: &Repo, base: &str, tree: &str) -> Result<String, GitError> {
     // `info/attributes` outranks the repository's own `.gitattributes`; it is only in place
     // for this one diff, since `binary` also changes how files are added.
-    let attributes = repo.join(".git/info/attributes");
+    let info = repo.git_dir.join("info");
+    let attributes = info.join("attributes");
     let previous = tokio::fs::read(&attributes).await.ok();
-    tokio::fs::create_dir_all(repo.join(".git/info"))
+    tokio::fs::create_dir_all(&info)
         .await
         .map_err(GitError::Spawn)?;
     tokio::fs::write(&attributes, "* binary\n")
         .await
         .map_err(GitError::Spawn)?;
-    let patch = git(
-        repo,
-        &[
+    let patch = repo
+        .git(&[
             "diff",
             "--binary",
             "--full-index",
@@ -317,9 +485,8 @@ pub async fn checkpoint_patch(repo: &Path, base: &str, tree: &str) -> Result<Str
             "--no-ext-diff",
             base,
             tree,
-        ],
-    )
-    .await;
+        ])
+        .await;
     let restored = match previous {
         Some(bytes) => tokio::fs::write(&attributes, bytes).await,
         None => tokio::fs::remove_file(&attributes).await,
@@ -329,21 +496,44 @@ pub async fn checkpoint_patch(repo: &Path, base: &str, tree: &str) -> Result<Str
 }
 
 /// Replays a [`checkpoint_patch`] on the checked-out base and returns the resulting tree.
-pub async fn apply_checkpoint(repo: &Path, patch: &str) -> Result<String, GitError> {
+pub async fn apply_checkpoint(repo: &Repo, patch: &str) -> Result<String, GitError> {
     if !patch.trim().is_empty() {
-        let file = repo.join(".git/forgepool-resume.patch");
+        let file = repo.git_dir.join("forgepool-resume.patch");
         // A binary hunk ends with a blank line, which the captured output lost.
         tokio::fs::write(&file, format!("{}\n\n", patch.trim_end()))
             .await
             .map_err(GitError::Spawn)?;
         let path = file.to_string_lossy().to_string();
-        git(
-            repo,
-            &["apply", "--binary", "--index", "--whitespace=nowarn", &path],
-        )
-        .await?;
+        repo.git_in_tree(&["apply", "--binary", "--index", "--whitespace=nowarn", &path])
+            .await?;
     }
     snapshot_tree(repo).await
+}
+
+/// Copies the folder `from` to `to`: folders and regular files only (a git folder that
+/// forgepool made holds nothing else).
+fn copy_tree(from: &Path, to: &Path) -> std::io::Result<()> {
+    std::fs::create_dir_all(to)?;
+    for entry in std::fs::read_dir(from)? {
+        let entry = entry?;
+        let kind = entry.file_type()?;
+        let target = to.join(entry.file_name());
+        if kind.is_dir() {
+            copy_tree(&entry.path(), &target)?;
+        } else if kind.is_file() {
+            std::fs::copy(entry.path(), &target)?;
+        }
+    }
+    Ok(())
+}
+
+fn remove_any(path: &Path) -> std::io::Result<()> {
+    let metadata = std::fs::symlink_metadata(path)?;
+    if metadata.is_dir() {
+        std::fs::remove_dir_all(path)
+    } else {
+        std::fs::remove_file(path)
+    }
 }
 
 #[cfg(test)]
@@ -397,11 +587,17 @@ mod tests {
         (format!("file://{}", bare.display()), first, second)
     }
 
-    async fn checked_out(dest: &Path) -> (String, String, String, bool) {
-        let head = git(dest, &["rev-parse", "HEAD"]).await.unwrap();
-        let base = git(dest, &["rev-parse", "base"]).await.unwrap();
-        let file = tokio::fs::read_to_string(dest.join("a.txt")).await.unwrap();
-        let detached = git(dest, &["symbolic-ref", "-q", "HEAD"]).await.is_err();
+    fn repo_at(dir: &Path, name: &str) -> Repo {
+        Repo::new(dir.join(format!("{name}.git")), dir.join(name))
+    }
+
+    async fn checked_out(repo: &Repo) -> (String, String, String, bool) {
+        let head = repo.git(&["rev-parse", "HEAD"]).await.unwrap();
+        let base = repo.git(&["rev-parse", "base"]).await.unwrap();
+        let file = tokio::fs::read_to_string(repo.work_tree.join("a.txt"))
+            .await
+            .unwrap();
+        let detached = repo.git(&["symbolic-ref", "-q", "HEAD"]).await.is_err();
         (head, base, file, detached)
     }
 
@@ -418,8 +614,12 @@ mod tests {
             (Some(&first[..10]), &first, "one\n"),
         ];
         for (n, (reference, commit, content)) in cases.into_iter().enumerate() {
-            let dest = dir.path().join(format!("clone{n}"));
+            let dest = repo_at(dir.path(), &format!("clone{n}"));
             let got = clone_at(&url, reference, &dest).await.unwrap();
+            assert!(
+                !dest.work_tree.join(".git").exists(),
+                "the work tree holds no .git until forgepool gives it a disposable one"
+            );
             assert_eq!(got, commit, "{reference:?}");
             assert_eq!(
                 checked_out(&dest).await,
@@ -431,13 +631,13 @@ mod tests {
                 ),
                 "{reference:?}"
             );
-            let exclude = tokio::fs::read_to_string(dest.join(".git/info/exclude"))
+            let exclude = tokio::fs::read_to_string(dest.git_dir.join("info/exclude"))
                 .await
                 .unwrap();
             assert!(exclude.lines().any(|l| l == "/.forge/"), "{reference:?}");
         }
         // Copies, never hardlinks: a stage user owning the clone cannot touch the origin.
-        let object = dir.path().join("clone1/.git/objects");
+        let object = dir.path().join("clone1.git/objects");
         let mut stack = vec![object];
         while let Some(path) = stack.pop() {
             let mut entries = tokio::fs::read_dir(&path).await.unwrap();
@@ -457,7 +657,7 @@ mod tests {
     async fn a_missing_reference_is_named() {
         let dir = tempfile::tempdir().unwrap();
         let (url, _, _) = origin(dir.path()).await;
-        let error = clone_at(&url, Some("nope"), &dir.path().join("c"))
+        let error = clone_at(&url, Some("nope"), &repo_at(dir.path(), "c"))
             .await
             .unwrap_err()
             .to_string();

@@ -6,6 +6,7 @@
 //! with [`git`], and reports through the event seam ([`sink`]).
 
 pub mod collector;
+pub mod confined;
 pub mod docker;
 pub mod engine;
 pub mod final_review;

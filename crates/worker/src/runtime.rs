@@ -54,6 +54,10 @@ pub struct StageSpec {
     pub cpus: f64,
     /// Maximum number of processes.
     pub pids_limit: i64,
+    /// The root filesystem is read-only; `/tmp` is a tmpfs of `disk_bytes`.
+    pub read_only_root: bool,
+    /// The most the stage may write to `/tmp`, and the largest file it may write.
+    pub disk_bytes: u64,
     /// The user to run as, `uid:gid`.
     pub user: Option<String>,
     /// The working directory inside the container.
@@ -103,6 +107,14 @@ pub struct StageOutput {
 
 /// The most stdout kept for a stage (the reviewer's verdict is read from it).
 pub const MAX_CAPTURED_STDOUT: usize = 1024 * 1024;
+/// The most log bytes of one stage forwarded as events and stored; the rest is counted and
+/// summarised in one last chunk.
+pub const MAX_LOG_BYTES: usize = 1024 * 1024;
+/// The most log lines of one stage forwarded as events and stored.
+pub const MAX_LOG_LINES: usize = 10_000;
+/// The longest partial line held while waiting for its end; a longer one is forwarded in
+/// pieces.
+pub const MAX_PARTIAL_LINE: usize = 64 * 1024;
 /// The size of the output tail kept for failure reports.
 pub const TAIL_BYTES: usize = 4096;
 

@@ -52,6 +52,12 @@ pub struct WorkerConfig {
     pub heartbeat: Duration,
     /// How long publishing one event may keep retrying (a broker restart in between).
     pub publish_deadline: Duration,
+    /// The key every job must be signed with (`FORGEPOOL_JOB_KEY`).
+    pub job_key: proto::JobKey,
+    /// The worker's own agent profiles: a job's frozen profiles must be the same.
+    pub profiles: std::collections::BTreeMap<String, proto::AgentProfile>,
+    /// The repository URL schemes accepted (`FORGEPOOL_ALLOWED_URL_SCHEMES`).
+    pub allowed_schemes: Vec<String>,
 }
 
 /// A failure that stops the worker.
@@ -86,7 +92,7 @@ impl AmqpSink {
         let (exchange, key) = (self.topology.events(), event.routing_key());
         let sent = if reliably {
             self.publisher
-                .publish_reliably(&exchange, &key, &payload, self.deadline)
+                .publish_reliably(&exchange, &key, &payload, None, self.deadline)
                 .await
         } else {
             self.publisher
@@ -626,7 +632,7 @@ async fn take_delivery(
     runs: &TaskTracker,
     delivery: lapin::message::Delivery,
 ) {
-    let job = match decode_job(&delivery.data) {
+    let job = match trusted_job(&shared.config, &delivery) {
         Ok(job) => job,
         Err(reason) => {
             warn!(%reason, "dead-lettering a job message");
@@ -638,6 +644,7 @@ async fn take_delivery(
                     &shared.topology.jobs(),
                     &delivery.data,
                     &reason,
+                    Some(&delivery.properties),
                 )
                 .await
             {
@@ -687,6 +694,59 @@ const REDELIVERY_GRACE: Duration = Duration::from_secs(2 * SWEEP_INTERVAL.as_sec
 
 /// The largest job message a worker reads.
 pub const MAX_JOB_BYTES: usize = 4 * 1024 * 1024;
+
+/// A job message checked as untrusted input: its signature first (nothing of an unsigned
+/// message is parsed beyond that), then its schema, its fields, its repository URL, and each of
+/// its profiles against the worker's own agents file. The error is the dead letter's reason.
+pub fn trusted_job(
+    config: &WorkerConfig,
+    delivery: &lapin::message::Delivery,
+) -> Result<Job, String> {
+    let signature = amqp::header_text(&delivery.properties, proto::SIGNATURE_HEADER);
+    config
+        .job_key
+        .verify(&delivery.data, signature.as_deref())?;
+    let job = decode_job(&delivery.data)?;
+    check_job(&job, &config.profiles, &config.allowed_schemes)?;
+    Ok(job)
+}
+
+/// Checks a decoded job's fields, its repository URL, and each profile against the worker's
+/// own profiles (image, command, env names, network, user and limits must be the same).
+pub fn check_job(
+    job: &Job,
+    profiles: &std::collections::BTreeMap<String, proto::AgentProfile>,
+    allowed_schemes: &[String],
+) -> Result<(), String> {
+    job.check()
+        .map_err(|e| format!("the job is invalid: {e}"))?;
+    proto::names::check_url(&job.repository.url, allowed_schemes)
+        .map_err(|e| format!("the job's repository.url {e}"))?;
+    for profile in [
+        Some(&job.implementer),
+        job.reviewer.as_ref(),
+        job.final_reviewer.as_ref(),
+    ]
+    .into_iter()
+    .flatten()
+    {
+        let Some(own) = profiles.get(&profile.name) else {
+            return Err(format!(
+                "the job names the agent profile `{}`, which this worker's agents file does not have",
+                profile.name
+            ));
+        };
+        let differences = profile.differences(own);
+        if !differences.is_empty() {
+            return Err(format!(
+                "the job's profile `{}` differs from this worker's agents file in: {}; give dispatcher and workers the same agents file",
+                profile.name,
+                differences.join(", ")
+            ));
+        }
+    }
+    Ok(())
+}
 
 /// Decodes a job, refusing oversized messages and a missing or unknown `schema_version` first.
 pub fn decode_job(data: &[u8]) -> Result<Job, String> {
@@ -742,7 +802,13 @@ async fn run_job(shared: &Shared, job: Job, delivery: lapin::message::Delivery) 
             // timeout): park it in the wait queue; it comes back until that worker is done.
             let parked = shared
                 .publisher
-                .publish("", &shared.topology.jobs_wait(), &delivery.data, None)
+                .publish(
+                    "",
+                    &shared.topology.jobs_wait(),
+                    &delivery.data,
+                    amqp::header_text(&delivery.properties, proto::SIGNATURE_HEADER)
+                        .map(amqp::signature_headers),
+                )
                 .await;
             let _ = match parked {
                 Ok(()) => ack(&delivery).await,

@@ -42,3 +42,88 @@ impl EventSink for ChannelSink {
             .map_err(|_| PublishEvent("the event receiver has stopped".into()))
     }
 }
+
+/// A sink that replaces every secret value in an event's text with `[REDACTED]` before
+/// passing it on: whatever an agent wrote (its output, cycle files, reports) and whatever git
+/// said, nothing that leaves the engine carries a secret.
+#[derive(Debug)]
+pub struct Redacting<'a, S> {
+    inner: &'a S,
+    secrets: Vec<String>,
+}
+
+impl<'a, S: EventSink> Redacting<'a, S> {
+    /// Wraps `inner`; values shorter than 4 bytes are not treated as secrets.
+    pub fn new(inner: &'a S, secrets: Vec<String>) -> Redacting<'a, S> {
+        let mut secrets: Vec<String> = secrets.into_iter().filter(|s| s.len() >= 4).collect();
+        // Longer first, so a secret that contains another is replaced whole.
+        secrets.sort_by_key(|s| std::cmp::Reverse(s.len()));
+        secrets.dedup();
+        Redacting { inner, secrets }
+    }
+
+    /// Replaces the secrets in every string of the event.
+    pub fn redact(&self, event: Event) -> Event {
+        if self.secrets.is_empty() {
+            return event;
+        }
+        let Ok(mut value) = serde_json::to_value(&event) else {
+            return event;
+        };
+        if !redact_value(&mut value, &self.secrets) {
+            return event;
+        }
+        serde_json::from_value(value).unwrap_or(event)
+    }
+}
+
+impl<S: EventSink> EventSink for Redacting<'_, S> {
+    async fn publish(&self, event: Event) -> Result<(), PublishEvent> {
+        self.inner.publish(self.redact(event)).await
+    }
+}
+
+/// Redacts every string in `value`; whether anything changed.
+fn redact_value(value: &mut serde_json::Value, secrets: &[String]) -> bool {
+    match value {
+        serde_json::Value::String(text) if secrets.iter().any(|s| text.contains(s.as_str())) => {
+            *text = crate::runtime::redact(text, secrets);
+            true
+        }
+        serde_json::Value::Array(items) => items
+            .iter_mut()
+            .fold(false, |changed, item| redact_value(item, secrets) | changed),
+        serde_json::Value::Object(map) => map
+            .values_mut()
+            .fold(false, |changed, item| redact_value(item, secrets) | changed),
+        _ => false,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proto::{EventKind, RunState};
+
+    #[tokio::test]
+    async fn every_string_of_an_event_is_redacted() {
+        let (sink, mut events) = ChannelSink::new(4);
+        let redacting = Redacting::new(&sink, vec!["sk-live-secret-value".into(), "ab".into()]);
+        let run_id = uuid::Uuid::new_v4();
+        redacting
+            .publish(Event::new(
+                run_id,
+                EventKind::State {
+                    state: RunState::Failed,
+                    reason: "`git push` failed: https://x:sk-live-secret-value@host ab".into(),
+                },
+            ))
+            .await
+            .unwrap();
+        let event = events.recv().await.unwrap();
+        let EventKind::State { reason, .. } = event.kind else {
+            panic!("a state event")
+        };
+        assert_eq!(reason, "`git push` failed: https://x:[REDACTED]@host ab");
+    }
+}

@@ -61,6 +61,11 @@ app.kubernetes.io/component: {{ .component }}
 {{- end }}
 - name: FORGEPOOL_AMQP_PREFIX
   value: {{ .Values.amqpPrefix | quote }}
+- name: FORGEPOOL_JOB_KEY
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "forgepool.secretName" . }}
+      key: job-key
 - name: FORGEPOOL_LOG
   value: {{ .Values.log.level | quote }}
 - name: FORGEPOOL_LOG_FORMAT
