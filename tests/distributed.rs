@@ -212,9 +212,10 @@ async fn missing_or_wrong_token_gets_401() {
 async fn malformed_unknown_version_and_oversized_messages_are_dead_lettered() {
     let fixture = Fixture::new(None, &["change"], &["approve"]);
     let cluster = Cluster::start(fixture, 1, 1, None).await;
-    cluster.publish_raw("jobs", b"{not json", None).await;
+    // Signed, as if by a dispatcher, so that the worker reads them: each is still refused.
+    cluster.publish_signed(b"{not json", None).await;
     cluster
-        .publish_raw("jobs", br#"{"schema_version": 99, "run_id": "x"}"#, None)
+        .publish_signed(br#"{"schema_version": 99, "run_id": "x"}"#, None)
         .await;
     cluster
         .publish_raw("jobs", &vec![b'x'; 5 * 1024 * 1024], None)
@@ -1008,4 +1009,93 @@ fn bare_dispatcher(
         log: log.clone(),
     };
     (service, log)
+}
+
+/// Jobs that did not come from the dispatcher, or that ask for what the worker's own agents
+/// file does not give, are dead-lettered with their reason; none runs, and a forged job that
+/// names a real run does not end that run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn forged_unsigned_and_overreaching_jobs_are_dead_lettered_and_run_nothing() {
+    use dispatcher::store::RunStore;
+    let fixture = Fixture::new(None, &["change"], &["approve"]);
+    // No worker yet: the real run waits in the queue with the forgeries.
+    let mut cluster = Cluster::start(fixture, 0, 1, None).await;
+    let real = cluster.submit("REAL-1").await;
+    let store = dispatcher::store::SqliteStore::open(&cluster.database).unwrap();
+    let record = store
+        .get_run(uuid::Uuid::parse_str(&real).unwrap())
+        .await
+        .unwrap()
+        .unwrap();
+    let forged = |change: &dyn Fn(&mut proto::Job)| {
+        let mut job = record.job.clone();
+        job.run_id = uuid::Uuid::new_v4();
+        job.ticket = "FORGED-1".into();
+        job.project = "forged".into();
+        change(&mut job);
+        serde_json::to_vec(&job).unwrap()
+    };
+    // Unsigned, and naming the real run: it must not fail it.
+    let mut same_run = record.job.clone();
+    same_run.implementer.user = Some("0:0".into());
+    cluster
+        .publish_raw("jobs", &serde_json::to_vec(&same_run).unwrap(), None)
+        .await;
+    cluster
+        .publish_signed(&forged(&|_| {}), Some("a-key-the-dispatcher-never-had"))
+        .await;
+    cluster
+        .publish_signed(&forged(&|j| j.implementer.user = Some("0:0".into())), None)
+        .await;
+    cluster
+        .publish_signed(
+            &forged(&|j| j.implementer.env = vec!["FORGEPOOL_JOB_KEY".into()]),
+            None,
+        )
+        .await;
+    cluster
+        .publish_signed(
+            &forged(&|j| j.implementer.image = "evil/agent:1".into()),
+            None,
+        )
+        .await;
+    cluster
+        .publish_signed(&forged(&|j| j.ticket = "../../etc-1".into()), None)
+        .await;
+    cluster
+        .publish_signed(
+            &forged(&|j| j.repository.url = "ext::sh -c id".into()),
+            None,
+        )
+        .await;
+    cluster.start_worker("w0", 1);
+    let started = std::time::Instant::now();
+    let mut dead = Vec::new();
+    while dead.len() < 7 && started.elapsed() < Duration::from_secs(90) {
+        dead.extend(cluster.dead_letters().await);
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    let reasons: Vec<&str> = dead.iter().map(|(_, r)| r.as_str()).collect();
+    assert_eq!(dead.len(), 7, "{reasons:?}\n{}", cluster.logs());
+    for expected in [
+        "the job is not signed",
+        "signature does not match",
+        "is root; stages never run as root",
+        "env \"FORGEPOOL_JOB_KEY\" is not allowed",
+        "differs from this worker's agents file in: image",
+        "ticket \"../../etc-1\" must match",
+        "scheme `ext`",
+    ] {
+        assert!(
+            reasons.iter().any(|r| r.contains(expected)),
+            "no dead letter says {expected:?}: {reasons:?}"
+        );
+    }
+    // The real run went through, and nothing of the forgeries was pushed.
+    let views = cluster
+        .wait_terminal(&[real.clone()], Duration::from_secs(60))
+        .await;
+    assert_eq!(views[0]["state"], "delivered", "{}", cluster.logs());
+    assert!(cluster.fixture.branch_files("forge/forged-1").is_none());
+    cluster.delete_queues().await;
 }

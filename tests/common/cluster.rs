@@ -448,6 +448,24 @@ impl Cluster {
 
     /// Publishes raw bytes to a queue of this cluster (`jobs`, `submissions`…).
     pub async fn publish_raw(&self, queue: &str, payload: &[u8], reply_to: Option<&str>) {
+        self.publish_with(queue, payload, reply_to, None).await;
+    }
+
+    /// Publishes a job signed with `key` (the cluster's own key unless another is given), as
+    /// only the dispatcher should.
+    pub async fn publish_signed(&self, payload: &[u8], key: Option<&str>) {
+        let key = proto::JobKey::new(key.unwrap_or(JOB_KEY)).unwrap();
+        self.publish_with("jobs", payload, None, Some(key.sign(payload)))
+            .await;
+    }
+
+    async fn publish_with(
+        &self,
+        queue: &str,
+        payload: &[u8],
+        reply_to: Option<&str>,
+        signature: Option<String>,
+    ) {
         let connection = self.broker().await;
         let publish = async {
             let channel = connection.create_channel().await.unwrap();
@@ -459,6 +477,14 @@ impl Cluster {
             let mut properties = BasicProperties::default().with_delivery_mode(2);
             if let Some(reply_to) = reply_to {
                 properties = properties.with_reply_to(reply_to.into());
+            }
+            if let Some(signature) = signature {
+                let mut headers = lapin::types::FieldTable::default();
+                headers.insert(
+                    proto::SIGNATURE_HEADER.into(),
+                    lapin::types::AMQPValue::LongString(signature.into()),
+                );
+                properties = properties.with_headers(headers);
             }
             channel
                 .basic_publish(

@@ -256,11 +256,17 @@ impl Fixture {
 
     /// Runs a forgepool command (from [`Fixture::command`]) and reads back the run it printed.
     pub fn outcome(&self, mut command: Command) -> Outcome {
-        let database = self.dir.path().join("runs.db");
         // Every stage has its own time limit; this bounds a run that ignores them.
         let output = output_within(&mut command, Duration::from_secs(240));
         let stdout = String::from_utf8_lossy(&output.stdout).to_string();
         let stderr = String::from_utf8_lossy(&output.stderr).to_string();
+        self.read_back(output.status.code().unwrap_or(-1), stdout, stderr)
+    }
+
+    /// What a user sees of a forgepool command that exited with `code` after printing
+    /// `stdout` and `stderr`: the run it printed, read back from the fixture's store.
+    pub fn read_back(&self, code: i32, stdout: String, stderr: String) -> Outcome {
+        let database = self.dir.path().join("runs.db");
         let run_id = stdout
             .lines()
             .find_map(|l| {
@@ -273,7 +279,7 @@ impl Fixture {
             None => (None, Vec::new()),
         };
         Outcome {
-            code: output.status.code().unwrap_or(-1),
+            code,
             stdout,
             stderr,
             run_id,

@@ -118,6 +118,13 @@ pub fn url_scheme(url: &str) -> String {
 
 /// Checks a repository URL against the allowed schemes; the error says what is allowed.
 pub fn check_url(url: &str, allowed: &[String]) -> Result<(), String> {
+    let scheme = url_scheme(url);
+    if !KNOWN_SCHEMES.contains(&scheme.as_str()) || !allowed.contains(&scheme) {
+        return Err(format!(
+            "uses the scheme `{scheme}`, which is not allowed; allowed schemes are {} (FORGEPOOL_ALLOWED_URL_SCHEMES)",
+            allowed.join(", ")
+        ));
+    }
     if url.is_empty()
         || url.starts_with('-')
         || url.chars().any(|c| c.is_control() || c.is_whitespace())
@@ -126,13 +133,6 @@ pub fn check_url(url: &str, allowed: &[String]) -> Result<(), String> {
             "must be a git URL without spaces or control characters that does not start with '-'"
                 .into(),
         );
-    }
-    let scheme = url_scheme(url);
-    if !KNOWN_SCHEMES.contains(&scheme.as_str()) || !allowed.contains(&scheme) {
-        return Err(format!(
-            "uses the scheme `{scheme}`, which is not allowed; allowed schemes are {} (FORGEPOOL_ALLOWED_URL_SCHEMES)",
-            allowed.join(", ")
-        ));
     }
     Ok(())
 }

@@ -702,6 +702,12 @@ pub fn trusted_job(
     config: &WorkerConfig,
     delivery: &lapin::message::Delivery,
 ) -> Result<Job, String> {
+    if delivery.data.len() > MAX_JOB_BYTES {
+        return Err(format!(
+            "oversized message: {} bytes, over the limit of {MAX_JOB_BYTES}",
+            delivery.data.len()
+        ));
+    }
     let signature = amqp::header_text(&delivery.properties, proto::SIGNATURE_HEADER);
     config
         .job_key

@@ -6,6 +6,8 @@
 #   nomarker  prints no verdict at all
 #   sleep N   sleeps N seconds (to exceed the review timeout)
 #   crash     exits 9
+#   flood-line   prints 200 MB without a newline, then exits 0 (no verdict)
+#   flood-lines  prints 60 MB of short lines (two million), then APPROVED
 #   leak      puts $AGENT_SECRET in its verdicts: REJECTED on cycle 1, APPROVED after (it must
 #             come back redacted everywhere)
 set -eu
@@ -24,6 +26,8 @@ case "$mode" in
   nomarker) echo "I looked at the change and have thoughts, but no verdict." ;;
   sleep) sleep "${2:-30}"; echo "APPROVED" ;;
   crash) echo "reviewer blew up" >&2; exit 9 ;;
+  flood-line) head -c 200000000 /dev/zero | tr '\000' 'x' ;;
+  flood-lines) yes 'a short line of review output' | head -c 60000000; echo "APPROVED" ;;
   leak)
     echo "debug: using key ${AGENT_SECRET:-unset}" >&2
     if [ "$FORGE_CYCLE" = 1 ]; then
