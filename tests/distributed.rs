@@ -1093,7 +1093,7 @@ async fn forged_unsigned_and_overreaching_jobs_are_dead_lettered_and_run_nothing
     }
     // The real run went through, and nothing of the forgeries was pushed.
     let views = cluster
-        .wait_terminal(&[real.clone()], Duration::from_secs(60))
+        .wait_terminal(std::slice::from_ref(&real), Duration::from_secs(60))
         .await;
     assert_eq!(views[0]["state"], "delivered", "{}", cluster.logs());
     assert!(cluster.fixture.branch_files("forge/forged-1").is_none());
