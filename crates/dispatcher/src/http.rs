@@ -128,10 +128,43 @@ fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
+/// The time a client has to send a request body.
+pub const BODY_READ_TIMEOUT: Duration = Duration::from_secs(15);
+/// The most event streams open on one run at once.
+pub const MAX_STREAMS_PER_RUN: usize = 16;
+/// The most events an event stream reads from the store at once.
+pub const EVENT_PAGE: u32 = 256;
+
+/// Reads a request body of at most `limit` bytes within [`BODY_READ_TIMEOUT`]. A larger body
+/// is refused as soon as its size is known, whatever it is, with the same JSON error as a
+/// request over the limit; a slow one gets a JSON 408.
+async fn read_body(body: axum::body::Body, limit: usize) -> Result<Bytes, Failure> {
+    match tokio::time::timeout(BODY_READ_TIMEOUT, axum::body::to_bytes(body, limit + 1)).await {
+        Err(_) => Err(Failure::new(
+            StatusCode::REQUEST_TIMEOUT,
+            "body_timeout",
+            format!(
+                "the request body did not arrive within {} s",
+                BODY_READ_TIMEOUT.as_secs()
+            ),
+            None,
+        )),
+        Ok(Ok(bytes)) => Ok(bytes),
+        // Over the limit, or the client went away mid-body.
+        Ok(Err(_)) => Err(SubmitError::TooLarge {
+            field: "body".into(),
+            size: limit + 1,
+            limit,
+        }
+        .into()),
+    }
+}
+
 async fn submit(
     State(dispatcher): State<Arc<Dispatcher>>,
-    body: Bytes,
+    body: axum::body::Body,
 ) -> Result<(StatusCode, Json<SubmitResponse>), Failure> {
+    let body = read_body(body, crate::freeze::MAX_REQUEST_BYTES).await?;
     let request = crate::request::from_json(&body)?;
     match dispatcher.submit(request).await {
         Ok(frozen) => Ok((
@@ -334,8 +367,55 @@ async fn resume(
     }
 }
 
+/// How many event streams are open on each run.
+#[derive(Debug, Default)]
+pub struct StreamCounts(std::sync::Mutex<std::collections::HashMap<Uuid, usize>>);
+
+/// One open event stream of a run; it frees its place when the stream is dropped.
+struct StreamSlot {
+    dispatcher: Arc<Dispatcher>,
+    run_id: Uuid,
+}
+
+impl StreamSlot {
+    fn take(dispatcher: &Arc<Dispatcher>, run_id: Uuid) -> Option<StreamSlot> {
+        let mut counts = dispatcher
+            .streams
+            .0
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        let count = counts.entry(run_id).or_insert(0);
+        if *count >= MAX_STREAMS_PER_RUN {
+            return None;
+        }
+        *count += 1;
+        Some(StreamSlot {
+            dispatcher: Arc::clone(dispatcher),
+            run_id,
+        })
+    }
+}
+
+impl Drop for StreamSlot {
+    fn drop(&mut self) {
+        let mut counts = self
+            .dispatcher
+            .streams
+            .0
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        if let Some(count) = counts.get_mut(&self.run_id) {
+            *count -= 1;
+            if *count == 0 {
+                counts.remove(&self.run_id);
+            }
+        }
+    }
+}
+
 /// Where one Server-Sent Events stream is.
 struct Follow {
+    _slot: StreamSlot,
     dispatcher: Arc<Dispatcher>,
     wake: tokio::sync::watch::Receiver<u64>,
     position: i64,
@@ -347,13 +427,30 @@ struct Follow {
 async fn events(
     State(dispatcher): State<Arc<Dispatcher>>,
     Path(id): Path<String>,
+    headers: HeaderMap,
 ) -> Result<Sse<impl Stream<Item = Result<SseEvent, Infallible>>>, Failure> {
     let run_id = record(&dispatcher, &id).await?.job.run_id;
+    // A reconnecting client continues after the last event it saw.
+    let position = headers
+        .get("last-event-id")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().parse::<i64>().ok())
+        .filter(|p| *p >= 0)
+        .unwrap_or(0);
+    let slot = StreamSlot::take(&dispatcher, run_id).ok_or_else(|| {
+        Failure::new(
+            StatusCode::TOO_MANY_REQUESTS,
+            "too_many_streams",
+            format!("run {run_id} already has {MAX_STREAMS_PER_RUN} event streams open; close one or poll GET /v1/runs/{run_id}"),
+            None,
+        )
+    })?;
     let wake = dispatcher.events_stored.subscribe();
     let follow = Follow {
+        _slot: slot,
         dispatcher,
         wake,
-        position: 0,
+        position,
         finished: false,
         paused: false,
         pending: std::collections::VecDeque::new(),
@@ -370,12 +467,15 @@ async fn events(
                 return None;
             }
             follow.wake.borrow_and_update();
+            // One page at a time: the stream holds at most a page, whatever the run printed,
+            // and reads the next one only when the client has taken this one.
             let stored = follow
                 .dispatcher
                 .store
-                .events(run_id, follow.position)
+                .events_page(run_id, follow.position, EVENT_PAGE)
                 .await
                 .unwrap_or_default();
+            let full_page = stored.len() == EVENT_PAGE as usize;
             for (at, event) in stored {
                 follow.position = at;
                 if let proto::EventKind::State { state, .. } = &event.kind {
@@ -404,7 +504,7 @@ async fn events(
                     return None;
                 }
             }
-            if follow.pending.is_empty() {
+            if follow.pending.is_empty() && !full_page {
                 let stopping = follow.dispatcher.stopping.clone();
                 tokio::select! {
                     _ = tokio::time::timeout(Duration::from_secs(1), follow.wake.changed()) => {},

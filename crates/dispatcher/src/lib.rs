@@ -10,6 +10,7 @@ pub mod http;
 pub mod names;
 mod openapi;
 pub mod request;
+pub mod serve;
 pub mod service;
 pub mod skills;
 pub mod store;

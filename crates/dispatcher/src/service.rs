@@ -117,6 +117,8 @@ pub struct Dispatcher {
     pub stopping: CancellationToken,
     /// What `/metrics` serves.
     pub metrics: Metrics,
+    /// The event streams open per run, capped.
+    pub streams: crate::http::StreamCounts,
     amqp_url: String,
 }
 
@@ -302,6 +304,7 @@ pub async fn run(
         topology_ready: AtomicBool::new(false),
         stopping: shutdown.clone(),
         metrics: Metrics::new(telemetry::Role::Dispatcher),
+        streams: crate::http::StreamCounts::default(),
         amqp_url: config.amqp_url,
     });
     // The API answers from the start, so that nobody waits on a bound socket while RabbitMQ is
@@ -310,11 +313,8 @@ pub async fn run(
     let address = listener.local_addr().map_err(DispatcherError::Serve)?;
     let app = crate::http::router(Arc::clone(&dispatcher));
     let serve_shutdown = shutdown.clone();
-    let server = tokio::spawn(async move {
-        axum::serve(listener, app)
-            .with_graceful_shutdown(async move { serve_shutdown.cancelled().await })
-            .await
-    });
+    let server =
+        tokio::spawn(async move { crate::serve::serve(listener, app, serve_shutdown).await });
     let declared = declare_with_retry(&dispatcher.publisher, &dispatcher.topology, &shutdown).await;
     // Stopped while RabbitMQ was being set up: nothing else was started, so nothing is lost.
     let stopped = shutdown.is_cancelled();

@@ -99,6 +99,14 @@ pub trait RunStore: Send + Sync + 'static {
         run_id: Uuid,
         after: i64,
     ) -> impl Future<Output = Result<Vec<(i64, Event)>, StoreError>> + Send;
+    /// Like [`RunStore::events`], at most `limit` of them: a page, so that a reader of a long
+    /// history never holds all of it at once.
+    fn events_page(
+        &self,
+        run_id: Uuid,
+        after: i64,
+        limit: u32,
+    ) -> impl Future<Output = Result<Vec<(i64, Event)>, StoreError>> + Send;
 }
 
 /// Which runs `list_runs` returns.
@@ -190,6 +198,14 @@ impl RunStore for Store {
     }
     async fn events(&self, run_id: Uuid, after: i64) -> Result<Vec<(i64, Event)>, StoreError> {
         delegate!(self, s => s.events(run_id, after).await)
+    }
+    async fn events_page(
+        &self,
+        run_id: Uuid,
+        after: i64,
+        limit: u32,
+    ) -> Result<Vec<(i64, Event)>, StoreError> {
+        delegate!(self, s => s.events_page(run_id, after, limit).await)
     }
 }
 

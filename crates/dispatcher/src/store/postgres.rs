@@ -405,12 +405,21 @@ impl RunStore for PostgresStore {
     }
 
     async fn events(&self, run_id: Uuid, after: i64) -> Result<Vec<(i64, Event)>, StoreError> {
+        self.events_page(run_id, after, u32::MAX).await
+    }
+
+    async fn events_page(
+        &self,
+        run_id: Uuid,
+        after: i64,
+        limit: u32,
+    ) -> Result<Vec<(i64, Event)>, StoreError> {
         self.bounded(async {
             self.client()
                 .await?
                 .query(
-                    "SELECT position, body FROM events WHERE run_id = $1 AND position > $2 ORDER BY position",
-                    &[&run_id.to_string(), &after],
+                    "SELECT position, body FROM events WHERE run_id = $1 AND position > $2 ORDER BY position LIMIT $3",
+                    &[&run_id.to_string(), &after, &i64::from(limit)],
                 )
                 .await?
                 .iter()

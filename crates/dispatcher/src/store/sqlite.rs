@@ -325,11 +325,20 @@ impl RunStore for SqliteStore {
     }
 
     async fn events(&self, run_id: Uuid, after: i64) -> Result<Vec<(i64, Event)>, StoreError> {
+        self.events_page(run_id, after, u32::MAX).await
+    }
+
+    async fn events_page(
+        &self,
+        run_id: Uuid,
+        after: i64,
+        limit: u32,
+    ) -> Result<Vec<(i64, Event)>, StoreError> {
         self.with(move |c| {
             let mut statement =
-                c.prepare("SELECT position, body FROM events WHERE run_id = ?1 AND position > ?2 ORDER BY position")?;
+                c.prepare("SELECT position, body FROM events WHERE run_id = ?1 AND position > ?2 ORDER BY position LIMIT ?3")?;
             let rows = statement
-                .query_map(params![run_id.to_string(), after], |r| Ok((r.get::<_, i64>(0)?, r.get::<_, String>(1)?)))?
+                .query_map(params![run_id.to_string(), after, i64::from(limit)], |r| Ok((r.get::<_, i64>(0)?, r.get::<_, String>(1)?)))?
                 .collect::<Result<Vec<_>, _>>()?;
             rows.into_iter()
                 .map(|(position, body)| Ok((position, serde_json::from_str(&body)?)))

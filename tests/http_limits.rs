@@ -1,0 +1,155 @@
+//! The dispatcher bounds every client (SPEC 15): idle and half-open connections are closed,
+//! a body must arrive in time and within its size, and a run's event streams are capped.
+//! Needs RabbitMQ and Docker: `scripts/services.sh && scripts/build-images.sh`.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::cluster::Cluster;
+use common::Fixture;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+/// Reads until the server closes the connection or `limit` passes; returns what was read and
+/// whether the server closed it.
+async fn read_until_closed(stream: &mut TcpStream, limit: Duration) -> (String, bool) {
+    let mut bytes = Vec::new();
+    let deadline = Instant::now() + limit;
+    let mut buffer = [0u8; 4096];
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match tokio::time::timeout(left, stream.read(&mut buffer)).await {
+            Ok(Ok(0)) | Ok(Err(_)) => return (String::from_utf8_lossy(&bytes).into(), true),
+            Ok(Ok(n)) => bytes.extend_from_slice(&buffer[..n]),
+            Err(_) => return (String::from_utf8_lossy(&bytes).into(), false),
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_and_half_open_connections_are_closed_and_the_api_keeps_answering() {
+    let fixture = Fixture::new(None, &["change"], &["approve"]);
+    let cluster = Cluster::start(fixture, 0, 1, None).await;
+    let address = cluster.url().trim_start_matches("http://").to_string();
+    // Connections that never send a request, and ones that stop halfway through the headers.
+    let mut idle = Vec::new();
+    for n in 0..200 {
+        let mut stream = TcpStream::connect(&address).await.unwrap();
+        if n % 2 == 1 {
+            stream
+                .write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")
+                .await
+                .unwrap();
+        }
+        idle.push(stream);
+    }
+    // A kept-alive connection that goes quiet after its first request.
+    let mut kept = TcpStream::connect(&address).await.unwrap();
+    kept.write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+        .await
+        .unwrap();
+    // Meanwhile the API answers.
+    let health = cluster
+        .http
+        .get(format!("{}/healthz", cluster.url()))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(health.status(), 200);
+    // The server closes every one of them after its header timeout (10 s), well before 30 s.
+    for stream in &mut idle {
+        let (_, closed) = read_until_closed(stream, Duration::from_secs(30)).await;
+        assert!(closed, "an idle connection was kept open for 30 s");
+    }
+    let (answer, closed) = read_until_closed(&mut kept, Duration::from_secs(30)).await;
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    assert!(
+        closed,
+        "a quiet kept-alive connection was kept open for 30 s"
+    );
+    cluster.delete_queues().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bodies_must_be_small_and_arrive_in_time_and_errors_are_json() {
+    let fixture = Fixture::new(None, &["change"], &["approve"]);
+    let cluster = Cluster::start(fixture, 0, 1, None).await;
+    // 64 MiB, far over the 1 MiB limit and over any buffer: a JSON 413 either way.
+    for size in [2 << 20, 64 << 20] {
+        let response = cluster
+            .request(reqwest::Method::POST, "/v1/runs")
+            .header("content-type", "application/json")
+            .body(vec![b' '; size])
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(response.status(), 413, "{size} bytes");
+        let body: serde_json::Value = response.json().await.unwrap();
+        assert_eq!(body["error"]["code"], "too_large", "{body}");
+    }
+    // A body that never comes: a JSON 408 after the body timeout, and the connection ends.
+    let address = cluster.url().trim_start_matches("http://").to_string();
+    let mut slow = TcpStream::connect(&address).await.unwrap();
+    slow.write_all(
+        b"POST /v1/runs HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 500\r\n\r\n{\"ticket\":",
+    )
+    .await
+    .unwrap();
+    let (answer, _) = read_until_closed(&mut slow, Duration::from_secs(40)).await;
+    assert!(answer.starts_with("HTTP/1.1 408"), "{answer}");
+    assert!(answer.contains("\"body_timeout\""), "{answer}");
+    cluster.delete_queues().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_has_at_most_sixteen_event_streams() {
+    let fixture = Fixture::new(None, &["change"], &["approve"]);
+    // No worker: the run stays queued, so its streams stay open.
+    let cluster = Cluster::start(fixture, 0, 1, None).await;
+    let run_id = cluster.submit("STREAMS-1").await;
+    let path = format!("/v1/runs/{run_id}/events");
+    let mut open = Vec::new();
+    for _ in 0..16 {
+        let response = cluster
+            .request(reqwest::Method::GET, &path)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(response.status(), 200);
+        open.push(response);
+    }
+    let refused = cluster
+        .request(reqwest::Method::GET, &path)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(refused.status(), 429);
+    let body: serde_json::Value = refused.json().await.unwrap();
+    assert_eq!(body["error"]["code"], "too_many_streams", "{body}");
+    // Closing one frees its place.
+    drop(open.pop());
+    let started = Instant::now();
+    let status = loop {
+        let response = cluster
+            .request(reqwest::Method::GET, &path)
+            .send()
+            .await
+            .unwrap();
+        if response.status() == 200 || started.elapsed() > Duration::from_secs(20) {
+            break response.status();
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    assert_eq!(status, 200, "a closed stream's place was not freed");
+    // Another run is not affected by this one's streams.
+    let other = cluster.submit("STREAMS-2").await;
+    let response = cluster
+        .request(reqwest::Method::GET, &format!("/v1/runs/{other}/events"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 200);
+    drop(open);
+    cluster.delete_queues().await;
+}
