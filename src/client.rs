@@ -198,7 +198,12 @@ pub async fn status(args: &ClientArgs, run_id: Option<&str>) -> i32 {
                 view.run_id, view.ticket, view.skill, view.state
             );
             for change in &view.states {
-                println!("  {} {}: {}", change.time, change.state, change.reason);
+                println!(
+                    "  {} {}: {}",
+                    change.time,
+                    change.state,
+                    progress::printable(&change.reason)
+                );
             }
             println!(
                 "  repair budget {}, implementation rounds {}",
@@ -234,7 +239,7 @@ pub async fn status(args: &ClientArgs, run_id: Option<&str>) -> i32 {
             }
             if let Some(result) = &view.result {
                 if let (Some(branch), Some(commit)) = (&result.branch, &result.commit) {
-                    println!("  delivered {branch} at {commit}");
+                    println!("  delivered {} at {commit}", progress::printable(branch));
                 }
             }
             0

@@ -5,8 +5,27 @@ use proto::{EventKind, RunState};
 /// The longest feedback shown in a progress line.
 pub const FEEDBACK_CHARS: usize = 200;
 
-/// The line to print for an event, if any.
+/// The line to print for an event, if any. Agents control much of its text (feedback,
+/// reasons, check names), so terminal control characters never reach the terminal.
 pub fn line(kind: &EventKind) -> Option<String> {
+    raw_line(kind).map(|line| printable(&line))
+}
+
+/// `text` with every control character but newlines and tabs replaced by `\u{fffd}`: an
+/// agent's escape sequences cannot move the cursor, rewrite earlier lines or set the title.
+pub fn printable(text: &str) -> String {
+    text.chars()
+        .map(|c| {
+            if c.is_control() && c != '\n' && c != '\t' {
+                '\u{fffd}'
+            } else {
+                c
+            }
+        })
+        .collect()
+}
+
+fn raw_line(kind: &EventKind) -> Option<String> {
     match kind {
         EventKind::Cycle { cycle } => {
             let max = cycle
@@ -69,6 +88,20 @@ pub fn line(kind: &EventKind) -> Option<String> {
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn terminal_control_characters_never_reach_the_terminal() {
+        let kind = EventKind::State {
+            state: RunState::Failed,
+            reason: "bad\u{1b}[2J\u{1b}]0;owned\u{7}\r\u{9b}31m done\nnext".into(),
+        };
+        let printed = line(&kind).unwrap();
+        assert!(
+            !printed.chars().any(|c| c.is_control() && c != '\n'),
+            "{printed:?}"
+        );
+        assert!(printed.ends_with("done\nnext"), "{printed:?}");
+    }
     use super::*;
     use proto::CycleRecord;
 
