@@ -94,4 +94,46 @@ mod tests {
         let error = from_json(&body).unwrap_err();
         assert!(matches!(error, SubmitError::TooLarge { .. }), "{error}");
     }
+
+    mod properties {
+        use super::super::*;
+        use proptest::prelude::*;
+
+        proptest! {
+            #[test]
+            fn any_body_is_a_request_or_an_error_that_names_something(body in proptest::collection::vec(any::<u8>(), 0..4096)) {
+                if let Err(error) = from_json(&body) {
+                    prop_assert!(!error.to_string().is_empty());
+                }
+            }
+
+            #[test]
+            fn any_file_text_is_a_request_or_an_error(text in "\\PC{0,400}") {
+                let _ = from_file_text(&text);
+            }
+
+            #[test]
+            fn requests_round_trip_through_json(
+                ticket in "[A-Z]{1,6}-[0-9]{1,4}",
+                brief in "\\PC{0,200}",
+                repair in proptest::option::of(0i64..4),
+                reference in proptest::option::of("[a-z]{1,10}"),
+            ) {
+                let request = proto::RunRequest {
+                    schema_version: None,
+                    ticket,
+                    skill: "implement-task".into(),
+                    step: None,
+                    brief,
+                    repository: proto::RepositoryRef { url: "file:///srv/r.git".into(), git_ref: reference },
+                    commands: vec![],
+                    repair_attempts: repair,
+                    agents: None,
+                    assurance: None,
+                };
+                let body = serde_json::to_vec(&request).unwrap();
+                prop_assert_eq!(from_json(&body).unwrap(), request);
+            }
+        }
+    }
 }

@@ -490,4 +490,35 @@ mod tests {
             "{error}"
         );
     }
+
+    mod properties {
+        use super::super::*;
+        use proptest::prelude::*;
+
+        proptest! {
+            #[test]
+            fn any_review_md_parses_or_warns(text in "\\PC{0,600}") {
+                let (file, _warnings) = parse_review(&text, "default/s/review.md");
+                prop_assert!(file.max_retries.is_none_or(|n| n <= 20));
+            }
+
+            #[test]
+            fn frontmatter_values_are_read_exactly(
+                retries in 0u32..40,
+                block in any::<bool>(),
+                body in "[a-zA-Z .\n]{0,200}",
+            ) {
+                let text = format!("---\nmax_retries: {retries}\nblock_on_failure: {block}\n---\n{body}");
+                let (file, warnings) = parse_review(&text, "default/s/review.md");
+                if retries <= 20 {
+                    prop_assert_eq!(file.max_retries, Some(retries));
+                    prop_assert!(warnings.is_empty(), "{:?}", warnings);
+                } else {
+                    prop_assert_eq!(file.max_retries, None);
+                    prop_assert!(!warnings.is_empty());
+                }
+                prop_assert_eq!(file.block_on_failure, Some(block));
+            }
+        }
+    }
 }

@@ -115,3 +115,29 @@ mod tests {
         assert_eq!(format_timestamp(leap), "2000-02-29T00:00:00Z");
     }
 }
+
+#[cfg(test)]
+mod properties {
+    use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        #[test]
+        fn any_bytes_decode_or_give_a_reason(bytes in proptest::collection::vec(any::<u8>(), 0..2048)) {
+            match decode_message::<Job>(&bytes, 1024) {
+                Ok(job) => prop_assert!(bytes.len() <= 1024 && job.schema_version == SCHEMA_VERSION),
+                Err(reason) => prop_assert!(!reason.is_empty()),
+            }
+        }
+
+        #[test]
+        fn json_with_any_version_is_refused_unless_current(version in any::<u32>(), run in "[a-z0-9-]{0,40}") {
+            let text = format!(r#"{{"schema_version": {version}, "run_id": "{run}"}}"#);
+            let decoded = decode_message::<Job>(text.as_bytes(), 4096);
+            prop_assert!(decoded.is_err());
+            if version != SCHEMA_VERSION {
+                prop_assert!(decoded.unwrap_err().contains("schema_version"));
+            }
+        }
+    }
+}

@@ -204,4 +204,38 @@ mod tests {
         assert!(check_url("http://x/y", &parse_schemes("http, https").unwrap()).is_ok());
         assert!(parse_schemes("https,ext").unwrap_err().contains("`ext`"));
     }
+
+    mod properties {
+        use super::super::*;
+        use proptest::prelude::*;
+
+        proptest! {
+            #[test]
+            fn accepted_tickets_match_the_rule(ticket in "\\PC{0,20}") {
+                if let Some(project) = project_of(&ticket) {
+                    let (head, number) = ticket.rsplit_once('-').unwrap();
+                    prop_assert!(head.chars().next().unwrap().is_ascii_alphabetic());
+                    prop_assert!(head.chars().all(|c| c.is_ascii_alphanumeric() || c == '_'));
+                    prop_assert!(!number.is_empty() && number.chars().all(|c| c.is_ascii_digit()));
+                    prop_assert_eq!(project, head.to_ascii_lowercase());
+                }
+            }
+
+            #[test]
+            fn accepted_names_never_leave_a_folder(name in "\\PC{0,70}") {
+                if is_skill(&name) || is_step(&name) {
+                    prop_assert!(!name.contains('/') && !name.contains("..") && !name.is_empty());
+                }
+            }
+
+            #[test]
+            fn only_allowed_schemes_pass(url in "\\PC{0,40}") {
+                let allowed = default_allowed_schemes();
+                if check_url(&url, &allowed).is_ok() {
+                    prop_assert!(allowed.contains(&url_scheme(&url)));
+                    prop_assert!(!url.contains("::") || url.contains("://"));
+                }
+            }
+        }
+    }
 }

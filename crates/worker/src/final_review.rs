@@ -59,12 +59,18 @@ struct RawReport {
 /// blocking pool. The error says why the report was refused.
 pub fn validate(output_dir: &Path, source: &Path) -> Result<FinalReport, String> {
     let text = read_only_report(output_dir)?;
+    check_report(&text, source)
+}
+
+/// Checks a report's text against the source copy (SPEC 7.3): shape, verdict, findings, paths
+/// read without following symlinks, lines and evidence. Blocking.
+pub fn check_report(text: &str, source: &Path) -> Result<FinalReport, String> {
     if let Some(kind) = credential_like(&text) {
         return Err(format!(
             "review.json contains credential-like content ({kind})"
         ));
     }
-    let raw: RawReport = serde_json::from_str(&text)
+    let raw: RawReport = serde_json::from_str(text)
         .map_err(|e| format!("review.json is not valid JSON of the required shape: {e}"))?;
     let approved = match raw.verdict.as_str() {
         "approved" => true,
@@ -412,5 +418,61 @@ mod tests {
         assert!(validate(&c.output, &c.source)
             .unwrap_err()
             .contains("wrote no"));
+    }
+
+    mod properties {
+        use super::super::*;
+        use proptest::prelude::*;
+
+        fn source() -> tempfile::TempDir {
+            let dir = tempfile::tempdir().unwrap();
+            std::fs::write(dir.path().join("feature.txt"), "round 1\nround 2\n").unwrap();
+            dir
+        }
+
+        fn severity() -> impl Strategy<Value = &'static str> {
+            prop_oneof![
+                Just("low"),
+                Just("medium"),
+                Just("high"),
+                Just("critical"),
+                Just("urgent")
+            ]
+        }
+
+        proptest! {
+            #[test]
+            fn any_text_is_refused_or_accepted_without_panicking(text in any::<String>()) {
+                let dir = source();
+                let _ = check_report(&text, dir.path());
+            }
+
+            #[test]
+            fn accepted_reports_keep_every_rule(
+                approved in any::<bool>(),
+                findings in proptest::collection::vec(
+                    (severity(), prop_oneof![Just("feature.txt"), Just("../etc/passwd"), Just("/etc/passwd"), Just("none.txt")],
+                     0u64..4, prop_oneof![Just("round 1"), Just("round 2"), Just("absent")]),
+                    0..4,
+                ),
+            ) {
+                let dir = source();
+                let findings_json: Vec<serde_json::Value> = findings.iter().map(|(severity, path, line, evidence)| {
+                    serde_json::json!({"severity": severity, "path": path, "line": line, "summary": "s", "evidence": evidence})
+                }).collect();
+                let text = serde_json::json!({
+                    "verdict": if approved { "approved" } else { "changes_required" },
+                    "summary": "x",
+                    "findings": findings_json,
+                }).to_string();
+                let outcome = check_report(&text, dir.path());
+                let all_valid = findings.iter().all(|(severity, path, line, evidence)| {
+                    *severity != "urgent" && *path == "feature.txt" && (1..=2).contains(line) && *evidence != "absent"
+                });
+                let severe = findings.iter().any(|(s, ..)| *s == "high" || *s == "critical");
+                let expected = all_valid && !(approved && severe) && (approved || !findings.is_empty());
+                prop_assert_eq!(outcome.is_ok(), expected, "{:?}", outcome);
+            }
+        }
     }
 }

@@ -224,4 +224,59 @@ mod tests {
         assert_eq!(verdict.word(), "rejected");
         assert_eq!(verdict.feedback, "Reviewer timed out after 300 seconds");
     }
+
+    mod properties {
+        use super::super::*;
+        use proptest::prelude::*;
+
+        fn marker() -> impl Strategy<Value = &'static str> {
+            prop_oneof![
+                Just("APPROVED"),
+                Just("REJECTED"),
+                Just("approved"),
+                Just("Rejected")
+            ]
+        }
+
+        proptest! {
+            #[test]
+            fn any_output_gives_a_verdict_with_bounded_feedback(output in any::<String>()) {
+                let verdict = parse(&output);
+                prop_assert!(verdict.feedback.len() <= 64 * 1024 + 4);
+            }
+
+            #[test]
+            fn a_marker_inside_a_code_fence_never_counts(
+                before in "[a-z ,.]{0,40}",
+                inner in marker(),
+                after in "[a-z ,.]{0,40}",
+            ) {
+                let output = format!("{before}\n```\n{inner}\n```\n{after}\n");
+                let verdict = parse(&output);
+                prop_assert!(!verdict.approved);
+                prop_assert_eq!(verdict.feedback, "Verdict could not be parsed");
+            }
+
+            #[test]
+            fn the_first_marker_wins(
+                first in marker(),
+                second in marker(),
+                filler in "[a-z ]{0,30}",
+            ) {
+                let output = format!("{filler} {first}\n{filler} {second}\n");
+                let verdict = parse(&output);
+                prop_assert_eq!(verdict.approved, first.eq_ignore_ascii_case("approved"));
+            }
+
+            #[test]
+            fn a_marker_inside_a_word_never_counts(
+                prefix in "[a-z]{1,5}",
+                inner in marker(),
+                suffix in "[a-z]{1,5}",
+            ) {
+                let output = format!("{prefix}{inner}{suffix}\n");
+                prop_assert_eq!(parse(&output).feedback, "Verdict could not be parsed");
+            }
+        }
+    }
 }
