@@ -65,7 +65,7 @@ pub fn validate(output_dir: &Path, source: &Path) -> Result<FinalReport, String>
 /// Checks a report's text against the source copy (SPEC 7.3): shape, verdict, findings, paths
 /// read without following symlinks, lines and evidence. Blocking.
 pub fn check_report(text: &str, source: &Path) -> Result<FinalReport, String> {
-    if let Some(kind) = credential_like(&text) {
+    if let Some(kind) = credential_like(text) {
         return Err(format!(
             "review.json contains credential-like content ({kind})"
         ));
