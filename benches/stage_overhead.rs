@@ -143,6 +143,7 @@ fn spec(name: String) -> StageSpec {
         env: vec![],
         mounts: vec![],
         network: proto::Network::None,
+        egress: vec![],
         memory_bytes: 128 << 20,
         cpus: 0.5,
         pids_limit: 512,

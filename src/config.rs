@@ -20,6 +20,8 @@ pub const ENV_JOB_KEY: &str = "FORGEPOOL_JOB_KEY";
 pub const ENV_ALLOWED_URL_SCHEMES: &str = "FORGEPOOL_ALLOWED_URL_SCHEMES";
 /// The operator's permission for profiles with `network = "bridge"`.
 pub const ENV_ALLOW_BRIDGE: &str = "FORGEPOOL_ALLOW_BRIDGE_NETWORK";
+/// The image of the egress proxies.
+pub const ENV_EGRESS_IMAGE: &str = "FORGEPOOL_EGRESS_IMAGE";
 /// Compatibility: the cycle-file poll interval in seconds.
 pub const ENV_POLL_INTERVAL: &str = "AUTO_REVIEW_POLL_INTERVAL";
 
@@ -47,6 +49,9 @@ pub struct StageArgs {
     /// Let profiles with `network = "bridge"` run (unrestricted network for their stages).
     #[arg(long = "allow-bridge-network", env = ENV_ALLOW_BRIDGE, default_value = "false", value_parser = clap::builder::BoolishValueParser::new())]
     pub allow_bridge: bool,
+    /// The image egress proxies run (forgepool's own image, `forgepool egress-proxy`).
+    #[arg(long = "egress-image", env = ENV_EGRESS_IMAGE, default_value = worker::docker::DEFAULT_EGRESS_IMAGE)]
+    pub egress_image: String,
 }
 
 /// The repository URL schemes accepted (one value, so that clap keeps the list whole).

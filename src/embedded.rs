@@ -143,7 +143,7 @@ async fn execute(store: &Store, job: proto::Job, local: &LocalArgs) -> i32 {
     // that an earlier, killed run left behind (and never those of a live one).
     let identity = Identity::for_worker("embedded");
     let runtime = match DockerRuntime::connect(identity).await {
-        Ok(runtime) => Arc::new(runtime),
+        Ok(runtime) => Arc::new(runtime.with_egress_image(local.stages.egress_image.clone())),
         Err(error) => {
             let reason = error.to_string();
             let failed = proto::Event::new(
@@ -163,7 +163,7 @@ async fn execute(store: &Store, job: proto::Job, local: &LocalArgs) -> i32 {
         tracing::warn!(%error, "orphan cleanup failed");
     }
     let engine = Engine::new(
-        runtime,
+        Arc::clone(&runtime),
         EngineConfig {
             poll_interval: local.poll_interval,
             allow_bridge: local.stages.allow_bridge,
@@ -220,6 +220,7 @@ async fn execute(store: &Store, job: proto::Job, local: &LocalArgs) -> i32 {
     }
     let _ = worker.await;
     signals.abort();
+    runtime.close_egress().await;
     match final_state {
         Some(state) => state.exit_code().unwrap_or(EXIT_FAILED),
         None => {

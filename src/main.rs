@@ -75,6 +75,9 @@ enum Command {
         #[command(flatten)]
         client: config::ClientArgs,
     },
+    /// The egress proxy of `network = "egress"` stages; workers start it in its own container.
+    #[command(hide = true)]
+    EgressProxy,
     /// Cancel a run.
     Cancel {
         /// The run id.
@@ -122,6 +125,9 @@ fn main() -> ExitCode {
                 }
             }
             Command::Cancel { run_id, client } => client::cancel(&client, &run_id).await,
+            Command::EgressProxy => {
+                worker::egress::run_from_env(services::shutdown_on_signal()).await
+            }
         }
     });
     ExitCode::from(u8::try_from(code).unwrap_or(1))

@@ -114,14 +114,14 @@ pub async fn worker(args: WorkerArgs) -> i32 {
     )
     .await
     {
-        Ok(runtime) => Arc::new(runtime),
+        Ok(runtime) => Arc::new(runtime.with_egress_image(args.stages.egress_image.clone())),
         Err(error) => {
             eprintln!("error: {error}");
             return 1;
         }
     };
     let engine = Engine::new(
-        runtime,
+        Arc::clone(&runtime),
         EngineConfig {
             poll_interval: args.poll_interval,
             allow_bridge: args.stages.allow_bridge,
@@ -178,6 +178,7 @@ pub async fn worker(args: WorkerArgs) -> i32 {
             1
         }
     };
+    runtime.close_egress().await;
     shutdown.cancel();
     let _ = health_task.await;
     code

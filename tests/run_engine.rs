@@ -559,6 +559,16 @@ fn containers_left_by_a_killed_run_are_removed_on_start() {
         common::COMMAND_LIMIT,
     );
     let foreign_id = String::from_utf8_lossy(&foreign.stdout).trim().to_string();
+    // Whatever happens below, the foreign container goes.
+    struct Remove(String);
+    impl Drop for Remove {
+        fn drop(&mut self) {
+            let _ = std::process::Command::new("docker")
+                .args(["rm", "-f", &self.0])
+                .output();
+        }
+    }
+    let _foreign = Remove(foreign_id.clone());
 
     let fixture = Fixture::new(None, &["change"], &["approve"]);
     let outcome = fixture.run("");
@@ -577,10 +587,6 @@ fn containers_left_by_a_killed_run_are_removed_on_start() {
     };
     let orphan_left = list(&orphan_run);
     let foreign_left = list(&foreign_run);
-    let _ = common::output_within(
-        std::process::Command::new("docker").args(["rm", "-f", &foreign_id]),
-        common::COMMAND_LIMIT,
-    );
     assert!(
         orphan_left.is_empty(),
         "the orphan of a killed run was not removed"

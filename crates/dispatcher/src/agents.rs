@@ -76,6 +76,8 @@ struct ProfileEntry {
     user: Option<String>,
     read_only_root: Option<bool>,
     disk: Option<String>,
+    #[serde(default)]
+    egress: Vec<String>,
 }
 
 impl AgentBook {
@@ -181,13 +183,30 @@ fn check_profile(name: &str, entry: ProfileEntry) -> Result<AgentProfile, String
     let network = match entry.network.as_deref() {
         None | Some("none") => Network::None,
         Some("bridge") => Network::Bridge,
+        Some("egress") => Network::Egress,
         Some(other) => {
             return Err(format!(
-                "{} must be \"none\" or \"bridge\", got {other:?}",
+                "{} must be \"none\", \"egress\" or \"bridge\", got {other:?}",
                 key("network")
             ))
         }
     };
+    for entry in &entry.egress {
+        proto::check_egress_entry(entry).map_err(|e| format!("{} {e}", key("egress")))?;
+    }
+    if network == Network::Egress && entry.egress.is_empty() {
+        return Err(format!(
+            "{} is \"egress\" but {} lists no host: name the host:port entries the stage may reach",
+            key("network"),
+            key("egress")
+        ));
+    }
+    if !entry.egress.is_empty() && network != Network::Egress {
+        return Err(format!(
+            "{} only applies with network = \"egress\"",
+            key("egress")
+        ));
+    }
     let memory_bytes = match entry.memory.as_deref() {
         None => DEFAULT_AGENT_MEMORY_BYTES,
         Some(text) => parse_memory(text).ok_or_else(|| {
@@ -222,6 +241,7 @@ fn check_profile(name: &str, entry: ProfileEntry) -> Result<AgentProfile, String
         user: entry.user,
         read_only_root: entry.read_only_root.unwrap_or(true),
         disk_bytes,
+        egress: entry.egress,
     })
 }
 

@@ -108,6 +108,10 @@ pub struct AgentProfile {
     /// The most the stage may write to `/tmp`, and the largest file it may write anywhere.
     #[serde(default = "default_disk_bytes")]
     pub disk_bytes: u64,
+    /// With `network = "egress"`: the only `host:port`s the stage may reach (a leading `*.`
+    /// allows subdomains), through the worker's egress proxy.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub egress: Vec<String>,
 }
 
 /// A profile's `disk` when it sets none: 4 GiB.
@@ -226,6 +230,16 @@ impl AgentProfile {
                 ));
             }
         }
+        for entry in &self.egress {
+            check_egress_entry(entry)
+                .map_err(|e| format!("profile `{}`: egress {e}", self.name))?;
+        }
+        if self.network == Network::Egress && self.egress.is_empty() {
+            return Err(format!(
+                "profile `{}`: network \"egress\" needs at least one egress host",
+                self.name
+            ));
+        }
         for name in &self.env {
             if let Some(why) = crate::names::env_name_refusal(name) {
                 return Err(format!(
@@ -261,6 +275,7 @@ impl AgentProfile {
             self.read_only_root != other.read_only_root,
         );
         check("disk", self.disk_bytes != other.disk_bytes);
+        check("egress", self.egress != other.egress);
         fields
     }
 }
@@ -272,18 +287,47 @@ pub enum Network {
     /// No network at all.
     #[default]
     None,
-    /// Docker's default bridge.
+    /// Docker's default bridge: unrestricted, allowed only when the worker's operator says so.
     Bridge,
+    /// Only the profile's `egress` hosts, through the worker's egress proxy.
+    Egress,
 }
 
 impl Network {
-    /// The Docker network mode.
-    pub fn docker_mode(self) -> &'static str {
+    /// The profile value.
+    pub fn as_str(self) -> &'static str {
         match self {
             Network::None => "none",
             Network::Bridge => "bridge",
+            Network::Egress => "egress",
         }
     }
+}
+
+/// Checks one `egress` entry: `host:port` or `*.domain:port`, the port 1..=65535, the host
+/// made of letters, digits, `-` and `.` (or an IPv4 address).
+pub fn check_egress_entry(entry: &str) -> Result<(), String> {
+    let (host, port) = entry
+        .rsplit_once(':')
+        .ok_or_else(|| format!("{entry:?} must be host:port, like api.anthropic.com:443"))?;
+    if !port.parse::<u16>().is_ok_and(|p| p > 0) {
+        return Err(format!("{entry:?} has no valid port (1 to 65535)"));
+    }
+    let name = host.strip_prefix("*.").unwrap_or(host);
+    let valid = !name.is_empty()
+        && name.len() <= 253
+        && !name.starts_with('.')
+        && !name.ends_with('.')
+        && !name.contains("..")
+        && name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '.');
+    if !valid {
+        return Err(format!(
+            "{entry:?} must name a host (letters, digits, '-', '.') or `*.domain`"
+        ));
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -303,6 +347,7 @@ mod tests {
             user: None,
             read_only_root: true,
             disk_bytes: DEFAULT_DISK_BYTES,
+            egress: vec![],
         }
     }
 

@@ -23,7 +23,7 @@ pub use event::{
     EventKind, LogStream, RoundRecord, RunResult, Stage, MAX_CHECKPOINT_PATCH_BYTES,
     RESUMED_REASON,
 };
-pub use job::{AgentProfile, Job, Network, ReviewConfig, DEFAULT_DISK_BYTES};
+pub use job::{check_egress_entry, AgentProfile, Job, Network, ReviewConfig, DEFAULT_DISK_BYTES};
 pub use request::{AgentChoice, Assurance, RepositoryRef, RunRequest, VerifyCommand};
 pub use signing::{JobKey, SIGNATURE_HEADER};
 pub use state::RunState;

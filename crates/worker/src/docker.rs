@@ -25,7 +25,8 @@ use tokio_util::sync::CancellationToken;
 use crate::runtime::{
     redact, tail, ContainerRuntime, LogChunk, RuntimeError, StageExit, StageOutput, StageSpec,
     LABEL_CLUSTER, LABEL_DEADLINE, LABEL_HOST, LABEL_INSTANCE, LABEL_MANAGED, LABEL_PID,
-    LABEL_WORKER, MAX_CAPTURED_STDOUT, MAX_LOG_BYTES, MAX_LOG_LINES, MAX_PARTIAL_LINE, TAIL_BYTES,
+    LABEL_STAGE, LABEL_WORKER, MAX_CAPTURED_STDOUT, MAX_LOG_BYTES, MAX_LOG_LINES, MAX_PARTIAL_LINE,
+    TAIL_BYTES,
 };
 
 /// The limit on any single Docker API call (create, start, remove, list, inspect).
@@ -82,7 +83,25 @@ pub struct DockerRuntime {
     endpoint: String,
     identity: Identity,
     present_images: Mutex<HashSet<String>>,
+    /// The image egress proxies run (`FORGEPOOL_EGRESS_IMAGE`): forgepool's own.
+    egress_image: String,
+    /// The egress network and the proxies made so far, one per allowlist.
+    egress: tokio::sync::Mutex<EgressState>,
 }
+
+/// What this runtime made for `network = "egress"` stages.
+#[derive(Debug, Default)]
+struct EgressState {
+    network: bool,
+    /// Allowlist → (proxy container name, token).
+    proxies: HashMap<Vec<String>, (String, String)>,
+}
+
+/// How long a new egress proxy may take to listen.
+const PROXY_READY: Duration = Duration::from_secs(15);
+
+/// The image egress proxies run unless `FORGEPOOL_EGRESS_IMAGE` names another.
+pub const DEFAULT_EGRESS_IMAGE: &str = "forgepool:dev";
 
 impl DockerRuntime {
     /// Connects to the engine named by `DOCKER_HOST` (or the local socket) and checks it answers.
@@ -110,7 +129,241 @@ impl DockerRuntime {
             endpoint,
             identity,
             present_images: Mutex::new(HashSet::new()),
+            egress_image: DEFAULT_EGRESS_IMAGE.to_string(),
+            egress: tokio::sync::Mutex::new(EgressState::default()),
         })
+    }
+
+    /// The same runtime with egress proxies running `image`.
+    pub fn with_egress_image(mut self, image: impl Into<String>) -> DockerRuntime {
+        self.egress_image = image.into();
+        self
+    }
+
+    /// The internal network of this process's egress stages: no route out, and no address of
+    /// the host on it (`inhibit_ipv4`), so its members reach each other and nothing else.
+    pub fn egress_network(&self) -> String {
+        format!(
+            "forgepool-egress-{}",
+            short_instance(&self.identity.instance)
+        )
+    }
+
+    /// The proxy URL for a stage allowed `hosts`: the egress network exists and a proxy for
+    /// exactly that allowlist runs on it (made on first use, then shared).
+    async fn egress_proxy(&self, hosts: &[String]) -> Result<String, RuntimeError> {
+        let mut key = hosts.to_vec();
+        key.sort();
+        key.dedup();
+        let mut state = self.egress.lock().await;
+        if !state.network {
+            self.create_egress_network().await?;
+            state.network = true;
+        }
+        if let Some((name, token)) = state.proxies.get(&key) {
+            return Ok(proxy_url(name, token));
+        }
+        self.ensure_image(&self.egress_image).await?;
+        let token = format!(
+            "{}{}",
+            uuid::Uuid::new_v4().simple(),
+            uuid::Uuid::new_v4().simple()
+        );
+        let name = format!(
+            "forgepool-egress-{}-{}",
+            short_instance(&self.identity.instance),
+            &uuid::Uuid::new_v4().simple().to_string()[..8]
+        );
+        self.start_proxy(&name, &token, &key).await?;
+        let url = proxy_url(&name, &token);
+        state.proxies.insert(key, (name, token));
+        Ok(url)
+    }
+
+    async fn create_egress_network(&self) -> Result<(), RuntimeError> {
+        let mut labels = HashMap::new();
+        labels.insert(LABEL_MANAGED.to_string(), "true".to_string());
+        labels.insert(LABEL_INSTANCE.to_string(), self.identity.instance.clone());
+        let options = bollard::network::CreateNetworkOptions {
+            name: self.egress_network(),
+            driver: "bridge".to_string(),
+            internal: true,
+            check_duplicate: true,
+            options: HashMap::from([(
+                "com.docker.network.bridge.inhibit_ipv4".to_string(),
+                "true".to_string(),
+            )]),
+            labels,
+            ..Default::default()
+        };
+        match bounded(
+            "create network",
+            API_TIMEOUT,
+            self.docker.create_network(options),
+        )
+        .await?
+        {
+            Ok(_) => Ok(()),
+            Err(bollard::errors::Error::DockerResponseServerError {
+                status_code: 409, ..
+            }) => Ok(()),
+            Err(e) => Err(RuntimeError::CreateContainer {
+                image: self.egress_image.clone(),
+                detail: format!("cannot create the egress network: {e}"),
+            }),
+        }
+    }
+
+    /// Starts a proxy container for one allowlist: on the default bridge (its way out) and on
+    /// the egress network under its own name, hardened like a stage.
+    async fn start_proxy(
+        &self,
+        name: &str,
+        token: &str,
+        hosts: &[String],
+    ) -> Result<(), RuntimeError> {
+        let failed = |detail: String| RuntimeError::CreateContainer {
+            image: self.egress_image.clone(),
+            detail: format!("cannot start the egress proxy: {detail}"),
+        };
+        let mut labels = HashMap::new();
+        for (key, value) in [
+            (LABEL_MANAGED, "true".to_string()),
+            (LABEL_WORKER, self.identity.worker.clone()),
+            (LABEL_INSTANCE, self.identity.instance.clone()),
+            (LABEL_HOST, self.identity.host.clone()),
+            (LABEL_PID, self.identity.pid.to_string()),
+            (LABEL_CLUSTER, self.identity.cluster.clone()),
+            (LABEL_STAGE, "egress_proxy".to_string()),
+        ] {
+            labels.insert(key.to_string(), value);
+        }
+        let config = Config {
+            image: Some(self.egress_image.clone()),
+            cmd: Some(vec!["egress-proxy".to_string()]),
+            env: Some(vec![
+                format!("{}={token}", crate::egress::ENV_TOKEN),
+                format!("{}={}", crate::egress::ENV_ALLOW, hosts.join(",")),
+            ]),
+            labels: Some(labels),
+            user: Some("65534:65534".to_string()),
+            host_config: Some(HostConfig {
+                network_mode: Some("bridge".to_string()),
+                cap_drop: Some(vec!["ALL".to_string()]),
+                security_opt: Some(vec!["no-new-privileges".to_string()]),
+                readonly_rootfs: Some(true),
+                pids_limit: Some(128),
+                memory: Some(128 << 20),
+                memory_swap: Some(128 << 20),
+                init: Some(true),
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        let options = CreateContainerOptions {
+            name: name.to_string(),
+            platform: None,
+        };
+        bounded(
+            "create container",
+            API_TIMEOUT,
+            self.docker.create_container(Some(options), config),
+        )
+        .await?
+        .map_err(|e| failed(e.to_string()))?;
+        let connect = bollard::network::ConnectNetworkOptions {
+            container: name.to_string(),
+            endpoint_config: bollard::models::EndpointSettings {
+                aliases: Some(vec![name.to_string()]),
+                ..Default::default()
+            },
+        };
+        let connected = bounded(
+            "connect network",
+            API_TIMEOUT,
+            self.docker.connect_network(&self.egress_network(), connect),
+        )
+        .await;
+        let started = match connected {
+            Ok(Ok(())) => bounded(
+                "start container",
+                API_TIMEOUT,
+                self.docker.start_container::<String>(name, None),
+            )
+            .await
+            .map(|r| r.map_err(|e| e.to_string())),
+            Ok(Err(e)) => Ok(Err(e.to_string())),
+            Err(e) => Err(e),
+        };
+        let started = match started {
+            Ok(Ok(())) => self.proxy_ready(name).await.map(Ok),
+            other => other,
+        };
+        match started {
+            Ok(Ok(())) => Ok(()),
+            other => {
+                let _ = self.remove(name).await;
+                Err(match other {
+                    Ok(Err(detail)) => failed(detail),
+                    Err(e) => e,
+                    Ok(Ok(())) => unreachable!("handled above"),
+                })
+            }
+        }
+    }
+
+    /// Waits until a started proxy says it listens (its first line), so that no stage finds
+    /// its way out closed; at most [`PROXY_READY`].
+    async fn proxy_ready(&self, name: &str) -> Result<(), RuntimeError> {
+        let deadline = Instant::now() + PROXY_READY;
+        while Instant::now() < deadline {
+            let options = LogsOptions::<String> {
+                stdout: true,
+                stderr: true,
+                tail: "all".into(),
+                ..Default::default()
+            };
+            let read = async {
+                let mut text = String::new();
+                let mut stream = self.docker.logs(name, Some(options));
+                while let Some(Ok(item)) = stream.next().await {
+                    text.push_str(&item.to_string());
+                }
+                text
+            };
+            let text = bounded("read proxy logs", API_TIMEOUT, read).await?;
+            if text.contains("egress proxy listening") {
+                return Ok(());
+            }
+            if text.contains("error:") {
+                return Err(RuntimeError::CreateContainer {
+                    image: self.egress_image.clone(),
+                    detail: format!("the egress proxy did not start: {}", text.trim()),
+                });
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        Err(RuntimeError::Timeout {
+            operation: "egress proxy start",
+            seconds: PROXY_READY.as_secs(),
+        })
+    }
+
+    /// Removes this process's egress proxies and network (at shutdown).
+    pub async fn close_egress(&self) {
+        let mut state = self.egress.lock().await;
+        for (_, (name, _)) in state.proxies.drain() {
+            let _ = self.remove(&name).await;
+        }
+        if state.network {
+            let _ = bounded(
+                "remove network",
+                API_TIMEOUT,
+                self.docker.remove_network(&self.egress_network()),
+            )
+            .await;
+            state.network = false;
+        }
     }
 
     /// The engine's address.
@@ -206,7 +459,11 @@ impl DockerRuntime {
             network_disabled: Some(spec.network == proto::Network::None),
             host_config: Some(HostConfig {
                 binds: Some(binds),
-                network_mode: Some(spec.network.docker_mode().to_string()),
+                network_mode: Some(match spec.network {
+                    proto::Network::None => "none".to_string(),
+                    proto::Network::Bridge => "bridge".to_string(),
+                    proto::Network::Egress => self.egress_network(),
+                }),
                 cap_drop: Some(vec!["ALL".to_string()]),
                 security_opt: Some(vec!["no-new-privileges".to_string()]),
                 pids_limit: Some(spec.pids_limit),
@@ -403,9 +660,16 @@ pub struct CreatedStage {
 impl ContainerRuntime for DockerRuntime {
     type Created = CreatedStage;
 
-    async fn create_stage(&self, spec: StageSpec) -> Result<CreatedStage, RuntimeError> {
+    async fn create_stage(&self, mut spec: StageSpec) -> Result<CreatedStage, RuntimeError> {
         let began = Instant::now();
         self.ensure_image(&spec.image).await?;
+        if spec.network == proto::Network::Egress {
+            let url = self.egress_proxy(&spec.egress).await?;
+            for name in ["HTTPS_PROXY", "HTTP_PROXY", "https_proxy", "http_proxy"] {
+                spec.env.push(format!("{name}={url}"));
+            }
+            spec.redact.push(url);
+        }
         let options = CreateContainerOptions {
             name: spec.name.clone(),
             platform: None,
@@ -727,6 +991,18 @@ async fn bounded<T>(
             operation,
             seconds: limit.as_secs(),
         })
+}
+
+fn short_instance(instance: &str) -> String {
+    instance.replace('-', "").chars().take(12).collect()
+}
+
+fn proxy_url(name: &str, token: &str) -> String {
+    format!(
+        "http://{}:{token}@{name}:{}",
+        crate::egress::PROXY_USER,
+        crate::egress::PROXY_PORT
+    )
 }
 
 fn unix_now() -> u64 {

@@ -1001,6 +1001,7 @@ impl<R: ContainerRuntime> Engine<R> {
             pids_limit: self.config.pids_limit,
             read_only_root: profile.read_only_root,
             disk_bytes: profile.disk_bytes,
+            egress: profile.egress.clone(),
             user: Some(user),
             workdir: Some("/workspace".into()),
             timeout: Duration::from_secs(timeout_seconds),

@@ -8,6 +8,7 @@
 pub mod collector;
 pub mod confined;
 pub mod docker;
+pub mod egress;
 pub mod engine;
 pub mod final_review;
 pub mod git;

@@ -48,6 +48,8 @@ pub struct StageSpec {
     pub mounts: Vec<Mount>,
     /// The network.
     pub network: Network,
+    /// With [`Network::Egress`]: the `host:port`s the stage may reach through its proxy.
+    pub egress: Vec<String>,
     /// Memory limit in bytes (swap is not allowed beyond it).
     pub memory_bytes: u64,
     /// CPU limit in cores.

@@ -23,6 +23,9 @@
 #     tamper       from round 2 on, rewrites forgepool's review_cycle_1.json to an approval
 #     cycle-secret a cycle file of its own whose feedback holds $AGENT_SECRET
 #     nested-repo  adds a folder whose .git names the host repository HOST_PATH
+#   egress-probe GATEWAY ALLOWED_PORT DECOY_PORT
+#               tries the network from a `network = "egress"` stage, through its proxy and
+#               around it, and writes what it reached to egress-results.txt
 set -eu
 mode="${1:-change}"
 if [ "$mode" = pause-at ]; then
@@ -81,6 +84,33 @@ case "$mode" in
   sleep)
     sleep "${2:-1}"
     echo "round $FORGE_ROUND" >> feature.txt
+    ;;
+  egress-probe)
+    gw="$2"; allowed="$3"; decoy="$4"
+    out=egress-results.txt
+    : > "$out"
+    echo "proxy set: ${HTTP_PROXY:+yes}" >> "$out"
+    if body="$(timeout 15 wget -q -O - "http://$gw:$allowed/hello" 2>/tmp/wget.err)"; then
+      echo "allowed: $body" >> "$out"
+    else
+      echo "allowed: failed ($body $(cat /tmp/wget.err))" >> "$out"
+    fi
+    for target in "$gw:$decoy" "$gw:5672" "169.254.169.254:80" "10.0.0.1:80"; do
+      if timeout 15 wget -q -O - "http://$target/" >/dev/null 2>&1; then
+        echo "proxy $target: reached" >> "$out"
+      else
+        echo "proxy $target: refused" >> "$out"
+      fi
+    done
+    for target in "$gw $decoy" "$gw 5672" "169.254.169.254 80" "10.0.0.1 80"; do
+      # shellcheck disable=SC2086
+      if echo probe | nc -w 3 $target >/dev/null 2>&1; then
+        echo "direct $target: reached" >> "$out"
+      else
+        echo "direct $target: refused" >> "$out"
+      fi
+    done
+    cat "$out"
     ;;
   attack)
     kind="$2"
