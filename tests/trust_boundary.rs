@@ -311,6 +311,29 @@ fn a_reviewer_printing_millions_of_lines_stores_a_bounded_log() {
 }
 
 #[test]
+fn a_stage_writing_past_its_disk_limit_is_stopped() {
+    let fixture = Fixture::new(None, &["disk-hog"], &["approve"]);
+    let agents = std::fs::read_to_string(&fixture.agents)
+        .unwrap()
+        .replace("[agents.impl]\n", "[agents.impl]\ndisk = \"10m\"\n");
+    std::fs::write(&fixture.agents, agents).unwrap();
+    let outcome = fixture.run("");
+    assert_eq!(outcome.code, 1, "{}", outcome.printed());
+    assert!(
+        outcome
+            .stdout
+            .contains("over the profile's disk limit of 10 MiB"),
+        "{}",
+        outcome.printed()
+    );
+    assert!(
+        fixture.branch_files(BRANCH).is_none(),
+        "nothing was delivered"
+    );
+    outcome.assert_no_containers_left();
+}
+
+#[test]
 fn disallowed_repository_schemes_are_refused_before_anything_runs() {
     let fixture = Fixture::new(None, &["change"], &["approve"]);
     let marker = fixture.dir.path().join("ext-ran");

@@ -197,6 +197,36 @@ impl Confined {
     }
 }
 
+/// The disk space a folder's tree takes (allocated blocks, never through a symlink), up to
+/// `limit` entries; `None` when there are more (a tree that large is over any allowance).
+pub fn disk_usage(root: &Path, limit: usize) -> Option<u64> {
+    fn walk(dir: &Confined, total: &mut u64, seen: &mut usize, limit: usize, depth: usize) -> bool {
+        let Ok(entries) = dir.entries() else {
+            return true;
+        };
+        for (name, kind) in entries {
+            *seen += 1;
+            if *seen > limit || depth > 256 {
+                return false;
+            }
+            if let Ok(stat) = fs::statat(&dir.dir, name.as_str(), fs::AtFlags::SYMLINK_NOFOLLOW) {
+                *total += u64::try_from(stat.st_blocks).unwrap_or(0) * 512;
+            }
+            if kind == EntryKind::Dir {
+                if let Ok(child) = dir.subdir(Path::new(&name)) {
+                    if !walk(&child, total, seen, limit, depth + 1) {
+                        return false;
+                    }
+                }
+            }
+        }
+        true
+    }
+    let root = Confined::open(root).ok()?;
+    let (mut total, mut seen) = (0, 0);
+    walk(&root, &mut total, &mut seen, limit, 0).then_some(total)
+}
+
 /// Reads one regular file of an agent-writable folder: `path` is walked from `root` (a folder
 /// the worker owns) without following symlinks. A convenience over [`Confined`].
 pub fn read_beneath(root: &Path, relative: &Path, limit: u64) -> Result<Vec<u8>, ReadError> {

@@ -1044,20 +1044,27 @@ impl<R: ContainerRuntime> Engine<R> {
         tokio::pin!(started);
         let mut announced = false;
         let (log_sender, mut log_receiver) = mpsc::channel::<LogChunk>(256);
+        // The profile's disk allowance covers what the stage adds to its writable folders; the
+        // stage stops when it is exceeded (its /tmp is a tmpfs of the same size).
+        let disk = DiskWatch::new(&spec).await;
+        let stage_stop = cancel.child_token();
         let container = async {
             match created {
                 Some(created) => {
                     self.runtime
-                        .run_created(created, log_sender, cancel.clone())
+                        .run_created(created, log_sender, stage_stop.clone())
                         .await
                 }
                 None => {
                     self.runtime
-                        .run_stage(spec, log_sender, cancel.clone())
+                        .run_stage(spec, log_sender, stage_stop.clone())
                         .await
                 }
             }
         };
+        let mut disk_ticker = tokio::time::interval(DISK_CHECK);
+        disk_ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut disk_exceeded: Option<String> = None;
         tokio::pin!(container);
         let mut ticker = tokio::time::interval(self.config.poll_interval);
         ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -1079,8 +1086,18 @@ impl<R: ContainerRuntime> Engine<R> {
                     None => logs_open = false,
                 },
                 _ = ticker.tick(), if announced => self.sweep(run, sink).await?,
+                _ = disk_ticker.tick(), if announced && disk_exceeded.is_none() => {
+                    if let Some(reason) = disk.exceeded().await {
+                        warn!(%reason, "stopping the stage");
+                        disk_exceeded = Some(reason);
+                        stage_stop.cancel();
+                    }
+                }
             }
         };
+        if disk_exceeded.is_none() {
+            disk_exceeded = disk.exceeded().await;
+        }
         while let Ok(chunk) = log_receiver.try_recv() {
             publish(
                 sink,
@@ -1112,6 +1129,11 @@ impl<R: ContainerRuntime> Engine<R> {
             },
             Err(_) => (None, "failed", Duration::ZERO),
         };
+        let outcome_name = if disk_exceeded.is_some() {
+            "failed"
+        } else {
+            outcome_name
+        };
         tracing::info!(
             outcome = outcome_name,
             exit_code,
@@ -1131,6 +1153,11 @@ impl<R: ContainerRuntime> Engine<R> {
             },
         )
         .await?;
+        if let Some(reason) = disk_exceeded {
+            return Ok(Err(Input::StageFailed {
+                reason: format!("{} stage: {reason}", stage.as_str()),
+            }));
+        }
         Ok(outcome.map_err(|error| Input::StageFailed {
             reason: format!("{} stage: {error}", stage.as_str()),
         }))
@@ -1168,6 +1195,68 @@ impl<R: ContainerRuntime> Engine<R> {
         let (uid, gid) = self.config.stage_user;
         let dir = dir.to_path_buf();
         let _ = tokio::task::spawn_blocking(move || chown_tree(&dir, uid, gid)).await;
+    }
+}
+
+/// How often a running stage's writable folders are measured against its disk allowance.
+const DISK_CHECK: Duration = Duration::from_secs(2);
+/// The most entries measured in a stage's writable folders; more counts as over the limit.
+const DISK_ENTRIES: usize = 2_000_000;
+
+/// A stage's writable folders, their size when it started, and its allowance.
+struct DiskWatch {
+    folders: Vec<PathBuf>,
+    baseline: u64,
+    limit: u64,
+}
+
+impl DiskWatch {
+    async fn new(spec: &StageSpec) -> DiskWatch {
+        let folders: Vec<PathBuf> = spec
+            .mounts
+            .iter()
+            .filter(|m| !m.read_only)
+            .map(|m| m.source.clone())
+            .collect();
+        let baseline = Self::measure(folders.clone()).await.unwrap_or(0);
+        DiskWatch {
+            folders,
+            baseline,
+            limit: spec.disk_bytes,
+        }
+    }
+
+    async fn measure(folders: Vec<PathBuf>) -> Option<u64> {
+        tokio::task::spawn_blocking(move || {
+            folders.iter().try_fold(0u64, |total, folder| {
+                crate::confined::disk_usage(folder, DISK_ENTRIES).map(|used| total + used)
+            })
+        })
+        .await
+        .ok()
+        .flatten()
+    }
+
+    /// Why the stage is over its allowance, if it is.
+    async fn exceeded(&self) -> Option<String> {
+        if self.folders.is_empty() {
+            return None;
+        }
+        let added = match Self::measure(self.folders.clone()).await {
+            Some(used) => used.saturating_sub(self.baseline),
+            None => {
+                return Some(format!(
+                    "it created more than {DISK_ENTRIES} files and folders; it was stopped"
+                ))
+            }
+        };
+        (added > self.limit).then(|| {
+            format!(
+                "it wrote {} MiB to its workspace, over the profile's disk limit of {} MiB; it was stopped",
+                added >> 20,
+                self.limit >> 20
+            )
+        })
     }
 }
 

@@ -23,6 +23,7 @@
 #     tamper       from round 2 on, rewrites forgepool's review_cycle_1.json to an approval
 #     cycle-secret a cycle file of its own whose feedback holds $AGENT_SECRET
 #     nested-repo  adds a folder whose .git names the host repository HOST_PATH
+#   disk-hog    writes four files of 5 MB into the workspace, then waits 5 s
 #   egress-probe GATEWAY ALLOWED_PORT DECOY_PORT
 #               tries the network from a `network = "egress"` stage, through its proxy and
 #               around it, and writes what it reached to egress-results.txt
@@ -83,6 +84,11 @@ case "$mode" in
     ;;
   sleep)
     sleep "${2:-1}"
+    echo "round $FORGE_ROUND" >> feature.txt
+    ;;
+  disk-hog)
+    for i in 1 2 3 4; do head -c 5000000 /dev/zero > "hog-$i.bin"; done
+    sleep 5
     echo "round $FORGE_ROUND" >> feature.txt
     ;;
   egress-probe)
