@@ -266,8 +266,9 @@ async fn a_run_submitted_on_the_submission_queue_is_delivered() {
     let cluster = Cluster::start(fixture, 1, 1, None).await;
     let mut body = cluster.request_body("QUEUE-7", serde_json::json!({}));
     body["schema_version"] = serde_json::json!(1);
+    // Through the submit exchange, as a producer with the least permissions would.
     cluster
-        .publish_raw("submissions", &serde_json::to_vec(&body).unwrap(), None)
+        .publish_to_exchange("submit", &serde_json::to_vec(&body).unwrap())
         .await;
     let started = std::time::Instant::now();
     let run_id = loop {
@@ -1097,5 +1098,104 @@ async fn forged_unsigned_and_overreaching_jobs_are_dead_lettered_and_run_nothing
         .await;
     assert_eq!(views[0]["state"], "delivered", "{}", cluster.logs());
     assert!(cluster.fixture.branch_files("forge/forged-1").is_none());
+    cluster.delete_queues().await;
+}
+
+/// A producer with exactly the permissions the chart gives its producer user (write to the
+/// submit exchange, its own reply queues) submits runs, and cannot publish to the jobs queue.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_producer_with_the_charts_permissions_submits_runs_and_nothing_else() {
+    let fixture = Fixture::new(None, &["change"], &["approve"]);
+    let cluster = Cluster::start(fixture, 1, 1, None).await;
+    let user = format!("{}-producer", cluster.prefix);
+    let password = "producer-password-0123456789";
+    let rabbitmqctl = |args: &[&str]| {
+        let output = common::output_within(
+            std::process::Command::new("rabbitmqctl").args(args),
+            common::COMMAND_LIMIT,
+        );
+        assert!(
+            output.status.success(),
+            "rabbitmqctl {args:?}: {}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+    };
+    rabbitmqctl(&["-q", "add_user", &user, password]);
+    let write = format!("^{}\\.submit$", cluster.prefix);
+    rabbitmqctl(&[
+        "-q",
+        "set_permissions",
+        "-p",
+        "/",
+        &user,
+        "^amq\\.gen-.*",
+        &write,
+        "^amq\\.gen-.*",
+    ]);
+    let url = format!("amqp://{user}:{password}@127.0.0.1:5672/%2f");
+    let properties = lapin::ConnectionProperties::default()
+        .with_executor(tokio_executor_trait::Tokio::current())
+        .with_reactor(tokio_reactor_trait::Tokio);
+    let connection = lapin::Connection::connect(&url, properties).await.unwrap();
+    let channel = connection.create_channel().await.unwrap();
+    channel
+        .confirm_select(lapin::options::ConfirmSelectOptions::default())
+        .await
+        .unwrap();
+    let mut body = cluster.request_body("PRODUCER-1", serde_json::json!({}));
+    body["schema_version"] = serde_json::json!(1);
+    channel
+        .basic_publish(
+            &format!("{}.submit", cluster.prefix),
+            "",
+            lapin::options::BasicPublishOptions::default(),
+            &serde_json::to_vec(&body).unwrap(),
+            lapin::BasicProperties::default().with_delivery_mode(2),
+        )
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    // The jobs queue, by name through the default exchange: refused by the broker.
+    let forged = channel
+        .basic_publish(
+            "",
+            &format!("{}.jobs", cluster.prefix),
+            lapin::options::BasicPublishOptions::default(),
+            br#"{"schema_version": 1}"#,
+            lapin::BasicProperties::default(),
+        )
+        .await;
+    let refused = match forged {
+        Err(_) => true,
+        Ok(confirm) => confirm.await.is_err(),
+    };
+    assert!(refused, "the producer published to the jobs queue");
+    let _ = connection.close(200, "bye").await;
+    let started = std::time::Instant::now();
+    let run_id = loop {
+        let list: serde_json::Value = cluster
+            .request(reqwest::Method::GET, "/v1/runs?ticket=PRODUCER-1")
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        if let Some(id) = list["runs"][0]["run_id"].as_str() {
+            break id.to_string();
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(60),
+            "{}",
+            cluster.logs()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    let views = cluster
+        .wait_terminal(&[run_id], Duration::from_secs(60))
+        .await;
+    assert_eq!(views[0]["state"], "delivered", "{}", cluster.logs());
+    rabbitmqctl(&["-q", "delete_user", &user]);
     cluster.delete_queues().await;
 }

@@ -459,6 +459,35 @@ impl Cluster {
             .await;
     }
 
+    /// Publishes to the exchange `{prefix}.{exchange}` (not to a queue by name).
+    pub async fn publish_to_exchange(&self, exchange: &str, payload: &[u8]) {
+        let connection = self.broker().await;
+        let publish = async {
+            let channel = connection.create_channel().await.unwrap();
+            channel
+                .confirm_select(lapin::options::ConfirmSelectOptions::default())
+                .await
+                .unwrap();
+            channel
+                .basic_publish(
+                    &format!("{}.{exchange}", self.prefix),
+                    "",
+                    BasicPublishOptions {
+                        mandatory: true,
+                        ..Default::default()
+                    },
+                    payload,
+                    BasicProperties::default().with_delivery_mode(2),
+                )
+                .await
+                .unwrap()
+                .await
+                .unwrap();
+        };
+        on_broker("confirm a publish", publish).await;
+        let _ = on_broker("close a connection", connection.close(200, "bye")).await;
+    }
+
     async fn publish_with(
         &self,
         queue: &str,

@@ -96,6 +96,14 @@ impl Topology {
         format!("{}.submissions", self.prefix)
     }
 
+    /// The exchange external producers publish run requests to: `{prefix}.submit`, a fanout
+    /// bound to the submission queue only. A broker user allowed to write to this exchange and
+    /// nothing else can submit runs and cannot reach the jobs queue (publishing to a queue by
+    /// name goes through the default exchange, whose write permission covers every queue).
+    pub fn submit(&self) -> String {
+        format!("{}.submit", self.prefix)
+    }
+
     /// Frozen jobs for workers: `{prefix}.jobs`.
     pub fn jobs(&self) -> String {
         format!("{}.jobs", self.prefix)
@@ -194,6 +202,15 @@ impl Topology {
             .map_err(broker("declare events exchange"))?;
         channel
             .exchange_declare(
+                &self.submit(),
+                ExchangeKind::Fanout,
+                durable,
+                FieldTable::default(),
+            )
+            .await
+            .map_err(broker("declare submit exchange"))?;
+        channel
+            .exchange_declare(
                 &self.control(),
                 ExchangeKind::Topic,
                 durable,
@@ -232,6 +249,16 @@ impl Topology {
                 .await
                 .map_err(broker("declare work queue"))?;
         }
+        channel
+            .queue_bind(
+                &self.submissions(),
+                &self.submit(),
+                "",
+                QueueBindOptions::default(),
+                FieldTable::default(),
+            )
+            .await
+            .map_err(broker("bind submission queue"))?;
         let mut wait = FieldTable::default();
         wait.insert(
             "x-message-ttl".into(),
