@@ -139,7 +139,7 @@ pub const EVENT_PAGE: u32 = 256;
 /// is refused as soon as its size is known, whatever it is, with the same JSON error as a
 /// request over the limit; a slow one gets a JSON 408.
 async fn read_body(body: axum::body::Body, limit: usize) -> Result<Bytes, Failure> {
-    match tokio::time::timeout(BODY_READ_TIMEOUT, axum::body::to_bytes(body, limit + 1)).await {
+    match tokio::time::timeout(BODY_READ_TIMEOUT, axum::body::to_bytes(body, limit)).await {
         Err(_) => Err(Failure::new(
             StatusCode::REQUEST_TIMEOUT,
             "body_timeout",
@@ -429,7 +429,12 @@ async fn events(
     Path(id): Path<String>,
     headers: HeaderMap,
 ) -> Result<Sse<impl Stream<Item = Result<SseEvent, Infallible>>>, Failure> {
-    let run_id = record(&dispatcher, &id).await?.job.run_id;
+    let current = record(&dispatcher, &id).await?;
+    let run_id = current.job.run_id;
+    // A stream of a run that has already ended (or paused) ends once everything after its
+    // starting point is sent, even when that point is past the final state.
+    let ended_at_start = current.state.is_terminal();
+    let paused_at_start = current.state == RunState::Paused;
     // A reconnecting client continues after the last event it saw.
     let position = headers
         .get("last-event-id")
@@ -452,7 +457,7 @@ async fn events(
         wake,
         position,
         finished: false,
-        paused: false,
+        paused: paused_at_start,
         pending: std::collections::VecDeque::new(),
     };
     // The stream ends after a terminal state, once everything stored is sent while the run
@@ -476,6 +481,9 @@ async fn events(
                 .await
                 .unwrap_or_default();
             let full_page = stored.len() == EVENT_PAGE as usize;
+            if stored.is_empty() && ended_at_start {
+                return None;
+            }
             for (at, event) in stored {
                 follow.position = at;
                 if let proto::EventKind::State { state, .. } = &event.kind {

@@ -16,15 +16,29 @@ use crate::confined::{Confined, EntryKind};
 pub const MAX_CYCLE_FILE_BYTES: u64 = 1024 * 1024;
 /// The most cycle files collected from a workspace in one run.
 pub const MAX_CYCLE_FILES: usize = 1000;
+/// The most times one cycle file is reported again after it changed.
+pub const MAX_CYCLE_UPDATES: u32 = 20;
+/// The most bytes of cycle files one scan reads; the rest waits for the next scan.
+pub const MAX_SCAN_BYTES: u64 = 4 * 1024 * 1024;
 
 /// Remembers which cycle files were already reported.
 #[derive(Debug, Default)]
 pub struct CycleCollector {
     workspace: PathBuf,
-    seen: HashMap<(String, String), u64>,
+    /// Per file: what its metadata was when it was last read, its content digest, and how
+    /// often it was reported.
+    seen: HashMap<(String, String), Seen>,
     /// Files forgepool wrote itself (`(step, file)`): their record is forgepool's, and the
     /// copy in the workspace, which a later stage could change, is never read back.
     owned: HashSet<(String, String)>,
+}
+
+/// What the collector knows of one cycle file.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Seen {
+    stamp: (u64, i64, i64, u64),
+    digest: u64,
+    reports: u32,
 }
 
 impl CycleCollector {
@@ -58,6 +72,7 @@ impl CycleCollector {
         let Ok(steps) = forge.entries() else {
             return found;
         };
+        let mut budget = MAX_SCAN_BYTES;
         for (step_name, kind) in steps {
             if step_name == "history" || kind != EntryKind::Dir {
                 continue;
@@ -76,20 +91,48 @@ impl CycleCollector {
                 if kind != EntryKind::File || self.owned.contains(&key) {
                     continue;
                 }
+                let known = self.seen.get(&key).copied();
+                if known.is_none() && self.seen.len() >= MAX_CYCLE_FILES {
+                    continue;
+                }
+                if known.is_some_and(|k| k.reports > MAX_CYCLE_UPDATES) {
+                    continue;
+                }
+                // Unchanged metadata (size, modification time, inode): not read again.
+                let Some(stamp) = step.stamp(&name) else {
+                    continue;
+                };
+                if known.is_some_and(|k| k.stamp == stamp) || stamp.0 > budget {
+                    continue;
+                }
                 let Ok(bytes) = step.read(Path::new(&name), MAX_CYCLE_FILE_BYTES) else {
                     continue;
                 };
+                budget = budget.saturating_sub(bytes.len() as u64);
                 let digest = fnv1a(&bytes);
-                if self.seen.get(&key) == Some(&digest) {
-                    continue;
-                }
-                if !self.seen.contains_key(&key) && self.seen.len() >= MAX_CYCLE_FILES {
+                let reports = known.map_or(0, |k| k.reports);
+                if known.is_some_and(|k| k.digest == digest) {
+                    self.seen.insert(
+                        key,
+                        Seen {
+                            stamp,
+                            digest,
+                            reports,
+                        },
+                    );
                     continue;
                 }
                 let Some(record) = parse_cycle(&step_name, &name, cycle, &bytes) else {
                     continue;
                 };
-                self.seen.insert(key, digest);
+                self.seen.insert(
+                    key,
+                    Seen {
+                        stamp,
+                        digest,
+                        reports: reports + 1,
+                    },
+                );
                 found.push(record);
             }
         }

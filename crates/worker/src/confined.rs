@@ -172,14 +172,25 @@ impl Confined {
         Ok(found)
     }
 
+    /// The size, modification time (seconds, nanoseconds) and inode of the entry `name` of
+    /// this folder, without following a symlink; `None` when it cannot be read.
+    pub fn stamp(&self, name: &str) -> Option<(u64, i64, i64, u64)> {
+        let stat = fs::statat(&self.dir, name, fs::AtFlags::SYMLINK_NOFOLLOW).ok()?;
+        Some((
+            u64::try_from(stat.st_size).unwrap_or(u64::MAX),
+            i64::try_from(stat.st_mtime).unwrap_or(0),
+            i64::try_from(stat.st_mtime_nsec).unwrap_or(0),
+            u64::try_from(stat.st_ino).unwrap_or(0),
+        ))
+    }
+
     /// Writes `bytes` to the file `name` in this folder atomically: a new temporary file, then
     /// a rename over whatever `name` was (a symlink is replaced, never followed).
     pub fn write_atomically(&self, name: &str, bytes: &[u8]) -> io::Result<()> {
         if name.is_empty() || name.contains('/') || name == "." || name == ".." {
             return Err(io::Error::other(format!("{name:?} is not a file name")));
         }
-        let temporary = format!(".{name}.forgepool-{}", std::process::id());
-        let _ = fs::unlinkat(&self.dir, temporary.as_str(), fs::AtFlags::empty());
+        let temporary = format!(".{name}.forgepool-{}", uuid::Uuid::new_v4().simple());
         let fd = fs::openat(
             &self.dir,
             temporary.as_str(),
@@ -192,7 +203,10 @@ impl Confined {
             let _ = fs::unlinkat(&self.dir, temporary.as_str(), fs::AtFlags::empty());
             return Err(error);
         }
-        fs::renameat(&self.dir, temporary.as_str(), &self.dir, name)?;
+        if let Err(error) = fs::renameat(&self.dir, temporary.as_str(), &self.dir, name) {
+            let _ = fs::unlinkat(&self.dir, temporary.as_str(), fs::AtFlags::empty());
+            return Err(error.into());
+        }
         Ok(())
     }
 }
@@ -204,6 +218,10 @@ pub fn disk_usage(root: &Path, limit: usize) -> Option<u64> {
         let Ok(entries) = dir.entries() else {
             return true;
         };
+        // A folder listed only in part cannot be measured: it counts as too large.
+        if entries.len() >= MAX_ENTRIES {
+            return false;
+        }
         for (name, kind) in entries {
             *seen += 1;
             if *seen > limit || depth > 256 {

@@ -349,6 +349,42 @@ impl DockerRuntime {
         })
     }
 
+    /// Removes the egress networks of other instances that nothing uses any more (a worker
+    /// killed before it could remove its own). A network in use cannot be removed, so a live
+    /// worker's is never touched.
+    async fn remove_orphan_networks(&self) {
+        let mut filters = HashMap::new();
+        filters.insert("label".to_string(), vec![format!("{LABEL_MANAGED}=true")]);
+        let options = bollard::network::ListNetworksOptions { filters };
+        let Ok(Ok(networks)) = bounded(
+            "list networks",
+            API_TIMEOUT,
+            self.docker.list_networks(Some(options)),
+        )
+        .await
+        else {
+            return;
+        };
+        for network in networks {
+            let instance = network
+                .labels
+                .as_ref()
+                .and_then(|l| l.get(LABEL_INSTANCE))
+                .map(String::as_str);
+            if instance == Some(self.identity.instance.as_str()) {
+                continue;
+            }
+            if let Some(name) = network.name {
+                let _ = bounded(
+                    "remove network",
+                    API_TIMEOUT,
+                    self.docker.remove_network(&name),
+                )
+                .await;
+            }
+        }
+    }
+
     /// Removes this process's egress proxies and network (at shutdown).
     pub async fn close_egress(&self) {
         let mut state = self.egress.lock().await;
@@ -668,6 +704,14 @@ impl ContainerRuntime for DockerRuntime {
             for name in ["HTTPS_PROXY", "HTTP_PROXY", "https_proxy", "http_proxy"] {
                 spec.env.push(format!("{name}={url}"));
             }
+            if let Some(token) = url
+                .split_once(':')
+                .and_then(|(_, rest)| rest.rsplit_once('@'))
+                .and_then(|(credentials, _)| credentials.rsplit_once(':'))
+                .map(|(_, token)| token.to_string())
+            {
+                spec.redact.push(token);
+            }
             spec.redact.push(url);
         }
         let options = CreateContainerOptions {
@@ -773,6 +817,7 @@ impl ContainerRuntime for DockerRuntime {
                 }
             }
         }
+        self.remove_orphan_networks().await;
         Ok(removed)
     }
 }
@@ -876,8 +921,15 @@ impl Collected {
                 let lines: String = slot.drain(..=end).collect();
                 self.emit(&lines, stream_kind, secrets, logs).await;
             } else if slot.len() > MAX_PARTIAL_LINE {
-                // A line without end is forwarded in pieces: the buffer stays bounded.
-                let piece = std::mem::take(slot);
+                // A line without end is forwarded in pieces: the buffer stays bounded. The
+                // last bytes stay behind, so that a secret is never cut in two pieces that
+                // redaction would each miss.
+                let keep = secrets.iter().map(String::len).max().unwrap_or(0);
+                let mut cut = slot.len().saturating_sub(keep);
+                while !slot.is_char_boundary(cut) {
+                    cut -= 1;
+                }
+                let piece: String = slot.drain(..cut).collect();
                 self.emit(&piece, stream_kind, secrets, logs).await;
             }
         }

@@ -139,19 +139,34 @@ pub fn public(address: IpAddr) -> bool {
                 || v4.is_documentation()
                 || a == 0
                 || (a == 100 && (64..128).contains(&b))
-                || (a == 192 && b == 0)
+                || (a == 192 && b == 0 && v4.octets()[2] == 0)
+                || (a == 198 && (18..20).contains(&b))
                 || a >= 240)
         }
         IpAddr::V6(v6) => {
             if let Some(v4) = v6.to_ipv4_mapped() {
                 return public(IpAddr::V4(v4));
             }
-            let first = v6.segments()[0];
+            let segments = v6.segments();
+            let first = segments[0];
+            // Addresses that embed an IPv4 address: judged by it.
+            let embedded = match segments {
+                [0, 0, 0, 0, 0, 0, high, low] if high != 0 => Some((high, low)),
+                [0x0064, 0xff9b, 0, 0, 0, 0, high, low] => Some((high, low)),
+                [0x2002, high, low, ..] => Some((high, low)),
+                _ => None,
+            };
+            if let Some((high, low)) = embedded {
+                let [a, b] = high.to_be_bytes();
+                let [c, d] = low.to_be_bytes();
+                return public(IpAddr::V4(std::net::Ipv4Addr::new(a, b, c, d)));
+            }
             !(v6.is_loopback()
                 || v6.is_unspecified()
                 || v6.is_multicast()
                 || (first & 0xfe00) == 0xfc00
-                || (first & 0xffc0) == 0xfe80)
+                || (first & 0xffc0) == 0xfe80
+                || (first & 0xffc0) == 0xfec0)
         }
     }
 }
@@ -281,17 +296,24 @@ async fn handle(mut client: TcpStream, expected: &str, allow: &Allowlist) -> std
             .write_all(b"HTTP/1.1 200 Connection established\r\n\r\n")
             .await?;
     } else {
-        let mut forwarded = format!("{method} {path} {version}\r\n");
+        // One request per connection, for the host it was checked for: a `Host` of its own
+        // choosing or a pipelined request for another host never reaches the target.
+        let mut forwarded = format!("{method} {path} {version}\r\nHost: {host}:{port}\r\n");
         for header in &headers {
             let name = header.split(':').next().unwrap_or_default().trim();
-            if !name.eq_ignore_ascii_case("proxy-authorization")
-                && !name.eq_ignore_ascii_case("proxy-connection")
-            {
+            let dropped = [
+                "proxy-authorization",
+                "proxy-connection",
+                "host",
+                "connection",
+                "keep-alive",
+            ];
+            if !dropped.iter().any(|d| name.eq_ignore_ascii_case(d)) {
                 forwarded.push_str(header);
                 forwarded.push_str("\r\n");
             }
         }
-        forwarded.push_str("\r\n");
+        forwarded.push_str("Connection: close\r\n\r\n");
         upstream.write_all(forwarded.as_bytes()).await?;
     }
     if !rest.is_empty() {
@@ -462,10 +484,21 @@ mod tests {
             "fd00::1",
             "fe80::1",
             "::ffff:127.0.0.1",
+            "64:ff9b::a9fe:a9fe",
+            "2002:a9fe:a9fe::1",
+            "::7f00:1",
+            "fec0::1",
+            "198.18.0.1",
         ] {
             assert!(!public(inside.parse().unwrap()), "{inside}");
         }
-        for outside in ["1.1.1.1", "140.82.112.3", "2606:4700::1111"] {
+        for outside in [
+            "1.1.1.1",
+            "140.82.112.3",
+            "2606:4700::1111",
+            "192.0.5.1",
+            "64:ff9b::101:101",
+        ] {
             assert!(public(outside.parse().unwrap()), "{outside}");
         }
     }

@@ -1604,7 +1604,10 @@ impl<'a> RunContext<'a> {
         if self.review_exhausted {
             warnings.push(format!(
                 "review was exhausted without approval after {} cycle(s)",
-                self.cycles.len()
+                self.cycles
+                    .iter()
+                    .filter(|c| c.origin == CycleOrigin::Forgepool)
+                    .count()
             ));
         }
         let (final_review, final_text) = self.final_review_summary();

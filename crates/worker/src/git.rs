@@ -60,6 +60,10 @@ pub enum GitError {
     Refused(String),
 }
 
+/// The configuration of the stages' disposable git folder.
+const DISPOSABLE_CONFIG: &str =
+    "[core]\n\trepositoryformatversion = 0\n\tfilemode = true\n\tbare = false\n\tlogallrefupdates = true\n";
+
 /// The identity of delivery commits.
 const AUTHOR_NAME: &str = "forgepool";
 const AUTHOR_EMAIL: &str = "forgepool@localhost";
@@ -115,7 +119,10 @@ impl Repo {
             if std::fs::symlink_metadata(&to).is_ok() {
                 remove_any(&to)?;
             }
-            copy_tree(&from, &to)
+            copy_tree(&from, &to)?;
+            // The copy's configuration is forgepool's minimum: no remote (its URL may carry
+            // credentials), no branch tracking.
+            std::fs::write(to.join("config"), DISPOSABLE_CONFIG)
         })
         .await
         .map_err(|e| GitError::Spawn(std::io::Error::other(e)))?

@@ -2,7 +2,7 @@
 
 use std::fmt::Write;
 
-use proto::{CheckResult, CycleRecord, Job, RoundRecord, RunState};
+use proto::{CheckResult, CycleOrigin, CycleRecord, Job, RoundRecord, RunState};
 
 /// What the report is built from.
 #[derive(Debug)]
@@ -97,15 +97,21 @@ pub fn render(input: &ReportInput<'_>) -> String {
     out.push('\n');
 
     let _ = writeln!(out, "## Review\n");
+    // Only forgepool's own records are reviews; a container's own loop is shown apart, as
+    // what the agent says about itself.
+    let (reviews, own): (Vec<&CycleRecord>, Vec<&CycleRecord>) = input
+        .cycles
+        .iter()
+        .partition(|c| c.origin == CycleOrigin::Forgepool);
     match &job.review {
         None => {
             let _ = writeln!(out, "This skill has no reviewer.\n");
         }
-        Some(review) if input.cycles.is_empty() => {
+        Some(review) if reviews.is_empty() => {
             let _ = writeln!(out, "No review cycle ran (limit {}).\n", review.max_cycles);
         }
         Some(_) => {
-            for cycle in input.cycles {
+            for cycle in &reviews {
                 let limit = cycle.max_cycles.map_or(String::new(), |m| format!("/{m}"));
                 let _ = writeln!(
                     out,
@@ -123,14 +129,30 @@ pub fn render(input: &ReportInput<'_>) -> String {
             }
         }
     }
+    if !own.is_empty() {
+        let _ = writeln!(
+            out,
+            "### The agent's own review loop\n\nWritten by the implementer into `.forge/`, not by forgepool's reviewer:\n"
+        );
+        for cycle in &own {
+            let _ = writeln!(
+                out,
+                "- `{}/{}`: {}",
+                cycle.step,
+                cycle.file,
+                cycle.verdict.to_uppercase()
+            );
+        }
+        out.push('\n');
+    }
     if input.review_exhausted {
         let _ = writeln!(out, "## Auto-Review Notes\n");
         let _ = writeln!(
             out,
             "Review was exhausted without approval: all {} cycle(s) were rejected and `block_on_failure` is false, so the change was delivered with this warning. The last feedback was:\n",
-            input.cycles.len()
+            reviews.len()
         );
-        if let Some(last) = input.cycles.last() {
+        if let Some(last) = reviews.last() {
             for line in last.feedback.trim().lines() {
                 let _ = writeln!(out, "> {line}");
             }

@@ -62,24 +62,29 @@ impl<'a, S: EventSink> Redacting<'a, S> {
         Redacting { inner, secrets }
     }
 
-    /// Replaces the secrets in every string of the event.
-    pub fn redact(&self, event: Event) -> Event {
+    /// Replaces the secrets in every string (values and keys) of the event. Fails closed:
+    /// an event that cannot be redacted is never passed on.
+    pub fn redact(&self, event: Event) -> Result<Event, PublishEvent> {
         if self.secrets.is_empty() {
-            return event;
+            return Ok(event);
         }
-        let Ok(mut value) = serde_json::to_value(&event) else {
-            return event;
-        };
+        let mut value = serde_json::to_value(&event)
+            .map_err(|e| PublishEvent(format!("cannot redact an event: {e}")))?;
         if !redact_value(&mut value, &self.secrets) {
-            return event;
+            return Ok(event);
         }
-        serde_json::from_value(value).unwrap_or(event)
+        serde_json::from_value(value).map_err(|_| {
+            PublishEvent(
+                "an event held a secret where it could not be replaced; it was not published"
+                    .into(),
+            )
+        })
     }
 }
 
 impl<S: EventSink> EventSink for Redacting<'_, S> {
     async fn publish(&self, event: Event) -> Result<(), PublishEvent> {
-        self.inner.publish(self.redact(event)).await
+        self.inner.publish(self.redact(event)?).await
     }
 }
 
@@ -93,9 +98,22 @@ fn redact_value(value: &mut serde_json::Value, secrets: &[String]) -> bool {
         serde_json::Value::Array(items) => items
             .iter_mut()
             .fold(false, |changed, item| redact_value(item, secrets) | changed),
-        serde_json::Value::Object(map) => map
-            .values_mut()
-            .fold(false, |changed, item| redact_value(item, secrets) | changed),
+        serde_json::Value::Object(map) => {
+            let leaky: Vec<String> = map
+                .keys()
+                .filter(|k| secrets.iter().any(|s| k.contains(s.as_str())))
+                .cloned()
+                .collect();
+            let changed = !leaky.is_empty();
+            for key in leaky {
+                if let Some(item) = map.remove(&key) {
+                    map.insert(crate::runtime::redact(&key, secrets), item);
+                }
+            }
+            map.values_mut().fold(changed, |changed, item| {
+                redact_value(item, secrets) | changed
+            })
+        }
         _ => false,
     }
 }
