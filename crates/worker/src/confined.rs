@@ -178,9 +178,9 @@ impl Confined {
         let stat = fs::statat(&self.dir, name, fs::AtFlags::SYMLINK_NOFOLLOW).ok()?;
         Some((
             u64::try_from(stat.st_size).unwrap_or(u64::MAX),
-            i64::try_from(stat.st_mtime).unwrap_or(0),
+            stat.st_mtime,
             i64::try_from(stat.st_mtime_nsec).unwrap_or(0),
-            u64::try_from(stat.st_ino).unwrap_or(0),
+            stat.st_ino,
         ))
     }
 
