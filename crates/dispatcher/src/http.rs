@@ -138,7 +138,29 @@ pub const EVENT_PAGE: u32 = 256;
 /// Reads a request body of at most `limit` bytes within [`BODY_READ_TIMEOUT`]. A larger body
 /// is refused as soon as its size is known, whatever it is, with the same JSON error as a
 /// request over the limit; a slow one gets a JSON 408.
-async fn read_body(body: axum::body::Body, limit: usize) -> Result<Bytes, Failure> {
+async fn read_body(
+    headers: &HeaderMap,
+    body: axum::body::Body,
+    limit: usize,
+) -> Result<Bytes, Failure> {
+    let too_large = |size: usize| -> Failure {
+        SubmitError::TooLarge {
+            field: "body".into(),
+            size,
+            limit,
+        }
+        .into()
+    };
+    // An announced size over the limit is refused before a byte of the body is read.
+    if let Some(announced) = headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().parse::<u64>().ok())
+    {
+        if announced > limit as u64 {
+            return Err(too_large(usize::try_from(announced).unwrap_or(usize::MAX)));
+        }
+    }
     match tokio::time::timeout(BODY_READ_TIMEOUT, axum::body::to_bytes(body, limit)).await {
         Err(_) => Err(Failure::new(
             StatusCode::REQUEST_TIMEOUT,
@@ -151,20 +173,16 @@ async fn read_body(body: axum::body::Body, limit: usize) -> Result<Bytes, Failur
         )),
         Ok(Ok(bytes)) => Ok(bytes),
         // Over the limit, or the client went away mid-body.
-        Ok(Err(_)) => Err(SubmitError::TooLarge {
-            field: "body".into(),
-            size: limit + 1,
-            limit,
-        }
-        .into()),
+        Ok(Err(_)) => Err(too_large(limit + 1)),
     }
 }
 
 async fn submit(
     State(dispatcher): State<Arc<Dispatcher>>,
+    headers: HeaderMap,
     body: axum::body::Body,
 ) -> Result<(StatusCode, Json<SubmitResponse>), Failure> {
-    let body = read_body(body, crate::freeze::MAX_REQUEST_BYTES).await?;
+    let body = read_body(&headers, body, crate::freeze::MAX_REQUEST_BYTES).await?;
     let request = crate::request::from_json(&body)?;
     match dispatcher.submit(request).await {
         Ok(frozen) => Ok((
