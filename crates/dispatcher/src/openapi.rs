@@ -18,7 +18,7 @@ pub fn document() -> Value {
         "paths": {
             "/v1/runs": {
                 "post": {"summary": "Submit a run request", "requestBody": {"required": true, "content": {"application/json": {"schema": {"$ref": "#/components/schemas/RunRequest"}}}},
-                         "responses": {"201": {"description": "accepted: run id and warnings"}, "413": {"description": "request or brief too large"}, "400": errors["400"], "401": errors["401"]}},
+                         "responses": {"201": {"description": "accepted: run id and warnings"}, "413": {"description": "request or brief too large (refused as soon as the size is known)", "content": {"application/json": {"schema": error.clone()}}}, "408": {"description": "the body did not arrive within 15 s", "content": {"application/json": {"schema": error.clone()}}}, "400": errors["400"], "401": errors["401"]}},
                 "get": {"summary": "List runs, newest first",
                         "parameters": [
                             {"name": "state", "in": "query", "schema": {"type": "string"}},
@@ -28,7 +28,7 @@ pub fn document() -> Value {
                         "responses": {"200": {"description": "a page of runs"}, "400": errors["400"], "401": errors["401"]}}
             },
             "/v1/runs/{id}": {"get": {"summary": "A run: state, history, rounds, cycles, result, report", "parameters": id, "responses": {"200": {"description": "the run"}, "400": errors["400"], "401": errors["401"], "404": errors["404"]}}},
-            "/v1/runs/{id}/events": {"get": {"summary": "The run's events so far, then live (Server-Sent Events)", "parameters": id, "responses": {"200": {"description": "text/event-stream"}, "404": errors["404"]}}},
+            "/v1/runs/{id}/events": {"get": {"summary": "The run's events so far, then live (Server-Sent Events)", "parameters": [id[0].clone(), {"name": "Last-Event-ID", "in": "header", "required": false, "description": "continue after this event position", "schema": {"type": "string"}}], "responses": {"200": {"description": "text/event-stream"}, "404": errors["404"], "429": {"description": "the run already has 16 event streams open", "content": {"application/json": {"schema": error.clone()}}}}}},
             "/v1/runs/{id}/cancel": {"post": {"summary": "Cancel a run", "parameters": id, "responses": {"202": {"description": "cancel requested"}, "409": {"description": "the run already ended"}, "404": errors["404"]}}},
             "/v1/runs/{id}/resume": {"post": {"summary": "Resume a paused run from its latest checkpoint, with its original frozen job", "parameters": id, "responses": {"202": {"description": "queued again: {run_id, state, checkpoint}"}, "409": {"description": "the run is not paused (not_paused), or has no saved progress (no_checkpoint)"}, "503": {"description": "the broker is unavailable; the run stays paused"}}}},
             "/healthz": {"get": {"summary": "Liveness", "security": [], "responses": {"200": {"description": "alive"}}}},
