@@ -159,3 +159,62 @@ async fn a_run_has_at_most_sixteen_event_streams() {
     drop(open);
     cluster.delete_queues().await;
 }
+
+/// Peak resident memory of a process in KiB (`VmHWM`).
+fn peak_kib(pid: u32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .unwrap_or_default()
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap_or(0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slow_readers_of_a_long_history_keep_the_dispatcher_small() {
+    let fixture = Fixture::new(None, &["chatty", "9000"], &["approve"]);
+    let cluster = Cluster::start(fixture, 1, 1, None).await;
+    let run_id = cluster.submit("CHATTY-1").await;
+    let views = cluster
+        .wait_terminal(std::slice::from_ref(&run_id), Duration::from_secs(120))
+        .await;
+    assert_eq!(views[0]["state"], "delivered", "{}", cluster.logs());
+    let pid = cluster.dispatcher.as_ref().unwrap().child.id();
+    // One client reads the whole history: thousands of events.
+    let history = cluster
+        .request(reqwest::Method::GET, &format!("/v1/runs/{run_id}/events"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let events = history.matches("\nid: ").count();
+    assert!(events > 8000, "{events} events in the history");
+    let before = peak_kib(pid);
+    // Eight clients that ask for it and never read: the dispatcher holds one page per stream.
+    let address = cluster.url().trim_start_matches("http://").to_string();
+    let mut stalled = Vec::new();
+    for _ in 0..8 {
+        let mut stream = TcpStream::connect(&address).await.unwrap();
+        stream
+            .write_all(
+                format!("GET /v1/runs/{run_id}/events HTTP/1.1\r\nHost: x\r\n\r\n").as_bytes(),
+            )
+            .await
+            .unwrap();
+        stalled.push(stream);
+    }
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let after = peak_kib(pid);
+    eprintln!(
+        "dispatcher peak: {before} KiB before, {after} KiB with eight stalled streams of {events} events"
+    );
+    assert!(
+        after.saturating_sub(before) < 16 * 1024,
+        "the dispatcher grew by {} KiB for eight stalled streams of {events} events",
+        after.saturating_sub(before)
+    );
+    drop(stalled);
+    cluster.delete_queues().await;
+}

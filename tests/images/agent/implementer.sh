@@ -24,6 +24,7 @@
 #     cycle-secret a cycle file of its own whose feedback holds $AGENT_SECRET
 #     nested-repo  adds a folder whose .git names the host repository HOST_PATH
 #   disk-hog    writes four files of 5 MB into the workspace, then waits 5 s
+#   chatty N    prints N short lines, one write each, then changes like `change`
 #   egress-probe GATEWAY ALLOWED_PORT DECOY_PORT
 #               tries the network from a `network = "egress"` stage, through its proxy and
 #               around it, and writes what it reached to egress-results.txt
@@ -84,6 +85,14 @@ case "$mode" in
     ;;
   sleep)
     sleep "${2:-1}"
+    echo "round $FORGE_ROUND" >> feature.txt
+    ;;
+  chatty)
+    i=0
+    while [ "$i" -lt "${2:-1000}" ]; do
+      echo "chatty line $i of the implementer's output"
+      i=$((i + 1))
+    done
     echo "round $FORGE_ROUND" >> feature.txt
     ;;
   disk-hog)
