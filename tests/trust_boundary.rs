@@ -263,6 +263,23 @@ fn secrets_in_agent_files_are_redacted_everywhere() {
 }
 
 #[test]
+fn a_secret_in_a_git_error_is_redacted() {
+    let fixture = Fixture::new(None, &["change"], &["approve"]);
+    // git names the repository it cannot read; that name holds the profile's secret.
+    let outcome = fixture.run_request(&format!(
+        "ticket = \"TEST-1\"\nskill = \"implement-task\"\nbrief = \"b\"\n[repository]\nurl = \"file://{}/{SECRET}.git\"\n",
+        fixture.dir.path().display()
+    ));
+    assert_eq!(outcome.code, 1, "{}", outcome.printed());
+    let text = everything(&outcome);
+    assert!(text.contains("[REDACTED].git"), "{}", outcome.printed());
+    assert!(
+        !text.contains(SECRET),
+        "a secret leaked through git's error"
+    );
+}
+
+#[test]
 fn a_reviewer_printing_without_newlines_keeps_the_worker_small() {
     let fixture = Fixture::new(Some(&review(1)), &["change"], &["flood-line"]);
     let (outcome, peak_kib) = run_measured(&fixture);
