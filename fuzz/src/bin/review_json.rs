@@ -9,7 +9,10 @@ fn main() {
         match worker::final_review::check_report(&text, source.path()) {
             Ok(report) => {
                 for finding in &report.findings {
-                    assert_eq!(finding.path, "feature.txt", "only the real file may be cited");
+                    assert_eq!(
+                        finding.path, "feature.txt",
+                        "only the real file may be cited"
+                    );
                 }
             }
             Err(reason) => assert!(!reason.is_empty()),
