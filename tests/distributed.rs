@@ -270,26 +270,7 @@ async fn a_run_submitted_on_the_submission_queue_is_delivered() {
     cluster
         .publish_to_exchange("submit", &serde_json::to_vec(&body).unwrap())
         .await;
-    let started = std::time::Instant::now();
-    let run_id = loop {
-        let list: serde_json::Value = cluster
-            .request(reqwest::Method::GET, "/v1/runs?ticket=QUEUE-7")
-            .send()
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap();
-        if let Some(id) = list["runs"][0]["run_id"].as_str() {
-            break id.to_string();
-        }
-        assert!(
-            started.elapsed() < Duration::from_secs(90),
-            "the submission was not accepted\n{}",
-            cluster.logs()
-        );
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    };
+    let run_id = cluster.run_of_ticket("QUEUE-7").await;
     let views = cluster
         .wait_terminal(&[run_id], Duration::from_secs(60))
         .await;
@@ -1172,26 +1153,7 @@ async fn a_producer_with_the_charts_permissions_submits_runs_and_nothing_else() 
     };
     assert!(refused, "the producer published to the jobs queue");
     let _ = connection.close(200, "bye").await;
-    let started = std::time::Instant::now();
-    let run_id = loop {
-        let list: serde_json::Value = cluster
-            .request(reqwest::Method::GET, "/v1/runs?ticket=PRODUCER-1")
-            .send()
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap();
-        if let Some(id) = list["runs"][0]["run_id"].as_str() {
-            break id.to_string();
-        }
-        assert!(
-            started.elapsed() < Duration::from_secs(60),
-            "{}",
-            cluster.logs()
-        );
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    };
+    let run_id = cluster.run_of_ticket("PRODUCER-1").await;
     let views = cluster
         .wait_terminal(&[run_id], Duration::from_secs(60))
         .await;

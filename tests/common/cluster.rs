@@ -267,6 +267,31 @@ impl Cluster {
         self.submit_with(ticket, serde_json::json!({})).await
     }
 
+    /// Waits until a run of `ticket` is stored (one a producer submitted through the broker)
+    /// and returns its id.
+    pub async fn run_of_ticket(&self, ticket: &str) -> String {
+        let started = Instant::now();
+        loop {
+            let list: serde_json::Value = self
+                .request(reqwest::Method::GET, &format!("/v1/runs?ticket={ticket}"))
+                .send()
+                .await
+                .unwrap()
+                .json()
+                .await
+                .unwrap();
+            if let Some(id) = list["runs"][0]["run_id"].as_str() {
+                return id.to_string();
+            }
+            assert!(
+                started.elapsed() < Duration::from_secs(90),
+                "the submission of {ticket} was not accepted\n{}",
+                self.logs()
+            );
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+
     /// Submits a request with extra fields through the API and returns the run id.
     pub async fn submit_with(&self, ticket: &str, extra: serde_json::Value) -> String {
         let response = self
@@ -461,36 +486,27 @@ impl Cluster {
 
     /// Publishes to the exchange `{prefix}.{exchange}` (not to a queue by name).
     pub async fn publish_to_exchange(&self, exchange: &str, payload: &[u8]) {
-        let connection = self.broker().await;
-        let publish = async {
-            let channel = connection.create_channel().await.unwrap();
-            channel
-                .confirm_select(lapin::options::ConfirmSelectOptions::default())
-                .await
-                .unwrap();
-            channel
-                .basic_publish(
-                    &format!("{}.{exchange}", self.prefix),
-                    "",
-                    BasicPublishOptions {
-                        mandatory: true,
-                        ..Default::default()
-                    },
-                    payload,
-                    BasicProperties::default().with_delivery_mode(2),
-                )
-                .await
-                .unwrap()
-                .await
-                .unwrap();
-        };
-        on_broker("confirm a publish", publish).await;
-        let _ = on_broker("close a connection", connection.close(200, "bye")).await;
+        let exchange = format!("{}.{exchange}", self.prefix);
+        self.publish_to(&exchange, "", payload, None, None).await;
     }
 
     async fn publish_with(
         &self,
         queue: &str,
+        payload: &[u8],
+        reply_to: Option<&str>,
+        signature: Option<String>,
+    ) {
+        let queue = format!("{}.{queue}", self.prefix);
+        self.publish_to("", &queue, payload, reply_to, signature)
+            .await;
+    }
+
+    /// Publishes with confirms, so the broker has the message before the connection closes.
+    async fn publish_to(
+        &self,
+        exchange: &str,
+        routing_key: &str,
         payload: &[u8],
         reply_to: Option<&str>,
         signature: Option<String>,
@@ -517,9 +533,12 @@ impl Cluster {
             }
             channel
                 .basic_publish(
-                    "",
-                    &format!("{}.{queue}", self.prefix),
-                    BasicPublishOptions::default(),
+                    exchange,
+                    routing_key,
+                    BasicPublishOptions {
+                        mandatory: true,
+                        ..Default::default()
+                    },
                     payload,
                     properties,
                 )
