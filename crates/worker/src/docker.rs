@@ -161,7 +161,13 @@ impl DockerRuntime {
             state.network = true;
         }
         if let Some((name, token)) = state.proxies.get(&key) {
-            return Ok(proxy_url(name, token));
+            if self.running(name).await {
+                return Ok(proxy_url(name, token));
+            }
+            // It died (or was removed): made again below.
+            tracing::warn!(proxy = %name, "the egress proxy is gone; starting it again");
+            let _ = self.remove(name).await;
+            state.proxies.remove(&key);
         }
         self.ensure_image(&self.egress_image).await?;
         let token = format!(
@@ -178,6 +184,19 @@ impl DockerRuntime {
         let url = proxy_url(&name, &token);
         state.proxies.insert(key, (name, token));
         Ok(url)
+    }
+
+    /// Whether a container is running.
+    async fn running(&self, name: &str) -> bool {
+        matches!(
+            bounded(
+                "inspect container",
+                API_TIMEOUT,
+                self.docker.inspect_container(name, None),
+            )
+            .await,
+            Ok(Ok(inspected)) if inspected.state.as_ref().and_then(|s| s.running) == Some(true)
+        )
     }
 
     async fn create_egress_network(&self) -> Result<(), RuntimeError> {
