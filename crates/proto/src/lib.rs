@@ -28,6 +28,9 @@ pub use request::{AgentChoice, Assurance, RepositoryRef, RunRequest, VerifyComma
 pub use signing::{JobKey, SIGNATURE_HEADER};
 pub use state::RunState;
 
+/// The largest job message a worker reads: 4 MiB (a resumed job with its checkpoint must fit).
+pub const MAX_JOB_BYTES: usize = 4 * 1024 * 1024;
+
 /// The version of every message schema in this crate. Bumped on any incompatible change.
 pub const SCHEMA_VERSION: u32 = 1;
 

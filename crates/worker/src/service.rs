@@ -692,8 +692,8 @@ async fn take_delivery(
 /// worker that still runs it declares its lease again.
 const REDELIVERY_GRACE: Duration = Duration::from_secs(2 * SWEEP_INTERVAL.as_secs());
 
-/// The largest job message a worker reads.
-pub const MAX_JOB_BYTES: usize = 4 * 1024 * 1024;
+/// The largest job message a worker reads (the wire's limit).
+pub use proto::MAX_JOB_BYTES;
 
 /// A job message checked as untrusted input: its signature first (nothing of an unsigned
 /// message is parsed beyond that), then its schema, its fields, its repository URL, and each of

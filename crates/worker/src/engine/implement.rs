@@ -1,0 +1,122 @@
+//! The implement phase: the implementer's prompt, folders and container for a round, and
+//! its outcome as the machine's input.
+
+use super::*;
+
+impl<R: ContainerRuntime> Engine<R> {
+    /// The implementer's prompt and folders for a round, and its container's spec.
+    pub(super) async fn implement_spec(
+        &self,
+        run: &mut RunContext<'_>,
+        round: u32,
+        reason: &RoundReason,
+        cycles_used: u32,
+    ) -> Result<StageSpec, String> {
+        let job = run.job;
+        let mut prompt = format!(
+            "{}\n\n## Brief\n\n{}\n",
+            job.skill_md.trim_end(),
+            job.brief.trim_end()
+        );
+        match reason {
+            RoundReason::Initial => {}
+            RoundReason::Review(feedback) => {
+                prompt.push_str(&format!("\n## Reviewer Feedback\n\n{}\n", feedback.trim()))
+            }
+            RoundReason::Repair(report) => {
+                prompt.push_str(&format!("\n## Failed Checks\n\n{}\n", report.trim()))
+            }
+        }
+        let stage_dir = run.stage_dirs(Stage::Implement, &prompt, None).await?;
+        let profile = &job.implementer;
+        let mounts = agent_mounts(&run.repo.work_tree, false, &stage_dir);
+        Ok(self.spec(
+            run,
+            Stage::Implement,
+            profile,
+            profile.command.clone(),
+            mounts,
+            profile.network,
+            profile.timeout_seconds,
+            cycles_used + 1,
+            round,
+        ))
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub(super) async fn implement<S: EventSink>(
+        &self,
+        run: &mut RunContext<'_>,
+        sink: &S,
+        cancel: &CancellationToken,
+        round: u32,
+        reason: &RoundReason,
+        cycles_used: u32,
+        ahead: Option<Ahead<R::Created>>,
+    ) -> Result<Input, PublishEvent> {
+        let job = run.job;
+        let profile = &job.implementer;
+        let (spec, created) = match ahead {
+            Some(ahead) => (ahead.spec, Some(ahead.created)),
+            None => match self.implement_spec(run, round, reason, cycles_used).await {
+                Ok(spec) => (spec, None),
+                Err(error) => return Ok(Input::StageFailed { reason: error }),
+            },
+        };
+        if let Err(error) = run.write_workspace_history().await {
+            return Ok(Input::StageFailed { reason: error });
+        }
+        let output = match self
+            .run_stage(
+                run,
+                sink,
+                cancel,
+                spec,
+                created,
+                Stage::Implement,
+                round,
+                None,
+            )
+            .await?
+        {
+            Ok(output) => output,
+            Err(input) => return Ok(input),
+        };
+        Ok(match output.exit {
+            StageExit::Cancelled => Input::Cancelled,
+            StageExit::TimedOut => Input::StageFailed {
+                reason: format!(
+                    "the implementer timed out after {} s and was stopped",
+                    profile.timeout_seconds
+                ),
+            },
+            StageExit::Exited(EXIT_PAUSED) => Input::StagePaused {
+                reason: format!(
+                    "the implementer paused (exit 75): {}",
+                    last_line(&output.tail)
+                ),
+            },
+            StageExit::Exited(0) => match git::snapshot_tree(&run.repo).await {
+                Ok(tree) => {
+                    run.rounds.push(RoundRecord {
+                        round,
+                        reason: reason.name().into(),
+                        tree: tree.clone(),
+                        failing: vec![],
+                        output_tail: String::new(),
+                    });
+                    Input::Implemented { tree }
+                }
+                Err(error) => Input::StageFailed {
+                    reason: format!("cannot record the implementer's change: {error}"),
+                },
+            },
+            StageExit::Exited(code) => Input::StageFailed {
+                reason: format!(
+                    "the implementer exited with code {code}; last output:\n{}",
+                    tail(&output.tail, 2048)
+                ),
+            },
+        })
+    }
+}

@@ -1,0 +1,367 @@
+//! Running one stage: its container's spec, the container with its output forwarded and
+//! `.forge/` polled, the disk allowance watched, and the sweep after it exits.
+
+use super::*;
+
+impl<R: ContainerRuntime> Engine<R> {
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn spec(
+        &self,
+        run: &RunContext<'_>,
+        stage: Stage,
+        profile: &AgentProfile,
+        command: Vec<String>,
+        mounts: Vec<Mount>,
+        network: Network,
+        timeout_seconds: u64,
+        cycle: u32,
+        round: u32,
+    ) -> StageSpec {
+        let job = run.job;
+        let max_cycles = job.review.as_ref().map_or(0, |r| r.max_cycles);
+        let mut env = vec![
+            format!("FORGE_STAGE={}", stage.as_str()),
+            format!("FORGE_RUN_ID={}", job.run_id),
+            format!("FORGE_TICKET={}", job.ticket),
+            format!("FORGE_SKILL={}", job.skill),
+            format!("FORGE_STEP={}", job.step),
+            format!("FORGE_CYCLE={cycle}"),
+            format!("FORGE_MAX_CYCLES={max_cycles}"),
+            format!("FORGE_ROUND={round}"),
+            "FORGE_PROMPT_FILE=/forge/input/prompt.md".to_string(),
+            "HOME=/tmp".to_string(),
+        ];
+        let mut redact = Vec::new();
+        for name in &profile.env {
+            match std::env::var(name) {
+                Ok(value) => {
+                    env.push(format!("{name}={value}"));
+                    redact.push(value);
+                }
+                Err(_) => {
+                    warn!(profile = %profile.name, variable = %name, "the profile names an environment variable the worker does not have")
+                }
+            }
+        }
+        let user = profile.user.clone().unwrap_or_else(|| {
+            format!("{}:{}", self.config.stage_user.0, self.config.stage_user.1)
+        });
+        let mut labels = HashMap::new();
+        labels.insert(LABEL_RUN.to_string(), job.run_id.to_string());
+        labels.insert(LABEL_STAGE.to_string(), stage.as_str().to_string());
+        let short_id = &job.run_id.simple().to_string()[..12];
+        StageSpec {
+            name: format!(
+                "forgepool-{short_id}-{}-{}",
+                stage.as_str().replace('_', "-"),
+                Uuid::new_v4().simple().to_string().get(..8).unwrap_or("x")
+            ),
+            image: profile.image.clone(),
+            command,
+            env,
+            mounts,
+            network,
+            memory_bytes: profile.memory_bytes,
+            cpus: profile.cpus,
+            pids_limit: self.config.pids_limit,
+            read_only_root: profile.read_only_root,
+            disk_bytes: profile.disk_bytes,
+            egress: profile.egress.clone(),
+            user: Some(user),
+            workdir: Some("/workspace".into()),
+            timeout: Duration::from_secs(timeout_seconds),
+            labels,
+            redact,
+        }
+    }
+
+    /// Runs one stage container while forwarding its output and polling `.forge/`, then sweeps
+    /// once more. A runtime error ends the run: `Err(input)` is that ending.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) async fn run_stage<S: EventSink>(
+        &self,
+        run: &mut RunContext<'_>,
+        sink: &S,
+        cancel: &CancellationToken,
+        spec: StageSpec,
+        created: Option<R::Created>,
+        stage: Stage,
+        round: u32,
+        cycle: Option<u32>,
+    ) -> Result<Result<StageOutput, Input>, PublishEvent> {
+        let run_id = run.job.run_id;
+        tracing::Span::current().record("stage", stage.as_str());
+        for mount in spec.mounts.iter().filter(|m| !m.read_only) {
+            self.hand_over(&mount.source).await;
+        }
+        tracing::info!(round, ?cycle, "stage started");
+        // The container is created while the broker confirms `stage_started`; nothing else of
+        // the stage (a log line, a cycle file) is published before that confirm.
+        let started = publish(
+            sink,
+            run_id,
+            EventKind::StageStarted {
+                stage,
+                round,
+                cycle,
+            },
+        );
+        tokio::pin!(started);
+        let mut announced = false;
+        let (log_sender, mut log_receiver) = mpsc::channel::<LogChunk>(256);
+        // The profile's disk allowance covers what the stage adds to its writable folders; the
+        // stage stops when it is exceeded (its /tmp is a tmpfs of the same size).
+        let disk = DiskWatch::new(&spec).await;
+        let stage_stop = cancel.child_token();
+        let container = async {
+            match created {
+                Some(created) => {
+                    self.runtime
+                        .run_created(created, log_sender, stage_stop.clone())
+                        .await
+                }
+                None => {
+                    self.runtime
+                        .run_stage(spec, log_sender, stage_stop.clone())
+                        .await
+                }
+            }
+        };
+        let mut disk_ticker = tokio::time::interval(DISK_CHECK);
+        disk_ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut disk_exceeded: Option<String> = None;
+        tokio::pin!(container);
+        let mut ticker = tokio::time::interval(self.config.poll_interval);
+        ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut logs_open = true;
+        let outcome = loop {
+            tokio::select! {
+                confirmed = &mut started, if !announced => {
+                    confirmed?;
+                    announced = true;
+                }
+                outcome = &mut container => {
+                    if !announced {
+                        (&mut started).await?;
+                    }
+                    break outcome;
+                }
+                chunk = log_receiver.recv(), if logs_open && announced => match chunk {
+                    Some(chunk) => publish(sink, run_id, EventKind::Log { stage, stream: chunk.stream, text: chunk.text }).await?,
+                    None => logs_open = false,
+                },
+                _ = ticker.tick(), if announced => self.sweep(run, sink).await?,
+                _ = disk_ticker.tick(), if announced && disk_exceeded.is_none() => {
+                    if let Some(reason) = disk.exceeded().await {
+                        warn!(%reason, "stopping the stage");
+                        disk_exceeded = Some(reason);
+                        stage_stop.cancel();
+                    }
+                }
+            }
+        };
+        if disk_exceeded.is_none() {
+            disk_exceeded = disk.exceeded().await;
+        }
+        while let Ok(chunk) = log_receiver.try_recv() {
+            publish(
+                sink,
+                run_id,
+                EventKind::Log {
+                    stage,
+                    stream: chunk.stream,
+                    text: chunk.text,
+                },
+            )
+            .await?;
+        }
+        self.sweep(run, sink).await?;
+        let (exit_code, outcome_name, duration) = match &outcome {
+            Ok(output) => match output.exit {
+                StageExit::Exited(code) => (
+                    Some(code),
+                    if code == 0 {
+                        "completed"
+                    } else if code == EXIT_PAUSED {
+                        "paused"
+                    } else {
+                        "failed"
+                    },
+                    output.duration,
+                ),
+                StageExit::TimedOut => (None, "timed_out", output.duration),
+                StageExit::Cancelled => (None, "cancelled", output.duration),
+            },
+            Err(_) => (None, "failed", Duration::ZERO),
+        };
+        let outcome_name = if disk_exceeded.is_some() {
+            "failed"
+        } else {
+            outcome_name
+        };
+        tracing::info!(
+            outcome = outcome_name,
+            exit_code,
+            seconds = duration.as_secs_f64(),
+            "stage finished"
+        );
+        publish(
+            sink,
+            run_id,
+            EventKind::StageFinished {
+                stage,
+                round,
+                cycle,
+                exit_code,
+                duration_seconds: duration.as_secs_f64(),
+                outcome: outcome_name.into(),
+            },
+        )
+        .await?;
+        if let Some(reason) = disk_exceeded {
+            return Ok(Err(Input::StageFailed {
+                reason: format!("{} stage: {reason}", stage.as_str()),
+            }));
+        }
+        Ok(outcome.map_err(|error| Input::StageFailed {
+            reason: format!("{} stage: {error}", stage.as_str()),
+        }))
+    }
+
+    /// Scans `.forge/` and publishes every new or changed cycle file.
+    pub(super) async fn sweep<S: EventSink>(
+        &self,
+        run: &mut RunContext<'_>,
+        sink: &S,
+    ) -> Result<(), PublishEvent> {
+        let mut collector = std::mem::take(&mut run.collector);
+        let (collector, found) = tokio::task::spawn_blocking(move || {
+            let found = collector.scan();
+            (collector, found)
+        })
+        .await
+        .map_err(|e| PublishEvent(format!("cycle scan failed: {e}")))?;
+        run.collector = collector;
+        for cycle in found {
+            if !run.record_cycle(cycle.clone()) {
+                continue;
+            }
+            publish(sink, run.job.run_id, EventKind::Cycle { cycle }).await?;
+        }
+        Ok(())
+    }
+
+    /// Gives a folder to the stage user, so that root-owned leftovers of an earlier round
+    /// never block the next one.
+    pub(super) async fn hand_over(&self, dir: &Path) {
+        if !self.config.can_chown {
+            return;
+        }
+        let (uid, gid) = self.config.stage_user;
+        let dir = dir.to_path_buf();
+        let _ = tokio::task::spawn_blocking(move || chown_tree(&dir, uid, gid)).await;
+    }
+}
+
+/// How often a running stage's writable folders are measured against its disk allowance.
+const DISK_CHECK: Duration = Duration::from_secs(2);
+
+/// The most entries measured in a stage's writable folders; more counts as over the limit.
+const DISK_ENTRIES: usize = 2_000_000;
+
+/// A stage's writable folders, their size when it started, and its allowance.
+struct DiskWatch {
+    folders: Vec<PathBuf>,
+    baseline: u64,
+    limit: u64,
+}
+
+impl DiskWatch {
+    async fn new(spec: &StageSpec) -> DiskWatch {
+        let folders: Vec<PathBuf> = spec
+            .mounts
+            .iter()
+            .filter(|m| !m.read_only)
+            .map(|m| m.source.clone())
+            .collect();
+        let baseline = Self::measure(folders.clone()).await.unwrap_or(0);
+        DiskWatch {
+            folders,
+            baseline,
+            limit: spec.disk_bytes,
+        }
+    }
+
+    async fn measure(folders: Vec<PathBuf>) -> Option<u64> {
+        tokio::task::spawn_blocking(move || {
+            folders.iter().try_fold(0u64, |total, folder| {
+                crate::confined::disk_usage(folder, DISK_ENTRIES).map(|used| total + used)
+            })
+        })
+        .await
+        .ok()
+        .flatten()
+    }
+
+    /// Why the stage is over its allowance, if it is.
+    async fn exceeded(&self) -> Option<String> {
+        if self.folders.is_empty() {
+            return None;
+        }
+        let added = match Self::measure(self.folders.clone()).await {
+            Some(used) => used.saturating_sub(self.baseline),
+            None => {
+                return Some(format!(
+                    "it created more than {DISK_ENTRIES} files and folders; it was stopped"
+                ))
+            }
+        };
+        (added > self.limit).then(|| {
+            format!(
+                "it wrote {} MiB to its workspace, over the profile's disk limit of {} MiB; it was stopped",
+                added >> 20,
+                self.limit >> 20
+            )
+        })
+    }
+}
+
+/// The mounts of an agent stage: the source at `/workspace`, its inputs read-only at
+/// `/forge/input`, and a writable `/forge/output`.
+pub(super) fn agent_mounts(source: &Path, read_only: bool, stage_dir: &Path) -> Vec<Mount> {
+    vec![
+        Mount {
+            source: source.to_path_buf(),
+            target: "/workspace".into(),
+            read_only,
+        },
+        Mount {
+            source: stage_dir.join("input"),
+            target: "/forge/input".into(),
+            read_only: true,
+        },
+        Mount {
+            source: stage_dir.join("output"),
+            target: "/forge/output".into(),
+            read_only: false,
+        },
+    ]
+}
+
+fn chown_tree(dir: &Path, uid: u32, gid: u32) {
+    use std::os::unix::fs::MetadataExt;
+    let mut pending = vec![dir.to_path_buf()];
+    while let Some(path) = pending.pop() {
+        let Ok(metadata) = std::fs::symlink_metadata(&path) else {
+            continue;
+        };
+        if metadata.uid() != uid || metadata.gid() != gid {
+            let _ = std::os::unix::fs::lchown(&path, Some(uid), Some(gid));
+        }
+        if metadata.is_dir() {
+            if let Ok(entries) = std::fs::read_dir(&path) {
+                pending.extend(entries.flatten().map(|e| e.path()));
+            }
+        }
+    }
+}
