@@ -43,7 +43,7 @@ mod stage;
 mod verify;
 
 use context::RunContext;
-use stage::agent_mounts;
+use stage::{agent_mounts, PreparedStage, StagePlace, StageRequest};
 
 /// The exit code with which a stage says its provider paused (quota, rate limit, login).
 pub const EXIT_PAUSED: i64 = 75;
@@ -380,19 +380,23 @@ impl<R: ContainerRuntime> Engine<R> {
         &self,
         run: &mut RunContext<'_>,
     ) -> Option<Ahead<R::Created>> {
-        let spec = self
+        let prepared = self
             .implement_spec(run, 1, &RoundReason::Initial, 0)
             .await
             .ok()?;
-        let created = self.runtime.create_stage(spec.clone()).await.ok()?;
-        Some(Ahead { spec, created })
+        let created = self
+            .runtime
+            .create_stage(prepared.spec.clone())
+            .await
+            .ok()?;
+        Some(Ahead { prepared, created })
     }
 }
 
 /// The first implementer of a fresh run, prepared while its repository is cloned: its spec
 /// (its folders are written) and its container, not started.
 struct Ahead<C> {
-    spec: StageSpec,
+    prepared: PreparedStage,
     created: C,
 }
 

@@ -110,31 +110,24 @@ impl<R: ContainerRuntime> Engine<R> {
             Err(error) => return Ok(Input::StageFailed { reason: error }),
         };
         let mounts = agent_mounts(&copy, true, &stage_dir);
-        let spec = self.spec(
-            run,
-            Stage::FinalReview,
-            profile,
-            profile.command.clone(),
-            mounts,
-            profile.network,
-            profile.timeout_seconds,
-            0,
-            0,
-        );
         let round = run.rounds.last().map_or(0, |r| r.round);
-        let output = match self
-            .run_stage(
-                run,
-                sink,
-                cancel,
-                spec,
-                None,
-                Stage::FinalReview,
-                round,
-                None,
-            )
-            .await?
-        {
+        let prepared = self.prepare_stage(
+            run,
+            StageRequest {
+                place: StagePlace {
+                    stage: Stage::FinalReview,
+                    round,
+                    cycle: None,
+                },
+                profile,
+                command: profile.command.clone(),
+                mounts,
+                network: profile.network,
+                timeout_seconds: profile.timeout_seconds,
+                forge_cycle: 0,
+            },
+        );
+        let output = match self.run_stage(run, sink, cancel, prepared, None).await? {
             Ok(output) => output,
             Err(input) => return Ok(input),
         };

@@ -11,7 +11,7 @@ impl<R: ContainerRuntime> Engine<R> {
         round: u32,
         reason: &RoundReason,
         cycles_used: u32,
-    ) -> Result<StageSpec, String> {
+    ) -> Result<PreparedStage, String> {
         let job = run.job;
         let mut prompt = format!(
             "{}\n\n## Brief\n\n{}\n",
@@ -30,16 +30,21 @@ impl<R: ContainerRuntime> Engine<R> {
         let stage_dir = run.stage_dirs(Stage::Implement, &prompt, None).await?;
         let profile = &job.implementer;
         let mounts = agent_mounts(&run.repo.work_tree, false, &stage_dir);
-        Ok(self.spec(
+        Ok(self.prepare_stage(
             run,
-            Stage::Implement,
-            profile,
-            profile.command.clone(),
-            mounts,
-            profile.network,
-            profile.timeout_seconds,
-            cycles_used + 1,
-            round,
+            StageRequest {
+                place: StagePlace {
+                    stage: Stage::Implement,
+                    round,
+                    cycle: None,
+                },
+                profile,
+                command: profile.command.clone(),
+                mounts,
+                network: profile.network,
+                timeout_seconds: profile.timeout_seconds,
+                forge_cycle: cycles_used + 1,
+            },
         ))
     }
 
@@ -56,29 +61,17 @@ impl<R: ContainerRuntime> Engine<R> {
     ) -> Result<Input, PublishEvent> {
         let job = run.job;
         let profile = &job.implementer;
-        let (spec, created) = match ahead {
-            Some(ahead) => (ahead.spec, Some(ahead.created)),
+        let (prepared, created) = match ahead {
+            Some(ahead) => (ahead.prepared, Some(ahead.created)),
             None => match self.implement_spec(run, round, reason, cycles_used).await {
-                Ok(spec) => (spec, None),
+                Ok(prepared) => (prepared, None),
                 Err(error) => return Ok(Input::StageFailed { reason: error }),
             },
         };
         if let Err(error) = run.write_workspace_history().await {
             return Ok(Input::StageFailed { reason: error });
         }
-        let output = match self
-            .run_stage(
-                run,
-                sink,
-                cancel,
-                spec,
-                created,
-                Stage::Implement,
-                round,
-                None,
-            )
-            .await?
-        {
+        let output = match self.run_stage(run, sink, cancel, prepared, created).await? {
             Ok(output) => output,
             Err(input) => return Ok(input),
         };

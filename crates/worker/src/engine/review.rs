@@ -41,31 +41,24 @@ impl<R: ContainerRuntime> Engine<R> {
             Err(error) => return Ok(Input::StageFailed { reason: error }),
         };
         let mounts = agent_mounts(&copy, true, &stage_dir);
-        let spec = self.spec(
+        let prepared = self.prepare_stage(
             run,
-            Stage::Review,
-            profile,
-            profile.command.clone(),
-            mounts,
-            profile.network,
-            review.timeout_seconds,
-            cycle,
-            round,
+            StageRequest {
+                place: StagePlace {
+                    stage: Stage::Review,
+                    round,
+                    cycle: Some(cycle),
+                },
+                profile,
+                command: profile.command.clone(),
+                mounts,
+                network: profile.network,
+                timeout_seconds: review.timeout_seconds,
+                forge_cycle: cycle,
+            },
         );
         let started = Instant::now();
-        let output = match self
-            .run_stage(
-                run,
-                sink,
-                cancel,
-                spec,
-                None,
-                Stage::Review,
-                round,
-                Some(cycle),
-            )
-            .await?
-        {
+        let output = match self.run_stage(run, sink, cancel, prepared, None).await? {
             Ok(output) => output,
             Err(input) => return Ok(input),
         };

@@ -3,20 +3,53 @@
 
 use super::*;
 
+/// Where a stage stands in its run: its kind, its round and, for a review, its cycle.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct StagePlace {
+    pub(super) stage: Stage,
+    pub(super) round: u32,
+    pub(super) cycle: Option<u32>,
+}
+
+/// What a phase asks of one stage.
+#[derive(Debug)]
+pub(super) struct StageRequest<'p> {
+    pub(super) place: StagePlace,
+    /// The profile whose image, user, limits and secrets the container gets.
+    pub(super) profile: &'p AgentProfile,
+    pub(super) command: Vec<String>,
+    pub(super) mounts: Vec<Mount>,
+    pub(super) network: Network,
+    pub(super) timeout_seconds: u64,
+    /// `FORGE_CYCLE` in the container: the review cycle the stage belongs to (0 for none).
+    pub(super) forge_cycle: u32,
+}
+
+/// A stage ready to run: its container's spec and its place in the run.
+#[derive(Debug)]
+pub(super) struct PreparedStage {
+    pub(super) spec: StageSpec,
+    pub(super) place: StagePlace,
+}
+
 impl<R: ContainerRuntime> Engine<R> {
-    #[allow(clippy::too_many_arguments)]
-    pub(super) fn spec(
+    /// The container's spec for a request: forgepool's variables, the profile's secrets, its
+    /// user and limits, the labels and a unique name.
+    pub(super) fn prepare_stage(
         &self,
         run: &RunContext<'_>,
-        stage: Stage,
-        profile: &AgentProfile,
-        command: Vec<String>,
-        mounts: Vec<Mount>,
-        network: Network,
-        timeout_seconds: u64,
-        cycle: u32,
-        round: u32,
-    ) -> StageSpec {
+        request: StageRequest<'_>,
+    ) -> PreparedStage {
+        let StageRequest {
+            place,
+            profile,
+            command,
+            mounts,
+            network,
+            timeout_seconds,
+            forge_cycle: cycle,
+        } = request;
+        let (stage, round) = (place.stage, place.round);
         let job = run.job;
         let max_cycles = job.review.as_ref().map_or(0, |r| r.max_cycles);
         let mut env = vec![
@@ -50,7 +83,7 @@ impl<R: ContainerRuntime> Engine<R> {
         labels.insert(LABEL_RUN.to_string(), job.run_id.to_string());
         labels.insert(LABEL_STAGE.to_string(), stage.as_str().to_string());
         let short_id = &job.run_id.simple().to_string()[..12];
-        StageSpec {
+        let spec = StageSpec {
             name: format!(
                 "forgepool-{short_id}-{}-{}",
                 stage.as_str().replace('_', "-"),
@@ -72,23 +105,29 @@ impl<R: ContainerRuntime> Engine<R> {
             timeout: Duration::from_secs(timeout_seconds),
             labels,
             redact,
-        }
+        };
+        PreparedStage { spec, place }
     }
 
     /// Runs one stage container while forwarding its output and polling `.forge/`, then sweeps
     /// once more. A runtime error ends the run: `Err(input)` is that ending.
-    #[allow(clippy::too_many_arguments)]
     pub(super) async fn run_stage<S: EventSink>(
         &self,
         run: &mut RunContext<'_>,
         sink: &S,
         cancel: &CancellationToken,
-        spec: StageSpec,
+        prepared: PreparedStage,
         created: Option<R::Created>,
-        stage: Stage,
-        round: u32,
-        cycle: Option<u32>,
     ) -> Result<Result<StageOutput, Input>, PublishEvent> {
+        let PreparedStage {
+            spec,
+            place:
+                StagePlace {
+                    stage,
+                    round,
+                    cycle,
+                },
+        } = prepared;
         let run_id = run.job.run_id;
         tracing::Span::current().record("stage", stage.as_str());
         for mount in spec.mounts.iter().filter(|m| !m.read_only) {

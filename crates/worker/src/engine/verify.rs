@@ -29,23 +29,26 @@ impl<R: ContainerRuntime> Engine<R> {
                 target: "/workspace".into(),
                 read_only: false,
             }];
-            let mut spec = self.spec(
+            let mut prepared = self.prepare_stage(
                 run,
-                Stage::Verify,
-                &job.implementer,
-                command.argv.clone(),
-                mounts,
-                Network::None,
-                command.timeout,
-                0,
-                round,
+                StageRequest {
+                    place: StagePlace {
+                        stage: Stage::Verify,
+                        round,
+                        cycle: None,
+                    },
+                    profile: &job.implementer,
+                    command: command.argv.clone(),
+                    mounts,
+                    network: Network::None,
+                    timeout_seconds: command.timeout,
+                    forge_cycle: 0,
+                },
             );
-            spec.env.retain(|e| e.starts_with("FORGE_"));
-            spec.redact.clear();
-            let output = match self
-                .run_stage(run, sink, cancel, spec, None, Stage::Verify, round, None)
-                .await?
-            {
+            // Checks run the implementer's image without its secrets.
+            prepared.spec.env.retain(|e| e.starts_with("FORGE_"));
+            prepared.spec.redact.clear();
+            let output = match self.run_stage(run, sink, cancel, prepared, None).await? {
                 Ok(output) => output,
                 Err(input) => return Ok(input),
             };
