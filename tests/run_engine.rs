@@ -217,10 +217,10 @@ fn reviewer_timeout_is_a_rejection_that_says_so() {
             stage: proto::Stage::Review,
             outcome,
             ..
-        } => Some(outcome.clone()),
+        } => Some(*outcome),
         _ => None,
     });
-    assert_eq!(finished.as_deref(), Some("timed_out"));
+    assert_eq!(finished, Some(proto::StageOutcome::TimedOut));
     outcome.assert_no_containers_left();
 }
 

@@ -243,7 +243,7 @@ impl Dispatcher {
         let control = Control {
             schema_version: SCHEMA_VERSION,
             run_id,
-            action: "cancel".into(),
+            action: proto::ControlAction::Cancel,
         };
         let payload = serde_json::to_vec(&control).unwrap_or_default();
         // Control messages are not mandatory: no worker may hold the run right now.

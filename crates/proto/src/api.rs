@@ -109,8 +109,16 @@ pub struct Control {
     pub schema_version: u32,
     /// The run.
     pub run_id: Uuid,
-    /// What to do: `cancel`.
-    pub action: String,
+    /// What to do.
+    pub action: ControlAction,
+}
+
+/// What a control message asks of the worker running a run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ControlAction {
+    /// Stop the run's containers; the run ends `cancelled`.
+    Cancel,
 }
 
 #[cfg(test)]
@@ -135,7 +143,7 @@ mod tests {
         let control = Control {
             schema_version: 1,
             run_id: Uuid::new_v4(),
-            action: "cancel".into(),
+            action: ControlAction::Cancel,
         };
         let again: Control =
             serde_json::from_str(&serde_json::to_string(&control).unwrap()).unwrap();

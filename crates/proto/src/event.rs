@@ -71,8 +71,8 @@ pub enum EventKind {
         exit_code: Option<i64>,
         /// Wall time from create to removal.
         duration_seconds: f64,
-        /// `completed`, `failed`, `timed_out`, `paused` or `cancelled`.
-        outcome: String,
+        /// How it ended.
+        outcome: StageOutcome,
     },
     /// A line a stage container wrote.
     Log {
@@ -184,6 +184,35 @@ pub struct CycleRecord {
     /// never replaces forgepool's record of the same name.
     #[serde(default)]
     pub origin: CycleOrigin,
+}
+
+/// How a stage container ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum StageOutcome {
+    /// It exited 0.
+    Completed,
+    /// It exited with another code, or the runtime failed it.
+    Failed,
+    /// It ran past its time limit and was stopped.
+    TimedOut,
+    /// It exited 75: its provider paused.
+    Paused,
+    /// The run was cancelled, or the worker stopped it.
+    Cancelled,
+}
+
+impl StageOutcome {
+    /// The wire name, also the metrics label.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            StageOutcome::Completed => "completed",
+            StageOutcome::Failed => "failed",
+            StageOutcome::TimedOut => "timed_out",
+            StageOutcome::Paused => "paused",
+            StageOutcome::Cancelled => "cancelled",
+        }
+    }
 }
 
 /// Who wrote a review cycle file.

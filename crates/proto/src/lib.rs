@@ -16,11 +16,12 @@ pub mod signing;
 mod state;
 
 pub use api::{
-    ApiError, ApiErrorBody, Control, RunList, RunSummary, RunView, StateChange, SubmitResponse,
+    ApiError, ApiErrorBody, Control, ControlAction, RunList, RunSummary, RunView, StateChange,
+    SubmitResponse,
 };
 pub use event::{
     latest_checkpoint, resumed_event, CheckResult, Checkpoint, CycleOrigin, CycleRecord, Event,
-    EventKind, LogStream, RoundRecord, RunResult, Stage, MAX_CHECKPOINT_PATCH_BYTES,
+    EventKind, LogStream, RoundRecord, RunResult, Stage, StageOutcome, MAX_CHECKPOINT_PATCH_BYTES,
     RESUMED_REASON,
 };
 pub use job::{check_egress_entry, AgentProfile, Job, Network, ReviewConfig, DEFAULT_DISK_BYTES};

@@ -228,12 +228,7 @@ impl Metrics {
                 if self.role == Role::Worker {
                     self.containers_running.dec();
                 }
-                let outcome = match outcome.as_str() {
-                    known @ ("completed" | "failed" | "timed_out" | "paused" | "cancelled") => {
-                        known
-                    }
-                    _ => "other",
-                };
+                let outcome = outcome.as_str();
                 self.stage_duration
                     .with_label_values(&[stage.as_str(), outcome])
                     .observe(*duration_seconds);
@@ -398,7 +393,7 @@ mod tests {
                 cycle: Some(1),
                 exit_code: Some(0),
                 duration_seconds: 7.5,
-                outcome: "completed".into(),
+                outcome: proto::StageOutcome::Completed,
             },
             cycle(1, "rejected"),
             cycle(2, "approved"),
@@ -497,7 +492,7 @@ mod tests {
                 cycle: Some(1),
                 exit_code: Some(0),
                 duration_seconds: 1.0,
-                outcome: "completed".into(),
+                outcome: proto::StageOutcome::Completed,
             },
         );
         metrics.broker_reconnected("x");

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use proto::{
     AgentProfile, CheckResult, Checkpoint, CycleOrigin, CycleRecord, Event, EventKind, Job,
-    Network, RoundRecord, RunResult, RunState, Stage, MAX_CHECKPOINT_PATCH_BYTES,
+    Network, RoundRecord, RunResult, RunState, Stage, StageOutcome, MAX_CHECKPOINT_PATCH_BYTES,
 };
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;

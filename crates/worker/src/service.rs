@@ -1040,7 +1040,7 @@ async fn control_loop(shared: Arc<Shared>, shutdown: CancellationToken) {
                 next = consumer.next() => match next {
                     Some(Ok(delivery)) => {
                         if let Ok(control) = serde_json::from_slice::<Control>(&delivery.data) {
-                            if control.action == "cancel" {
+                            if control.action == proto::ControlAction::Cancel {
                                 if let Some(token) = shared.running.lock().await.get(&control.run_id) {
                                     info!(run_id = %control.run_id, "cancel requested");
                                     token.cancel();

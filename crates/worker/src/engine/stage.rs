@@ -220,26 +220,26 @@ impl<R: ContainerRuntime> Engine<R> {
                 StageExit::Exited(code) => (
                     Some(code),
                     if code == 0 {
-                        "completed"
+                        StageOutcome::Completed
                     } else if code == EXIT_PAUSED {
-                        "paused"
+                        StageOutcome::Paused
                     } else {
-                        "failed"
+                        StageOutcome::Failed
                     },
                     output.duration,
                 ),
-                StageExit::TimedOut => (None, "timed_out", output.duration),
-                StageExit::Cancelled => (None, "cancelled", output.duration),
+                StageExit::TimedOut => (None, StageOutcome::TimedOut, output.duration),
+                StageExit::Cancelled => (None, StageOutcome::Cancelled, output.duration),
             },
-            Err(_) => (None, "failed", Duration::ZERO),
+            Err(_) => (None, StageOutcome::Failed, Duration::ZERO),
         };
         let outcome_name = if disk_exceeded.is_some() {
-            "failed"
+            StageOutcome::Failed
         } else {
             outcome_name
         };
         tracing::info!(
-            outcome = outcome_name,
+            outcome = outcome_name.as_str(),
             exit_code,
             seconds = duration.as_secs_f64(),
             "stage finished"
@@ -253,7 +253,7 @@ impl<R: ContainerRuntime> Engine<R> {
                 cycle,
                 exit_code,
                 duration_seconds: duration.as_secs_f64(),
-                outcome: outcome_name.into(),
+                outcome: outcome_name,
             },
         )
         .await?;
