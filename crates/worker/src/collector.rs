@@ -74,7 +74,11 @@ impl CycleCollector {
         };
         let mut budget = MAX_SCAN_BYTES;
         for (step_name, kind) in steps {
-            if step_name == "history" || kind != EntryKind::Dir {
+            // Only step folders named by the step rule: the name reaches the report.
+            if step_name == "history"
+                || kind != EntryKind::Dir
+                || !proto::names::is_step(&step_name)
+            {
                 continue;
             }
             let Ok(step) = forge.subdir(Path::new(&step_name)) else {
@@ -154,6 +158,9 @@ fn parse_cycle(step: &str, file: &str, cycle: u32, bytes: &[u8]) -> Option<Cycle
     let content: serde_json::Value = serde_json::from_slice(bytes).ok()?;
     let object = content.as_object()?;
     let verdict = object.get("verdict")?.as_str()?.to_ascii_lowercase();
+    if verdict != "approved" && verdict != "rejected" {
+        return None;
+    }
     object.get("cycle")?.as_u64()?;
     Some(CycleRecord {
         step: step.to_string(),

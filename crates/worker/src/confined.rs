@@ -144,6 +144,11 @@ impl Confined {
     /// The entries of this folder (without `.` and `..`), at most [`MAX_ENTRIES`], with their
     /// kinds as the folder lists them (never by following a symlink).
     pub fn entries(&self) -> io::Result<Vec<(String, EntryKind)>> {
+        self.entries_up_to(MAX_ENTRIES)
+    }
+
+    /// Like [`Confined::entries`], at most `limit` of them.
+    pub fn entries_up_to(&self, limit: usize) -> io::Result<Vec<(String, EntryKind)>> {
         let handle = fs::openat(&self.dir, ".", dir_flags(), Mode::empty())?;
         let mut dir = fs::Dir::read_from(&handle)?;
         let mut found = Vec::new();
@@ -165,7 +170,7 @@ impl Confined {
                 _ => EntryKind::Other,
             };
             found.push((String::from_utf8_lossy(name).into_owned(), kind));
-            if found.len() >= MAX_ENTRIES {
+            if found.len() >= limit {
                 break;
             }
         }
@@ -212,16 +217,14 @@ impl Confined {
 }
 
 /// The disk space a folder's tree takes (allocated blocks, never through a symlink), up to
-/// `limit` entries; `None` when there are more (a tree that large is over any allowance).
+/// `limit` entries; `None` when there are more, or when a folder cannot be read (a tree that
+/// cannot be measured is over any allowance).
 pub fn disk_usage(root: &Path, limit: usize) -> Option<u64> {
     fn walk(dir: &Confined, total: &mut u64, seen: &mut usize, limit: usize, depth: usize) -> bool {
-        let Ok(entries) = dir.entries() else {
-            return true;
-        };
-        // A folder listed only in part cannot be measured: it counts as too large.
-        if entries.len() >= MAX_ENTRIES {
+        let room = limit.saturating_sub(*seen) + 1;
+        let Ok(entries) = dir.entries_up_to(room) else {
             return false;
-        }
+        };
         for (name, kind) in entries {
             *seen += 1;
             if *seen > limit || depth > 256 {
@@ -231,10 +234,15 @@ pub fn disk_usage(root: &Path, limit: usize) -> Option<u64> {
                 *total += u64::try_from(stat.st_blocks).unwrap_or(0) * 512;
             }
             if kind == EntryKind::Dir {
-                if let Ok(child) = dir.subdir(Path::new(&name)) {
-                    if !walk(&child, total, seen, limit, depth + 1) {
-                        return false;
+                match dir.subdir(Path::new(&name)) {
+                    Ok(child) => {
+                        if !walk(&child, total, seen, limit, depth + 1) {
+                            return false;
+                        }
                     }
+                    // Removed since it was listed: nothing to count.
+                    Err(ReadError::Missing) => {}
+                    Err(_) => return false,
                 }
             }
         }

@@ -186,23 +186,36 @@ impl DockerRuntime {
         Ok(url)
     }
 
-    /// Whether a container is running.
+    /// Whether a container is running. Only a clear answer counts as gone (no such container,
+    /// or stopped); an engine that did not answer leaves it be.
     async fn running(&self, name: &str) -> bool {
-        matches!(
-            bounded(
-                "inspect container",
-                API_TIMEOUT,
-                self.docker.inspect_container(name, None),
-            )
-            .await,
-            Ok(Ok(inspected)) if inspected.state.as_ref().and_then(|s| s.running) == Some(true)
+        match bounded(
+            "inspect container",
+            API_TIMEOUT,
+            self.docker.inspect_container(name, None),
         )
+        .await
+        {
+            Ok(Ok(inspected)) => inspected.state.as_ref().and_then(|s| s.running) != Some(false),
+            Ok(Err(bollard::errors::Error::DockerResponseServerError {
+                status_code: 404, ..
+            })) => false,
+            _ => true,
+        }
     }
 
     async fn create_egress_network(&self) -> Result<(), RuntimeError> {
         let mut labels = HashMap::new();
-        labels.insert(LABEL_MANAGED.to_string(), "true".to_string());
-        labels.insert(LABEL_INSTANCE.to_string(), self.identity.instance.clone());
+        for (key, value) in [
+            (LABEL_MANAGED, "true".to_string()),
+            (LABEL_WORKER, self.identity.worker.clone()),
+            (LABEL_INSTANCE, self.identity.instance.clone()),
+            (LABEL_HOST, self.identity.host.clone()),
+            (LABEL_PID, self.identity.pid.to_string()),
+            (LABEL_CLUSTER, self.identity.cluster.clone()),
+        ] {
+            labels.insert(key.to_string(), value);
+        }
         let options = bollard::network::CreateNetworkOptions {
             name: self.egress_network(),
             driver: "bridge".to_string(),
@@ -368,9 +381,10 @@ impl DockerRuntime {
         })
     }
 
-    /// Removes the egress networks of other instances that nothing uses any more (a worker
-    /// killed before it could remove its own). A network in use cannot be removed, so a live
-    /// worker's is never touched.
+    /// Removes the egress networks of worker processes that are gone: an earlier instance of
+    /// this worker, or a process on this host that no longer runs (the same rule as for
+    /// containers). A live worker's network is never touched, and one in use cannot be
+    /// removed anyway.
     async fn remove_orphan_networks(&self) {
         let mut filters = HashMap::new();
         filters.insert("label".to_string(), vec![format!("{LABEL_MANAGED}=true")]);
@@ -385,12 +399,14 @@ impl DockerRuntime {
             return;
         };
         for network in networks {
-            let instance = network
-                .labels
-                .as_ref()
-                .and_then(|l| l.get(LABEL_INSTANCE))
-                .map(String::as_str);
-            if instance == Some(self.identity.instance.as_str()) {
+            let labels = network.labels.clone().unwrap_or_default();
+            let label = |key: &str| labels.get(key).map(String::as_str).unwrap_or("");
+            let gone = label(LABEL_INSTANCE) != self.identity.instance
+                && label(LABEL_CLUSTER) == self.identity.cluster
+                && (label(LABEL_WORKER) == self.identity.worker
+                    || (label(LABEL_HOST) == self.identity.host
+                        && !process_alive(label(LABEL_PID))));
+            if !gone {
                 continue;
             }
             if let Some(name) = network.name {
@@ -943,12 +959,19 @@ impl Collected {
                 // A line without end is forwarded in pieces: the buffer stays bounded. The
                 // last bytes stay behind, so that a secret is never cut in two pieces that
                 // redaction would each miss.
-                let keep = secrets.iter().map(String::len).max().unwrap_or(0);
-                let mut cut = slot.len().saturating_sub(keep);
-                while !slot.is_char_boundary(cut) {
+                let redacted = redact(slot, secrets);
+                let keep = secrets
+                    .iter()
+                    .map(String::len)
+                    .max()
+                    .unwrap_or(1)
+                    .saturating_sub(1);
+                let mut cut = redacted.len().saturating_sub(keep);
+                while !redacted.is_char_boundary(cut) {
                     cut -= 1;
                 }
-                let piece: String = slot.drain(..cut).collect();
+                *slot = redacted[cut..].to_string();
+                let piece = redacted[..cut].to_string();
                 self.emit(&piece, stream_kind, secrets, logs).await;
             }
         }

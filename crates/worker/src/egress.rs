@@ -314,7 +314,35 @@ async fn handle(mut client: TcpStream, expected: &str, allow: &Allowlist) -> std
             }
         }
         forwarded.push_str("Connection: close\r\n\r\n");
+        // Exactly this request's body, then only the answer flows: whatever the client sends
+        // after it (a pipelined request for another host) never reaches the target.
+        let header = |wanted: &str| {
+            headers.iter().find_map(|h| {
+                let (name, value) = h.split_once(':')?;
+                name.trim()
+                    .eq_ignore_ascii_case(wanted)
+                    .then(|| value.trim().to_string())
+            })
+        };
+        if header("transfer-encoding").is_some() {
+            return refuse(&mut client, 400, "chunked request bodies are not proxied").await;
+        }
+        let length: u64 = match header("content-length").map(|v| v.parse()) {
+            None => 0,
+            Some(Ok(length)) => length,
+            Some(Err(_)) => return refuse(&mut client, 400, "a bad Content-Length").await,
+        };
         upstream.write_all(forwarded.as_bytes()).await?;
+        let first = rest
+            .len()
+            .min(usize::try_from(length).unwrap_or(usize::MAX));
+        upstream.write_all(&rest[..first]).await?;
+        let remaining = length - first as u64;
+        if remaining > 0 {
+            tokio::io::copy(&mut (&mut client).take(remaining), &mut upstream).await?;
+        }
+        tokio::io::copy(&mut upstream, &mut client).await?;
+        return Ok(());
     }
     if !rest.is_empty() {
         upstream.write_all(&rest).await?;

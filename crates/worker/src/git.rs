@@ -119,10 +119,19 @@ impl Repo {
             if std::fs::symlink_metadata(&to).is_ok() {
                 remove_any(&to)?;
             }
+            let sha256 = std::fs::read_to_string(from.join("config"))
+                .is_ok_and(|c| c.contains("objectformat = sha256"));
             copy_tree(&from, &to)?;
             // The copy's configuration is forgepool's minimum: no remote (its URL may carry
-            // credentials), no branch tracking.
-            std::fs::write(to.join("config"), DISPOSABLE_CONFIG)
+            // credentials), no branch tracking; only the object format is kept.
+            let config = if sha256 {
+                DISPOSABLE_CONFIG
+                    .replace("repositoryformatversion = 0", "repositoryformatversion = 1")
+                    + "[extensions]\n\tobjectformat = sha256\n"
+            } else {
+                DISPOSABLE_CONFIG.to_string()
+            };
+            std::fs::write(to.join("config"), config)
         })
         .await
         .map_err(|e| GitError::Spawn(std::io::Error::other(e)))?
