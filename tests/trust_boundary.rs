@@ -328,6 +328,76 @@ fn a_reviewer_printing_millions_of_lines_stores_a_bounded_log() {
 }
 
 #[test]
+fn a_run_whose_reviewer_floods_its_output_can_be_cancelled() {
+    let fixture = Fixture::new(Some(&review(1)), &["change"], &["flood-forever"]);
+    let file = fixture.dir.path().join("request.toml");
+    std::fs::write(
+        &file,
+        format!(
+            "ticket = \"TEST-1\"\nskill = \"implement-task\"\nbrief = \"b\"\n[repository]\nurl = \"file://{}\"\n",
+            fixture.bare.display()
+        ),
+    )
+    .unwrap();
+    let mut command = fixture.command();
+    command
+        .arg("run")
+        .arg(&file)
+        .arg("--skills")
+        .arg(&fixture.skills)
+        .arg("--agents")
+        .arg(&fixture.agents)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    let mut child = command.spawn().unwrap();
+    let mut stdout = child.stdout.take().unwrap();
+    let reader = std::thread::spawn(move || {
+        let mut text = String::new();
+        let _ = stdout.read_to_string(&mut text);
+        text
+    });
+    // Once the reviewer floods (well past the stored cap), a SIGTERM cancels the run.
+    let watched = fixture.dir.path().to_string_lossy().to_string();
+    let started = Instant::now();
+    loop {
+        let seen = inspect_stage_containers_once(&watched);
+        if seen.contains_key("review") {
+            break;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(120),
+            "the review stage never started"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    std::thread::sleep(Duration::from_secs(3));
+    let _ = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status();
+    let stopped = Instant::now();
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        assert!(
+            stopped.elapsed() < Duration::from_secs(60),
+            "a flooding run did not end within 60 s of its cancel"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    let outcome = fixture.read_back(
+        status.code().unwrap_or(-1),
+        reader.join().unwrap(),
+        String::new(),
+    );
+    assert_eq!(outcome.code, 1, "{}", outcome.printed());
+    assert_eq!(outcome.record().state, RunState::Cancelled);
+    assert!(review_log_bytes(&outcome) <= (1 << 20) + 4096);
+    outcome.assert_no_containers_left();
+}
+
+#[test]
 fn a_stage_writing_past_its_disk_limit_is_stopped() {
     let fixture = Fixture::new(None, &["disk-hog"], &["approve"]);
     let agents = std::fs::read_to_string(&fixture.agents)
@@ -657,49 +727,60 @@ fn run_measured(fixture: &Fixture) -> (Outcome, u64) {
     (outcome, peak)
 }
 
+/// The forgepool containers running now whose mounts lie under `dir`, by stage.
+fn inspect_stage_containers_once(dir: &str) -> BTreeMap<String, serde_json::Value> {
+    let mut seen = BTreeMap::new();
+    collect_stage_containers(dir, &mut seen);
+    seen
+}
+
 /// Inspects every forgepool container whose mounts lie under `dir` while a run goes on, and
 /// returns the first configuration seen of each stage.
 fn inspect_stage_containers(dir: &str) -> BTreeMap<String, serde_json::Value> {
     let mut seen = BTreeMap::new();
     let started = Instant::now();
     while started.elapsed() < Duration::from_secs(200) {
-        let listed = common::output_within(
-            Command::new("docker").args(["ps", "-q", "--filter", "label=forgepool.managed=true"]),
-            common::COMMAND_LIMIT,
-        );
-        let ids: Vec<String> = String::from_utf8_lossy(&listed.stdout)
-            .split_whitespace()
-            .map(String::from)
-            .collect();
-        for id in ids {
-            let inspected = common::output_within(
-                Command::new("docker").args(["inspect", &id]),
-                common::COMMAND_LIMIT,
-            );
-            let Ok(mut configs) =
-                serde_json::from_slice::<Vec<serde_json::Value>>(&inspected.stdout)
-            else {
-                continue;
-            };
-            let Some(config) = configs.pop() else {
-                continue;
-            };
-            let ours = config["Mounts"].as_array().is_some_and(|mounts| {
-                mounts
-                    .iter()
-                    .any(|m| m["Source"].as_str().is_some_and(|s| s.starts_with(dir)))
-            });
-            if !ours {
-                continue;
-            }
-            if let Some(stage) = config["Config"]["Labels"]["forgepool.stage"].as_str() {
-                seen.entry(stage.to_string()).or_insert(config);
-            }
-        }
+        collect_stage_containers(dir, &mut seen);
         if seen.len() == 4 {
             break;
         }
         std::thread::sleep(Duration::from_millis(100));
     }
     seen
+}
+
+/// Adds the configuration of each running forgepool container under `dir` not seen yet.
+fn collect_stage_containers(dir: &str, seen: &mut BTreeMap<String, serde_json::Value>) {
+    let listed = common::output_within(
+        Command::new("docker").args(["ps", "-q", "--filter", "label=forgepool.managed=true"]),
+        common::COMMAND_LIMIT,
+    );
+    let ids: Vec<String> = String::from_utf8_lossy(&listed.stdout)
+        .split_whitespace()
+        .map(String::from)
+        .collect();
+    for id in ids {
+        let inspected = common::output_within(
+            Command::new("docker").args(["inspect", &id]),
+            common::COMMAND_LIMIT,
+        );
+        let Ok(mut configs) = serde_json::from_slice::<Vec<serde_json::Value>>(&inspected.stdout)
+        else {
+            continue;
+        };
+        let Some(config) = configs.pop() else {
+            continue;
+        };
+        let ours = config["Mounts"].as_array().is_some_and(|mounts| {
+            mounts
+                .iter()
+                .any(|m| m["Source"].as_str().is_some_and(|s| s.starts_with(dir)))
+        });
+        if !ours {
+            continue;
+        }
+        if let Some(stage) = config["Config"]["Labels"]["forgepool.stage"].as_str() {
+            seen.entry(stage.to_string()).or_insert(config);
+        }
+    }
 }

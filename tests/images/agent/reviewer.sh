@@ -8,6 +8,7 @@
 #   crash     exits 9
 #   flood-line   prints 200 MB without a newline, then exits 0 (no verdict)
 #   flood-lines  prints 60 MB of short lines (two million), then APPROVED
+#   flood-forever  prints short lines until it is stopped
 #   leak      puts $AGENT_SECRET in its verdicts: REJECTED on cycle 1, APPROVED after (it must
 #             come back redacted everywhere)
 set -eu
@@ -27,6 +28,7 @@ case "$mode" in
   sleep) sleep "${2:-30}"; echo "APPROVED" ;;
   crash) echo "reviewer blew up" >&2; exit 9 ;;
   flood-line) head -c 200000000 /dev/zero | tr '\000' 'x' ;;
+  flood-forever) yes 'a short line of review output, for ever' ;;
   flood-lines) yes 'a short line of review output' | head -c 60000000; echo "APPROVED" ;;
   leak)
     echo "debug: using key ${AGENT_SECRET:-unset}" >&2
