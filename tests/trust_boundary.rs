@@ -330,27 +330,7 @@ fn a_reviewer_printing_millions_of_lines_stores_a_bounded_log() {
 #[test]
 fn a_run_whose_reviewer_floods_its_output_can_be_cancelled() {
     let fixture = Fixture::new(Some(&review(1)), &["change"], &["flood-forever"]);
-    let file = fixture.dir.path().join("request.toml");
-    std::fs::write(
-        &file,
-        format!(
-            "ticket = \"TEST-1\"\nskill = \"implement-task\"\nbrief = \"b\"\n[repository]\nurl = \"file://{}\"\n",
-            fixture.bare.display()
-        ),
-    )
-    .unwrap();
-    let mut command = fixture.command();
-    command
-        .arg("run")
-        .arg(&file)
-        .arg("--skills")
-        .arg(&fixture.skills)
-        .arg("--agents")
-        .arg(&fixture.agents)
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped());
-    let mut child = command.spawn().unwrap();
+    let mut child = spawn_run(&fixture);
     let mut stdout = child.stdout.take().unwrap();
     let reader = std::thread::spawn(move || {
         let mut text = String::new();
@@ -661,9 +641,8 @@ fn review_log_bytes(outcome: &Outcome) -> usize {
         .sum()
 }
 
-/// Runs the fixture's default request and returns what the user sees and forgepool's peak
-/// resident memory in KiB (`VmHWM`, read while it runs).
-fn run_measured(fixture: &Fixture) -> (Outcome, u64) {
+/// Starts `forgepool run` on the fixture's default request with its output piped.
+fn spawn_run(fixture: &Fixture) -> std::process::Child {
     let file = fixture.dir.path().join("request.toml");
     std::fs::write(
         &file,
@@ -684,7 +663,13 @@ fn run_measured(fixture: &Fixture) -> (Outcome, u64) {
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
-    let mut child = command.spawn().unwrap();
+    command.spawn().unwrap()
+}
+
+/// Runs the fixture's default request and returns what the user sees and forgepool's peak
+/// resident memory in KiB (`VmHWM`, read while it runs).
+fn run_measured(fixture: &Fixture) -> (Outcome, u64) {
+    let mut child = spawn_run(fixture);
     let status_file = format!("/proc/{}/status", child.id());
     let mut stdout = child.stdout.take().unwrap();
     let mut stderr = child.stderr.take().unwrap();

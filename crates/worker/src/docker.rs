@@ -204,18 +204,24 @@ impl DockerRuntime {
         }
     }
 
-    async fn create_egress_network(&self) -> Result<(), RuntimeError> {
-        let mut labels = HashMap::new();
-        for (key, value) in [
+    /// The labels that say which worker process owns a container or network, so that the
+    /// orphan sweeps can tell a live owner from a gone one.
+    fn owner_labels(&self) -> HashMap<String, String> {
+        [
             (LABEL_MANAGED, "true".to_string()),
             (LABEL_WORKER, self.identity.worker.clone()),
             (LABEL_INSTANCE, self.identity.instance.clone()),
             (LABEL_HOST, self.identity.host.clone()),
             (LABEL_PID, self.identity.pid.to_string()),
             (LABEL_CLUSTER, self.identity.cluster.clone()),
-        ] {
-            labels.insert(key.to_string(), value);
-        }
+        ]
+        .into_iter()
+        .map(|(key, value)| (key.to_string(), value))
+        .collect()
+    }
+
+    async fn create_egress_network(&self) -> Result<(), RuntimeError> {
+        let labels = self.owner_labels();
         let options = bollard::network::CreateNetworkOptions {
             name: self.egress_network(),
             driver: "bridge".to_string(),
@@ -258,18 +264,8 @@ impl DockerRuntime {
             image: self.egress_image.clone(),
             detail: format!("cannot start the egress proxy: {detail}"),
         };
-        let mut labels = HashMap::new();
-        for (key, value) in [
-            (LABEL_MANAGED, "true".to_string()),
-            (LABEL_WORKER, self.identity.worker.clone()),
-            (LABEL_INSTANCE, self.identity.instance.clone()),
-            (LABEL_HOST, self.identity.host.clone()),
-            (LABEL_PID, self.identity.pid.to_string()),
-            (LABEL_CLUSTER, self.identity.cluster.clone()),
-            (LABEL_STAGE, "egress_proxy".to_string()),
-        ] {
-            labels.insert(key.to_string(), value);
-        }
+        let mut labels = self.owner_labels();
+        labels.insert(LABEL_STAGE.to_string(), "egress_proxy".to_string());
         let config = Config {
             image: Some(self.egress_image.clone()),
             cmd: Some(vec!["egress-proxy".to_string()]),
@@ -492,12 +488,7 @@ impl DockerRuntime {
     /// The container configuration for a stage: image, command, hardening, limits and labels.
     pub fn container_config(&self, spec: &StageSpec) -> Config<String> {
         let mut labels = spec.labels.clone();
-        labels.insert(LABEL_MANAGED.into(), "true".into());
-        labels.insert(LABEL_WORKER.into(), self.identity.worker.clone());
-        labels.insert(LABEL_INSTANCE.into(), self.identity.instance.clone());
-        labels.insert(LABEL_HOST.into(), self.identity.host.clone());
-        labels.insert(LABEL_PID.into(), self.identity.pid.to_string());
-        labels.insert(LABEL_CLUSTER.into(), self.identity.cluster.clone());
+        labels.extend(self.owner_labels());
         // A container may be created while its run's repository is still being cloned, so
         // its deadline also covers the longest clone.
         let deadline = unix_now()
