@@ -19,7 +19,8 @@ use proto::{ApiError, ApiErrorBody, RunList, RunState, RunView, StateChange, Sub
 use serde::Deserialize;
 use uuid::Uuid;
 
-use crate::service::{Dispatcher, ResumeFailure, SubmitFailure};
+use crate::dispatcher::{Dispatcher, ResumeFailure, SubmitFailure};
+use crate::streams::StreamSlot;
 use crate::store::{RunFilter, RunRecord, RunStore};
 use crate::SubmitError;
 
@@ -385,52 +386,6 @@ async fn resume(
     }
 }
 
-/// How many event streams are open on each run.
-#[derive(Debug, Default)]
-pub struct StreamCounts(std::sync::Mutex<std::collections::HashMap<Uuid, usize>>);
-
-/// One open event stream of a run; it frees its place when the stream is dropped.
-struct StreamSlot {
-    dispatcher: Arc<Dispatcher>,
-    run_id: Uuid,
-}
-
-impl StreamSlot {
-    fn take(dispatcher: &Arc<Dispatcher>, run_id: Uuid) -> Option<StreamSlot> {
-        let mut counts = dispatcher
-            .streams
-            .0
-            .lock()
-            .unwrap_or_else(|e| e.into_inner());
-        let count = counts.entry(run_id).or_insert(0);
-        if *count >= MAX_STREAMS_PER_RUN {
-            return None;
-        }
-        *count += 1;
-        Some(StreamSlot {
-            dispatcher: Arc::clone(dispatcher),
-            run_id,
-        })
-    }
-}
-
-impl Drop for StreamSlot {
-    fn drop(&mut self) {
-        let mut counts = self
-            .dispatcher
-            .streams
-            .0
-            .lock()
-            .unwrap_or_else(|e| e.into_inner());
-        if let Some(count) = counts.get_mut(&self.run_id) {
-            *count -= 1;
-            if *count == 0 {
-                counts.remove(&self.run_id);
-            }
-        }
-    }
-}
-
 /// Where one Server-Sent Events stream is.
 struct Follow {
     _slot: StreamSlot,
@@ -460,7 +415,7 @@ async fn events(
         .and_then(|v| v.trim().parse::<i64>().ok())
         .filter(|p| *p >= 0)
         .unwrap_or(0);
-    let slot = StreamSlot::take(&dispatcher, run_id).ok_or_else(|| {
+    let slot = StreamSlot::take(&dispatcher.streams, run_id, MAX_STREAMS_PER_RUN).ok_or_else(|| {
         Failure::new(
             StatusCode::TOO_MANY_REQUESTS,
             "too_many_streams",

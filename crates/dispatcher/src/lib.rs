@@ -5,6 +5,8 @@
 //! publishes about it, and watchers read both back.
 
 pub mod agents;
+pub mod amqp;
+pub mod dispatcher;
 pub mod freeze;
 pub mod http;
 pub mod names;
@@ -14,6 +16,7 @@ pub mod serve;
 pub mod service;
 pub mod skills;
 pub mod store;
+pub mod streams;
 
 use std::path::PathBuf;
 

@@ -5,7 +5,9 @@
 //! [`docker`]), collects cycle files ([`collector`]), reads verdicts ([`verdict`]), delivers
 //! with [`git`], and reports through the event seam ([`sink`]).
 
+pub mod amqp;
 pub mod collector;
+pub mod config;
 pub mod confined;
 pub mod docker;
 pub mod egress;

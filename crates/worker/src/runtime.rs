@@ -4,7 +4,7 @@
 //! with a [`StageSpec`] and gets back a [`StageOutput`]; the Docker implementation creates,
 //! starts, streams, waits for, kills on timeout and always removes the container.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::future::Future;
 use std::path::PathBuf;
 use std::time::Duration;
@@ -223,6 +223,25 @@ pub trait ContainerRuntime: Send + Sync + 'static {
     /// Removes containers left by earlier instances of this worker, and overdue containers of
     /// any worker. Returns how many were removed.
     fn remove_orphans(&self) -> impl Future<Output = Result<usize, RuntimeError>> + Send;
+
+    /// This process's instance id, carried by everything it makes.
+    fn instance(&self) -> &str;
+
+    /// The instances of this worker's cluster, other than this one, that own containers here.
+    fn other_instances(
+        &self,
+    ) -> impl Future<Output = Result<HashSet<String>, RuntimeError>> + Send;
+
+    /// Removes everything a worker instance known to be gone left. Returns how many
+    /// containers were removed.
+    fn remove_instance(
+        &self,
+        instance: &str,
+    ) -> impl Future<Output = Result<usize, RuntimeError>> + Send;
+
+    /// Releases what this process made beside its stage containers (egress proxies and their
+    /// network), at shutdown.
+    fn close(&self) -> impl Future<Output = ()> + Send;
 }
 
 /// Replaces every secret value in `text` with `[REDACTED]`.

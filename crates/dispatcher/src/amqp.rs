@@ -1,0 +1,284 @@
+//! The dispatcher's AMQP wing: its three consumers (events, submissions, dead letters) and
+//! their handlers. Each handler decides a [`Disposition`]; [`Dispatcher::settle`] carries it
+//! out, in one place.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use proto::amqp::{self, Consume, DeadLetters, Delivery, Disposition, Session};
+use proto::{Event, EventKind, RunRequest, RunState};
+use tokio_util::sync::CancellationToken;
+use tracing::{info_span, warn, Instrument};
+use uuid::Uuid;
+
+use crate::dispatcher::{Dispatcher, SubmitFailure};
+use crate::store::RunStore;
+
+/// The queues the dispatcher consumes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Queue {
+    /// Every event workers publish.
+    Events,
+    /// Run requests from external producers.
+    Submissions,
+    /// The dispatcher's copy of every dead letter.
+    DeadLetters,
+}
+
+/// One of the dispatcher's consumers.
+struct Consumer {
+    dispatcher: Arc<Dispatcher>,
+    queue: Queue,
+}
+
+impl Consumer {
+    fn source(&self) -> String {
+        let topology = &self.dispatcher.topology;
+        match self.queue {
+            Queue::Events => topology.dispatcher_events(),
+            Queue::Submissions => topology.submissions(),
+            Queue::DeadLetters => topology.dispatcher_dead(),
+        }
+    }
+}
+
+impl Consume for Consumer {
+    fn name(&self) -> &str {
+        match self.queue {
+            Queue::Events => "forgepool-dispatcher-events",
+            Queue::Submissions => "forgepool-dispatcher-submissions",
+            Queue::DeadLetters => "forgepool-dispatcher-dead",
+        }
+    }
+
+    async fn open(&self, _again: bool) -> Result<Session, amqp::AmqpError> {
+        let dispatcher = &self.dispatcher;
+        amqp::open_consumer(
+            &dispatcher.amqp_url,
+            self.name(),
+            &dispatcher.topology,
+            &self.source(),
+            64,
+        )
+        .await
+    }
+
+    async fn handle(&self, delivery: Delivery) {
+        let dispatcher = &self.dispatcher;
+        let source = self.source();
+        match self.queue {
+            Queue::Events => {
+                let disposition = handle_event(dispatcher, &delivery).await;
+                dispatcher.settle(&delivery, disposition, &source).await;
+            }
+            Queue::Submissions => {
+                let (disposition, reply) = handle_submission(dispatcher, &delivery).await;
+                dispatcher.settle(&delivery, disposition, &source).await;
+                if let Some((reply_to, body)) = reply {
+                    let payload = serde_json::to_vec(&body).unwrap_or_default();
+                    let replied = dispatcher.publisher.publish("", &reply_to, &payload, None);
+                    if let Err(error) = replied.await {
+                        warn!(%error, "cannot reply to the submitter");
+                    }
+                }
+            }
+            Queue::DeadLetters => {
+                let disposition = handle_dead_letter(dispatcher, &delivery).await;
+                dispatcher.settle(&delivery, disposition, &source).await;
+            }
+        }
+    }
+
+    fn connected(&self, again: bool) {
+        if again {
+            self.dispatcher.metrics.broker_reconnected(self.name());
+        }
+        if self.queue == Queue::Events {
+            self.dispatcher.broker_ready.store(true, Ordering::SeqCst);
+        }
+    }
+
+    fn disconnected(&self) {
+        if self.queue == Queue::Events {
+            self.dispatcher.broker_ready.store(false, Ordering::SeqCst);
+        }
+    }
+}
+
+/// Consumes `queue` until shutdown, reconnecting after a lost connection.
+pub async fn consume(dispatcher: Arc<Dispatcher>, queue: Queue, shutdown: CancellationToken) {
+    let consumer = Consumer { dispatcher, queue };
+    if let Some(session) = amqp::consume(&consumer, &shutdown).await {
+        session.close().await;
+    }
+}
+
+impl Dispatcher {
+    /// Settles a delivery taken from `source` as its handler decided, counting dead letters.
+    async fn settle(&self, delivery: &Delivery, disposition: Disposition, source: &str) {
+        if matches!(disposition, Disposition::DeadLetter(_)) {
+            self.metrics.dead_lettered(source);
+        }
+        let dead_letters = DeadLetters {
+            publisher: &self.publisher,
+            topology: &self.topology,
+            source,
+        };
+        if let Err(error) = amqp::settle(delivery, disposition, dead_letters).await {
+            warn!(%error, source, "cannot settle a delivery; the broker offers it again");
+        }
+    }
+}
+
+/// The largest message the dispatcher reads from a queue.
+pub const MAX_MESSAGE_BYTES: usize = 8 * 1024 * 1024;
+
+/// Decodes a message, refusing oversized ones and a missing or unknown `schema_version` first.
+pub fn decode<T: serde::de::DeserializeOwned>(data: &[u8]) -> Result<T, String> {
+    proto::decode_message(data, MAX_MESSAGE_BYTES)
+}
+
+/// Stores an event before it is acknowledged; an event of an unknown run is dead-lettered.
+async fn handle_event(dispatcher: &Dispatcher, delivery: &Delivery) -> Disposition {
+    let event = match decode::<Event>(&delivery.data) {
+        Ok(event) => event,
+        Err(reason) => return Disposition::DeadLetter(format!("not a valid event: {reason}")),
+    };
+    let span = info_span!("event", run_id = %event.run_id, kind = event.kind.name());
+    async {
+        let record = dispatcher.store.get_run(event.run_id).await.ok().flatten();
+        let Some(record) = record else {
+            return Disposition::DeadLetter(format!("event for unknown run {}", event.run_id));
+        };
+        // A cycle file rewritten in place is one review cycle.
+        let repeats = match &event.kind {
+            EventKind::Cycle { cycle } => record
+                .cycles
+                .iter()
+                .any(|c| c.step == cycle.step && c.file == cycle.file),
+            _ => false,
+        };
+        match dispatcher
+            .store_event_after(record.state, &record.job, &event, repeats)
+            .await
+        {
+            Ok(_) => {
+                // A worker picked up a run that was cancelled while queued: tell it again.
+                let started = matches!(
+                    event.kind,
+                    EventKind::State {
+                        state: RunState::Running,
+                        ..
+                    }
+                );
+                if record.state == RunState::Cancelled && started {
+                    let _ = dispatcher.publish_cancel(event.run_id).await;
+                }
+                Disposition::Ack
+            }
+            Err(error) => {
+                warn!(%error, "cannot store event; it will be delivered again");
+                Disposition::Retry
+            }
+        }
+    }
+    .instrument(span)
+    .await
+}
+
+/// A reply to a submitter: its queue and the body.
+type Reply = (String, serde_json::Value);
+
+/// Submits a run request from the submission queue; the reply (to `reply_to`, when the
+/// message names one) is sent once the delivery is settled.
+async fn handle_submission(
+    dispatcher: &Dispatcher,
+    delivery: &Delivery,
+) -> (Disposition, Option<Reply>) {
+    if delivery.data.len() > crate::freeze::MAX_REQUEST_BYTES {
+        let reason = format!(
+            "oversized message: {} bytes, over the request limit of {}",
+            delivery.data.len(),
+            crate::freeze::MAX_REQUEST_BYTES
+        );
+        return (Disposition::DeadLetter(reason), None);
+    }
+    let request = match decode::<RunRequest>(&delivery.data) {
+        Ok(request) => request,
+        Err(reason) => {
+            let reason = format!("not a valid run request: {reason}");
+            return (Disposition::DeadLetter(reason), None);
+        }
+    };
+    let reply_to = delivery
+        .properties
+        .reply_to()
+        .as_ref()
+        .map(|r| r.to_string());
+    let (disposition, body) = match dispatcher.submit(request).await {
+        Ok(frozen) => (
+            Disposition::Ack,
+            serde_json::json!({"run_id": frozen.job.run_id, "state": "queued", "warnings": frozen.warnings}),
+        ),
+        Err(SubmitFailure::Invalid(error)) => (
+            Disposition::DeadLetter(format!("refused: {error}")),
+            serde_json::json!({"error": {"code": error.code(), "message": error.to_string(), "field": error.field()}}),
+        ),
+        Err(SubmitFailure::Store(error)) => {
+            warn!(%error, "cannot store a submission; it will be delivered again");
+            return (Disposition::Requeue, None);
+        }
+    };
+    (disposition, reply_to.map(|reply_to| (reply_to, body)))
+}
+
+/// A job taken off the jobs queue for good (refused by a worker, or given up on by the broker
+/// after its delivery limit) fails its run, which would otherwise stay `queued` for ever. Other
+/// dead letters are only kept in `{prefix}.dead` for operators.
+async fn handle_dead_letter(dispatcher: &Dispatcher, delivery: &Delivery) -> Disposition {
+    let (source, reason) = amqp::dead_letter_origin(&delivery.properties);
+    let topology = &dispatcher.topology;
+    let from_jobs = source.is_some_and(|queue| queue == topology.jobs() || queue == topology.jobs_wait());
+    // Only a job this dispatcher signed may fail its run: a forged message naming a real run
+    // (refused by a worker) must not end that run.
+    let signature = amqp::header_text(&delivery.properties, proto::SIGNATURE_HEADER);
+    let signed = dispatcher
+        .job_key
+        .verify(&delivery.data, signature.as_deref())
+        .is_ok();
+    let run_id = serde_json::from_slice::<serde_json::Value>(&delivery.data)
+        .ok()
+        .filter(|_| signed)
+        .and_then(|message| Uuid::parse_str(message.get("run_id")?.as_str()?).ok());
+    let (true, Some(run_id)) = (from_jobs, run_id) else {
+        return Disposition::Ack;
+    };
+    match dispatcher.store.get_run(run_id).await {
+        Ok(Some(record)) if !record.state.is_terminal() => {
+            let event = Event::new(
+                run_id,
+                EventKind::State {
+                    state: RunState::Failed,
+                    reason: format!(
+                        "the job was dead-lettered: {reason}; it stays in the dead-letter queue for inspection, and the ticket can be submitted again"
+                    ),
+                },
+            );
+            match dispatcher.store_event(&record.job, &event).await {
+                Ok(_) => {
+                    warn!(%run_id, %reason, "a dead-lettered job failed its run");
+                    Disposition::Ack
+                }
+                Err(error) => {
+                    warn!(%error, "cannot fail a dead-lettered run; it will be retried");
+                    Disposition::Retry
+                }
+            }
+        }
+        Ok(_) => Disposition::Ack,
+        Err(error) => {
+            warn!(%error, "cannot read a dead-lettered run; it will be retried");
+            Disposition::Retry
+        }
+    }
+}

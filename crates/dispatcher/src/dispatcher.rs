@@ -1,0 +1,213 @@
+//! The dispatcher's shared state, and what it does for its handlers: submit, store events,
+//! resume and cancel runs.
+
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use proto::amqp::{self, AmqpError, Publisher, Topology};
+use proto::{Control, Event, EventKind, Job, RunRequest, RunState, SCHEMA_VERSION};
+use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
+use tracing::{info, warn};
+use uuid::Uuid;
+
+use crate::store::{RunStore, Store, StoreError};
+use crate::{AgentBook, Freezer, Frozen, SubmitError};
+use telemetry::Metrics;
+
+/// How long publishing a job or a control message may keep retrying.
+pub(crate) const PUBLISH_DEADLINE: Duration = Duration::from_secs(30);
+
+/// Why a submission did not go through.
+#[derive(Debug, thiserror::Error)]
+pub enum SubmitFailure {
+    /// The caller's mistake.
+    #[error(transparent)]
+    Invalid(#[from] SubmitError),
+    /// The store failed.
+    #[error(transparent)]
+    Store(#[from] StoreError),
+}
+
+/// Why a paused run could not be resumed.
+#[derive(Debug, thiserror::Error)]
+pub enum ResumeFailure {
+    /// The run paused without a saved checkpoint.
+    #[error("run {0} has no saved progress to resume from (its checkpoint could not be saved when it paused); submit a new run")]
+    NoCheckpoint(Uuid),
+    /// The store failed.
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    /// The job could not be queued; the run stays paused.
+    #[error("the resumed job could not be queued ({0}); the run stays paused, try again")]
+    Broker(AmqpError),
+}
+
+/// The shared state of the dispatcher's tasks and handlers.
+#[derive(Debug)]
+pub struct Dispatcher {
+    /// The run store.
+    pub store: Store,
+    /// The confirming publisher (jobs, control messages, dead letters).
+    pub publisher: Publisher,
+    /// Queue and exchange names.
+    pub topology: Topology,
+    pub(crate) skills_dir: PathBuf,
+    pub(crate) agents: AgentBook,
+    pub(crate) job_key: proto::JobKey,
+    pub(crate) allowed_schemes: Vec<String>,
+    /// The bearer token, when authentication is on.
+    pub api_token: Option<String>,
+    /// Bumped after every stored event; watchers wait on it.
+    pub events_stored: watch::Sender<u64>,
+    /// Whether the events consumer is connected (for `/readyz`).
+    pub broker_ready: AtomicBool,
+    /// Whether the broker topology is declared; before, a submission is only stored, and the
+    /// republisher publishes it once the topology exists.
+    pub(crate) topology_ready: AtomicBool,
+    /// Cancelled at shutdown: event streams end, so that the HTTP server can stop.
+    pub stopping: CancellationToken,
+    /// What `/metrics` serves.
+    pub metrics: Metrics,
+    /// The event streams open per run, capped.
+    pub streams: Arc<crate::streams::StreamCounts>,
+    pub(crate) amqp_url: String,
+}
+
+impl Dispatcher {
+    /// Validates, freezes, stores and publishes a request. A run that is stored but cannot be
+    /// published yet is published later by the republisher; it is never lost.
+    pub async fn submit(&self, request: RunRequest) -> Result<Frozen, SubmitFailure> {
+        let freezer = Freezer::from_process_env(&self.skills_dir, self.agents.clone())
+            .with_allowed_schemes(self.allowed_schemes.clone());
+        // Freezing reads the skill's files: on a blocking thread, never the runtime's.
+        let frozen = tokio::task::spawn_blocking(move || freezer.freeze(request))
+            .await
+            .unwrap_or_else(|panicked| std::panic::resume_unwind(panicked.into_panic()))?;
+        self.store.insert_run(&frozen.job).await?;
+        info!(run_id = %frozen.job.run_id, ticket = %frozen.job.ticket, "run accepted");
+        if !self.topology_ready.load(Ordering::SeqCst) {
+            // Publishing could only wait for the broker: the republisher publishes it as soon
+            // as the queues exist.
+            info!(run_id = %frozen.job.run_id, "job stored; it is published once RabbitMQ is set up");
+        } else if let Err(error) = self.publish_job(&frozen.job).await {
+            warn!(run_id = %frozen.job.run_id, %error, "job stored but not yet published; it will be retried");
+        }
+        Ok(frozen)
+    }
+
+    pub(crate) async fn publish_job(&self, job: &Job) -> Result<(), AmqpError> {
+        let payload = serde_json::to_vec(job).unwrap_or_default();
+        let headers = amqp::signature_headers(self.job_key.sign(&payload));
+        self.publisher
+            .publish_reliably(
+                "",
+                &self.topology.jobs(),
+                &payload,
+                Some(headers),
+                PUBLISH_DEADLINE,
+            )
+            .await?;
+        if let Err(error) = self.store.mark_published(job.run_id).await {
+            warn!(run_id = %job.run_id, %error, "cannot mark the job published; it may be published twice");
+        }
+        Ok(())
+    }
+
+    /// Stores an event of `job`'s run; when it is new, counts it in the metrics and wakes the
+    /// watchers. Returns whether it was new.
+    pub async fn store_event(&self, job: &Job, event: &Event) -> Result<bool, StoreError> {
+        self.store_event_after(RunState::Queued, job, event, false)
+            .await
+    }
+
+    /// Like [`Dispatcher::store_event`] for a run whose state was `prior`: the outcome of a run
+    /// that had already ended (a late duplicate), or an event that `repeats` one already
+    /// counted, is stored but not counted again.
+    pub(crate) async fn store_event_after(
+        &self,
+        prior: RunState,
+        job: &Job,
+        event: &Event,
+        repeats: bool,
+    ) -> Result<bool, StoreError> {
+        let new = self.store.record_event(event).await?;
+        let late_outcome = prior.is_terminal()
+            && matches!(
+                event.kind,
+                EventKind::State { .. } | EventKind::Result { .. }
+            );
+        if new {
+            if !late_outcome && !repeats {
+                self.metrics.observe(job, &event.kind);
+            }
+            self.events_stored.send_modify(|n| *n += 1);
+        }
+        Ok(new)
+    }
+
+    /// Queues a paused run again with its latest checkpoint and its original frozen job, so
+    /// it continues where it stopped with the same budget, limits and profiles. Returns the
+    /// checkpoint's sequence number.
+    pub async fn resume(&self, record: &crate::store::RunRecord) -> Result<u32, ResumeFailure> {
+        let run_id = record.job.run_id;
+        let events = self.store.events(run_id, 0).await?;
+        let checkpoint = proto::latest_checkpoint(events.iter().map(|(_, event)| event))
+            .ok_or(ResumeFailure::NoCheckpoint(run_id))?;
+        let sequence = checkpoint.sequence;
+        let queued = proto::resumed_event(run_id, &checkpoint);
+        let mut job = record.job.clone();
+        job.resume = Some(checkpoint);
+        self.store_event(&record.job, &queued).await?;
+        if let Err(error) = self.publish_job(&job).await {
+            let paused = Event::new(
+                run_id,
+                EventKind::State {
+                    state: RunState::Paused,
+                    reason: format!("the resume could not be queued ({error}); try again"),
+                },
+            );
+            self.store_event(&record.job, &paused).await?;
+            return Err(ResumeFailure::Broker(error));
+        }
+        info!(%run_id, sequence, "run resumed");
+        Ok(sequence)
+    }
+
+    /// Asks the workers to cancel a run; a queued run is cancelled in the store at once.
+    pub async fn cancel(&self, job: &Job, state: RunState) -> Result<(), AmqpError> {
+        if state == RunState::Queued {
+            let event = Event::new(
+                job.run_id,
+                EventKind::State {
+                    state: RunState::Cancelled,
+                    reason: "cancelled by request before it started".into(),
+                },
+            );
+            if let Err(error) = self.store_event(job, &event).await {
+                warn!(run_id = %job.run_id, %error, "cannot store the cancellation");
+            }
+        }
+        self.publish_cancel(job.run_id).await
+    }
+
+    pub(crate) async fn publish_cancel(&self, run_id: Uuid) -> Result<(), AmqpError> {
+        let control = Control {
+            schema_version: SCHEMA_VERSION,
+            run_id,
+            action: proto::ControlAction::Cancel,
+        };
+        let payload = serde_json::to_vec(&control).unwrap_or_default();
+        // Control messages are not mandatory: no worker may hold the run right now.
+        self.publisher
+            .publish_optional(
+                &self.topology.control(),
+                &format!("cancel.{run_id}"),
+                &payload,
+            )
+            .await
+    }
+}
+

@@ -1,0 +1,362 @@
+//! Taking messages: headers, consumers that reconnect, and settling a delivery.
+
+use std::future::Future;
+use std::time::Duration;
+
+use deadpool_lapin::lapin;
+use futures_util::StreamExt;
+pub use lapin::message::Delivery;
+use lapin::types::{AMQPValue, FieldTable, LongString};
+use lapin::{BasicProperties, Channel, Connection};
+use tokio_util::sync::CancellationToken;
+use tracing::{info, warn};
+
+use super::client::{connect, Publisher};
+use super::{AmqpError, Topology, DELIVERY_LIMIT, REASON_HEADER, SESSION_TIMEOUT, SOURCE_HEADER};
+
+/// The headers that carry a job's signature.
+pub fn signature_headers(signature: String) -> FieldTable {
+    let mut headers = FieldTable::default();
+    headers.insert(
+        crate::SIGNATURE_HEADER.into(),
+        AMQPValue::LongString(LongString::from(signature)),
+    );
+    headers
+}
+
+/// A text header of a message, if it has one.
+pub fn header_text(properties: &BasicProperties, name: &str) -> Option<String> {
+    match properties.headers().as_ref()?.inner().get(name)? {
+        AMQPValue::LongString(value) => Some(value.to_string()),
+        AMQPValue::ShortString(value) => Some(value.to_string()),
+        _ => None,
+    }
+}
+
+/// Where a dead letter came from and why: our own headers for messages forgepool refused, the
+/// broker's `x-first-death-*` headers for messages it gave up on (`delivery_limit`, `rejected`,
+/// `expired`). Returns `(source queue, reason)`.
+pub fn dead_letter_origin(properties: &BasicProperties) -> (Option<String>, String) {
+    let header = |name: &str| -> Option<String> {
+        match properties.headers().as_ref()?.inner().get(name)? {
+            AMQPValue::LongString(value) => Some(value.to_string()),
+            AMQPValue::ShortString(value) => Some(value.to_string()),
+            _ => None,
+        }
+    };
+    // The newest death comes first in `x-death`; `x-first-death-*` keeps the oldest one.
+    let newest = |field: &str| -> Option<String> {
+        let AMQPValue::FieldArray(deaths) =
+            properties.headers().as_ref()?.inner().get("x-death")?
+        else {
+            return None;
+        };
+        let AMQPValue::FieldTable(death) = deaths.as_slice().first()? else {
+            return None;
+        };
+        match death.inner().get(field)? {
+            AMQPValue::LongString(value) => Some(value.to_string()),
+            AMQPValue::ShortString(value) => Some(value.to_string()),
+            _ => None,
+        }
+    };
+    let source = header(SOURCE_HEADER)
+        .or_else(|| newest("queue"))
+        .or_else(|| header("x-first-death-queue"));
+    let reason = header(REASON_HEADER)
+        .or_else(|| {
+            newest("reason")
+                .or_else(|| header("x-first-death-reason"))
+                .map(|reason| match reason.as_str() {
+                "delivery_limit" => format!(
+                    "the broker gave up after {DELIVERY_LIMIT} deliveries without an acknowledgement (delivery_limit)"
+                ),
+                other => format!("the broker dead-lettered it ({other})"),
+            })
+        })
+        .unwrap_or_else(|| "dead-lettered for an unknown reason".into());
+    (source, reason)
+}
+
+/// Opens a connection of its own, declares the topology, sets the prefetch and starts a
+/// consumer on `queue`, all within [`SESSION_TIMEOUT`]: a broker that stops answering is
+/// retried by the caller, never waited on. The consumer's tag is `name`.
+pub async fn open_consumer(
+    url: &str,
+    name: &str,
+    topology: &Topology,
+    queue: &str,
+    prefetch: u16,
+) -> Result<Session, AmqpError> {
+    let session = async {
+        let connection = connect(url, name).await?;
+        let broker = |operation| move |source| AmqpError::Broker { operation, source };
+        let channel = connection
+            .create_channel()
+            .await
+            .map_err(broker("open channel"))?;
+        topology.declare(&channel).await?;
+        channel
+            .basic_qos(prefetch, lapin::options::BasicQosOptions::default())
+            .await
+            .map_err(broker("set prefetch"))?;
+        let consumer = channel
+            .basic_consume(
+                queue,
+                name,
+                lapin::options::BasicConsumeOptions::default(),
+                FieldTable::default(),
+            )
+            .await
+            .map_err(broker("start consumer"))?;
+        Ok(Session {
+            connection,
+            channel,
+            consumer,
+            tag: name.to_string(),
+        })
+    };
+    tokio::time::timeout(SESSION_TIMEOUT, session)
+        .await
+        .map_err(|_| {
+            AmqpError::Pool(format!("no consumer on {queue} within {SESSION_TIMEOUT:?}"))
+        })?
+}
+
+/// A consuming connection: its channel, and the consumer on it.
+pub struct Session {
+    /// The connection, of this session alone.
+    pub connection: Connection,
+    /// The channel the consumer lives on; deliveries are settled on it.
+    pub channel: Channel,
+    /// The stream of deliveries.
+    pub consumer: lapin::Consumer,
+    /// The consumer's tag.
+    pub tag: String,
+}
+
+impl std::fmt::Debug for Session {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Session")
+            .field("tag", &self.tag)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Session {
+    /// Stops the consumer: no more deliveries arrive, and those held can still be settled.
+    pub async fn stop_consuming(&self) {
+        let _ = tokio::time::timeout(
+            SETTLE_TIMEOUT,
+            self.channel.basic_cancel(&self.tag, Default::default()),
+        )
+        .await;
+    }
+
+    /// Closes the channel and the connection with a goodbye, each within [`SETTLE_TIMEOUT`].
+    pub async fn close(self) {
+        let _ = tokio::time::timeout(SETTLE_TIMEOUT, self.channel.close(200, "bye")).await;
+        let _ = tokio::time::timeout(SETTLE_TIMEOUT, self.connection.close(200, "bye")).await;
+    }
+}
+
+/// A consumer that [`consume`] keeps connected.
+pub trait Consume: Send + Sync {
+    /// The consumer's name, for logs and the reconnection metric.
+    fn name(&self) -> &str;
+
+    /// Opens a session; `again` after a lost one.
+    fn open(&self, again: bool) -> impl Future<Output = Result<Session, AmqpError>> + Send;
+
+    /// Handles one delivery. Deliveries are handled one after the other; a handler that needs
+    /// time spawns its work, and settles the delivery there.
+    fn handle(&self, delivery: Delivery) -> impl Future<Output = ()> + Send;
+
+    /// Called when a session is open; `again` after a lost one.
+    fn connected(&self, _again: bool) {}
+
+    /// Called when a session is lost or ends.
+    fn disconnected(&self) {}
+
+    /// Disposes of a session lost while running. The default closes it; a consumer whose
+    /// deliveries outlive their handler (they settle on the session's channel later) lets the
+    /// broker end it instead.
+    fn retire(&self, session: Session) -> impl Future<Output = ()> + Send {
+        session.close()
+    }
+}
+
+/// Consumes until `shutdown`, opening a new session with back-off (0.2 s doubling up to 5 s)
+/// after each loss. Returns the session open at shutdown, its consumer stopped, so that the
+/// deliveries still held can be settled on it before the caller closes it.
+pub async fn consume<C: Consume>(consumer: &C, shutdown: &CancellationToken) -> Option<Session> {
+    let mut backoff = Duration::from_millis(200);
+    let mut again = false;
+    while !shutdown.is_cancelled() {
+        let opened = tokio::select! {
+            opened = consumer.open(again) => opened,
+            () = shutdown.cancelled() => break,
+        };
+        let mut session = match opened {
+            Ok(session) => session,
+            Err(error) => {
+                warn!(%error, consumer = consumer.name(), "cannot consume; retrying");
+                tokio::select! {
+                    () = tokio::time::sleep(backoff) => {},
+                    () = shutdown.cancelled() => break,
+                }
+                backoff = (backoff * 2).min(Duration::from_secs(5));
+                continue;
+            }
+        };
+        backoff = Duration::from_millis(200);
+        consumer.connected(again);
+        again = true;
+        info!(consumer = consumer.name(), "consuming");
+        loop {
+            tokio::select! {
+                next = session.consumer.next() => match next {
+                    Some(Ok(delivery)) => consumer.handle(delivery).await,
+                    Some(Err(error)) => {
+                        warn!(%error, consumer = consumer.name(), "consumer failed; reconnecting");
+                        break;
+                    }
+                    None => {
+                        warn!(consumer = consumer.name(), "consumer closed; reconnecting");
+                        break;
+                    }
+                },
+                () = shutdown.cancelled() => break,
+            }
+        }
+        consumer.disconnected();
+        session.stop_consuming().await;
+        if shutdown.is_cancelled() {
+            return Some(session);
+        }
+        consumer.retire(session).await;
+    }
+    None
+}
+
+/// Declares the topology, retrying a broker that refuses or does not answer (30 attempts of up
+/// to [`SESSION_TIMEOUT`], a second apart). Returns `Ok` as soon as `shutdown` is cancelled.
+pub async fn declare_with_retry(
+    publisher: &Publisher,
+    topology: &Topology,
+    shutdown: &CancellationToken,
+) -> Result<(), AmqpError> {
+    let mut attempts = 0;
+    loop {
+        let declare = async { topology.declare(&publisher.channel().await?).await };
+        let result = tokio::select! {
+            result = tokio::time::timeout(SESSION_TIMEOUT, declare) => result
+                .unwrap_or_else(|_| Err(AmqpError::Pool("the broker did not answer in time".into()))),
+            () = shutdown.cancelled() => return Ok(()),
+        };
+        match result {
+            Ok(()) => return Ok(()),
+            Err(error) if attempts < 30 && !shutdown.is_cancelled() => {
+                attempts += 1;
+                warn!(%error, "cannot set up RabbitMQ yet; retrying");
+                tokio::select! {
+                    () = tokio::time::sleep(Duration::from_secs(1)) => {},
+                    () = shutdown.cancelled() => return Ok(()),
+                }
+            }
+            Err(error) => return Err(error),
+        }
+    }
+}
+
+/// What a handler decided about a delivery; [`settle`] carries it out.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Disposition {
+    /// Done with: the broker forgets it.
+    Ack,
+    /// Handed back to the queue at once, to be taken again (by any consumer).
+    Requeue,
+    /// Handed back after [`RETRY_PAUSE`]: the handler could not do its work now (its store
+    /// failed), and an immediate redelivery would fail the same way.
+    Retry,
+    /// Refused for good: kept in the dead-letter queue with this reason, then acknowledged (or
+    /// rejected to the broker's own dead-lettering when it cannot be published).
+    DeadLetter(String),
+}
+
+/// How long [`Disposition::Retry`] waits before handing a delivery back.
+pub const RETRY_PAUSE: Duration = Duration::from_millis(500);
+
+/// Where dead letters of one queue go.
+#[derive(Debug, Clone, Copy)]
+pub struct DeadLetters<'a> {
+    /// The publisher that sends them.
+    pub publisher: &'a Publisher,
+    /// The topology whose dead-letter exchange takes them.
+    pub topology: &'a Topology,
+    /// The queue the deliveries come from.
+    pub source: &'a str,
+}
+
+/// Settles a delivery as its handler decided, each broker call within [`SETTLE_TIMEOUT`]. A
+/// dead letter keeps the message's signature header, so that the dispatcher can tell a job it
+/// signed from a forged one. The error says why the broker was not told (a closed channel: the
+/// broker then offers the message again).
+pub async fn settle(
+    delivery: &Delivery,
+    disposition: Disposition,
+    dead_letters: DeadLetters<'_>,
+) -> Result<(), String> {
+    match disposition {
+        Disposition::Ack => bounded(delivery.ack(lapin::options::BasicAckOptions::default())).await,
+        Disposition::Requeue => requeue(delivery).await,
+        Disposition::Retry => {
+            tokio::time::sleep(RETRY_PAUSE).await;
+            requeue(delivery).await
+        }
+        Disposition::DeadLetter(reason) => {
+            warn!(%reason, source = dead_letters.source, "dead-lettering a message");
+            let published = dead_letters
+                .publisher
+                .dead_letter(
+                    dead_letters.topology,
+                    dead_letters.source,
+                    &delivery.data,
+                    &reason,
+                    Some(&delivery.properties),
+                )
+                .await;
+            match published {
+                Ok(()) => {
+                    bounded(delivery.ack(lapin::options::BasicAckOptions::default())).await
+                }
+                Err(error) => {
+                    warn!(%error, "cannot dead-letter; rejecting instead");
+                    bounded(delivery.reject(lapin::options::BasicRejectOptions { requeue: false }))
+                        .await
+                }
+            }
+        }
+    }
+}
+
+/// The limit on settling a delivery; a dead connection must not hang the task holding it.
+pub const SETTLE_TIMEOUT: Duration = Duration::from_secs(10);
+
+async fn requeue(delivery: &Delivery) -> Result<(), String> {
+    bounded(delivery.nack(lapin::options::BasicNackOptions {
+        requeue: true,
+        ..Default::default()
+    }))
+    .await
+}
+
+async fn bounded(
+    operation: impl Future<Output = lapin::Result<()>>,
+) -> Result<(), String> {
+    match tokio::time::timeout(SETTLE_TIMEOUT, operation).await {
+        Ok(Ok(())) => Ok(()),
+        Ok(Err(error)) => Err(error.to_string()),
+        Err(_) => Err(format!("no answer within {SETTLE_TIMEOUT:?}")),
+    }
+}

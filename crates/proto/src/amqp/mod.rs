@@ -1,0 +1,89 @@
+//! The AMQP wing shared by both services: the wire contract (queue and exchange names, their
+//! arguments, headers, TTLs and limits: this file and [`topology`]) and the client code that
+//! speaks it ([`client`]: connections and a confirming publisher; [`delivery`]: consumers that
+//! reconnect and one function that settles a delivery).
+//!
+//! The client lives here, beside the contract, because the dispatcher and the worker need the
+//! very same connection, confirm and reconnect rules; it is compiled only with the `amqp`
+//! feature, so the wire types stay free of lapin for every other user of `proto`. lapin and
+//! deadpool-lapin appear in no other module of forgepool's services.
+//!
+//! Both services declare the whole topology on start (declarations are idempotent), so either
+//! may start first and no message is ever unroutable. Names share a prefix (`forgepool` by
+//! default) so that several installations, or tests, can share one broker.
+
+use std::time::Duration;
+
+use deadpool_lapin::lapin;
+
+/// How often a message is delivered before the broker dead-letters it (a job that keeps
+/// killing its workers must not be retried forever).
+pub const DELIVERY_LIMIT: i64 = 5;
+/// How long a publish waits for the broker's confirm.
+pub const CONFIRM_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long connecting may take.
+pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+/// The header that carries why a message was dead-lettered.
+pub const REASON_HEADER: &str = "x-forgepool-reason";
+/// The header that names the queue a dead-lettered message was taken from.
+pub const SOURCE_HEADER: &str = "x-forgepool-source";
+/// How long a job waits in the wait queue before it is offered again (its run is leased by a
+/// live worker).
+pub const WAIT_QUEUE_TTL_MS: i64 = 3_000;
+/// How long a run's completion marker is kept: long enough for every copy of a finished job
+/// that is still circulating (redelivered after a consumer timeout or a lost connection) to
+/// come back and be settled, short enough that markers do not pile up on the broker.
+pub const DONE_MARKER_TTL_MS: i64 = 3600 * 1000;
+
+/// The limit on connecting, declaring the topology and starting a consumer.
+pub const SESSION_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// A failed AMQP operation.
+#[derive(Debug, thiserror::Error)]
+pub enum AmqpError {
+    /// The broker could not be reached.
+    #[error("cannot connect to RabbitMQ at {url}: {detail}; start it (scripts/services.sh) or set FORGEPOOL_AMQP_URL")]
+    Connect {
+        /// The URL without credentials.
+        url: String,
+        /// The cause.
+        detail: String,
+    },
+    /// A broker operation failed.
+    #[error("RabbitMQ {operation} failed: {source}")]
+    Broker {
+        /// What was attempted.
+        operation: &'static str,
+        /// The cause.
+        source: lapin::Error,
+    },
+    /// The broker did not confirm a publish in time.
+    #[error("RabbitMQ did not confirm a publish to {target} within {CONFIRM_TIMEOUT:?}")]
+    ConfirmTimeout {
+        /// Exchange and routing key.
+        target: String,
+    },
+    /// The broker refused a publish, or no queue was bound to take it.
+    #[error("RabbitMQ refused a publish to {target}: {detail}")]
+    Refused {
+        /// Exchange and routing key.
+        target: String,
+        /// Nack or unroutable.
+        detail: String,
+    },
+    /// A pooled connection could not be had.
+    #[error("no RabbitMQ connection available: {0}")]
+    Pool(String),
+}
+
+
+pub mod client;
+pub mod delivery;
+pub mod topology;
+
+pub use client::{
+    connect, connection_properties, redact_url, with_frame_max, Publisher, FRAME_MAX,
+    PUBLISH_ATTEMPT_TIMEOUT,
+};
+pub use delivery::*;
+pub use topology::Topology;

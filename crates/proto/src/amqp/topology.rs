@@ -1,0 +1,268 @@
+//! The names of forgepool's queues and exchanges, their arguments, and their declaration.
+
+use deadpool_lapin::lapin;
+use lapin::options::{ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions};
+use lapin::types::{AMQPValue, FieldTable, LongString};
+use lapin::{Channel, ExchangeKind};
+
+use super::{AmqpError, DELIVERY_LIMIT, WAIT_QUEUE_TTL_MS};
+
+/// The names of forgepool's queues and exchanges under one prefix.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Topology {
+    prefix: String,
+}
+
+impl Topology {
+    /// The topology under `prefix` (`forgepool` by default).
+    pub fn new(prefix: impl Into<String>) -> Topology {
+        Topology {
+            prefix: prefix.into(),
+        }
+    }
+
+    /// The prefix.
+    pub fn prefix(&self) -> &str {
+        &self.prefix
+    }
+
+    /// Run requests from external producers: `{prefix}.submissions`.
+    pub fn submissions(&self) -> String {
+        format!("{}.submissions", self.prefix)
+    }
+
+    /// The exchange external producers publish run requests to: `{prefix}.submit`, a fanout
+    /// bound to the submission queue only. A broker user allowed to write to this exchange and
+    /// nothing else can submit runs and cannot reach the jobs queue (publishing to a queue by
+    /// name goes through the default exchange, whose write permission covers every queue).
+    pub fn submit(&self) -> String {
+        format!("{}.submit", self.prefix)
+    }
+
+    /// Frozen jobs for workers: `{prefix}.jobs`.
+    pub fn jobs(&self) -> String {
+        format!("{}.jobs", self.prefix)
+    }
+
+    /// Jobs whose run is leased by a live worker wait here, then return to the jobs queue.
+    pub fn jobs_wait(&self) -> String {
+        format!("{}.jobs.wait", self.prefix)
+    }
+
+    /// Dead letters: `{prefix}.dead`, a queue behind the fanout exchange of the same name.
+    pub fn dead(&self) -> String {
+        format!("{}.dead", self.prefix)
+    }
+
+    /// The events topic exchange: `{prefix}.events`.
+    pub fn events(&self) -> String {
+        format!("{}.events", self.prefix)
+    }
+
+    /// The dispatcher's copy of every dead letter (bound to the dead-letter exchange), so a job
+    /// the broker gave up on fails its run instead of staying queued: `{prefix}.dispatcher.dead`.
+    pub fn dispatcher_dead(&self) -> String {
+        format!("{}.dispatcher.dead", self.prefix)
+    }
+
+    /// The shared queues whose depth `forge_queue_depth` reports.
+    pub fn watched_queues(&self) -> Vec<String> {
+        vec![
+            self.jobs(),
+            self.jobs_wait(),
+            self.submissions(),
+            self.dead(),
+        ]
+    }
+
+    /// The dispatcher's durable queue of every event.
+    pub fn dispatcher_events(&self) -> String {
+        format!("{}.dispatcher.events", self.prefix)
+    }
+
+    /// The control topic exchange (cancel requests): `{prefix}.control`.
+    pub fn control(&self) -> String {
+        format!("{}.control", self.prefix)
+    }
+
+    /// The exclusive queue that leases a run to the worker holding it.
+    pub fn lease(&self, run_id: &str) -> String {
+        format!("{}.lease.{run_id}", self.prefix)
+    }
+
+    /// The final review's intent for a run: a queue holding the tree under review.
+    pub fn review_intent(&self, run_id: &str) -> String {
+        format!("{}.review.intent.{run_id}", self.prefix)
+    }
+
+    /// The final review's receipt for a run: a queue holding the validated report.
+    pub fn review_receipt(&self, run_id: &str) -> String {
+        format!("{}.review.receipt.{run_id}", self.prefix)
+    }
+
+    /// The queue whose existence says a run finished and its final events were confirmed.
+    pub fn done(&self, run_id: &str) -> String {
+        format!("{}.done.{run_id}", self.prefix)
+    }
+
+    /// The exclusive queue that says a worker instance is alive.
+    pub fn presence(&self, instance: &str) -> String {
+        format!("{}.presence.{instance}", self.prefix)
+    }
+
+    /// Declares every exchange and shared queue. Idempotent.
+    pub async fn declare(&self, channel: &Channel) -> Result<(), AmqpError> {
+        let broker = |operation| move |source| AmqpError::Broker { operation, source };
+        let durable = ExchangeDeclareOptions {
+            durable: true,
+            ..Default::default()
+        };
+        channel
+            .exchange_declare(
+                &self.dead(),
+                ExchangeKind::Fanout,
+                durable,
+                FieldTable::default(),
+            )
+            .await
+            .map_err(broker("declare dead-letter exchange"))?;
+        channel
+            .exchange_declare(
+                &self.events(),
+                ExchangeKind::Topic,
+                durable,
+                FieldTable::default(),
+            )
+            .await
+            .map_err(broker("declare events exchange"))?;
+        channel
+            .exchange_declare(
+                &self.submit(),
+                ExchangeKind::Fanout,
+                durable,
+                FieldTable::default(),
+            )
+            .await
+            .map_err(broker("declare submit exchange"))?;
+        channel
+            .exchange_declare(
+                &self.control(),
+                ExchangeKind::Topic,
+                durable,
+                FieldTable::default(),
+            )
+            .await
+            .map_err(broker("declare control exchange"))?;
+
+        let queue = QueueDeclareOptions {
+            durable: true,
+            ..Default::default()
+        };
+        for name in [self.dead(), self.dispatcher_dead()] {
+            channel
+                .queue_declare(&name, queue, quorum(None, None))
+                .await
+                .map_err(broker("declare dead-letter queue"))?;
+            channel
+                .queue_bind(
+                    &name,
+                    &self.dead(),
+                    "",
+                    QueueBindOptions::default(),
+                    FieldTable::default(),
+                )
+                .await
+                .map_err(broker("bind dead-letter queue"))?;
+        }
+        for name in [self.jobs(), self.submissions()] {
+            channel
+                .queue_declare(
+                    &name,
+                    queue,
+                    quorum(Some(&self.dead()), Some(DELIVERY_LIMIT)),
+                )
+                .await
+                .map_err(broker("declare work queue"))?;
+        }
+        channel
+            .queue_bind(
+                &self.submissions(),
+                &self.submit(),
+                "",
+                QueueBindOptions::default(),
+                FieldTable::default(),
+            )
+            .await
+            .map_err(broker("bind submission queue"))?;
+        let mut wait = FieldTable::default();
+        wait.insert(
+            "x-message-ttl".into(),
+            AMQPValue::LongLongInt(WAIT_QUEUE_TTL_MS),
+        );
+        wait.insert(
+            "x-dead-letter-exchange".into(),
+            AMQPValue::LongString(LongString::from("")),
+        );
+        wait.insert(
+            "x-dead-letter-routing-key".into(),
+            AMQPValue::LongString(LongString::from(self.jobs())),
+        );
+        channel
+            .queue_declare(&self.jobs_wait(), queue, wait)
+            .await
+            .map_err(broker("declare wait queue"))?;
+        channel
+            .queue_declare(
+                &self.dispatcher_events(),
+                queue,
+                quorum(Some(&self.dead()), Some(DELIVERY_LIMIT)),
+            )
+            .await
+            .map_err(broker("declare dispatcher events queue"))?;
+        channel
+            .queue_bind(
+                &self.dispatcher_events(),
+                &self.events(),
+                "run.#",
+                QueueBindOptions::default(),
+                FieldTable::default(),
+            )
+            .await
+            .map_err(broker("bind dispatcher events queue"))?;
+        Ok(())
+    }
+}
+
+/// Quorum-queue arguments with an optional dead-letter exchange and delivery limit.
+fn quorum(dead_letter_exchange: Option<&str>, delivery_limit: Option<i64>) -> FieldTable {
+    let mut arguments = FieldTable::default();
+    arguments.insert(
+        "x-queue-type".into(),
+        AMQPValue::LongString(LongString::from("quorum")),
+    );
+    if let Some(exchange) = dead_letter_exchange {
+        arguments.insert(
+            "x-dead-letter-exchange".into(),
+            AMQPValue::LongString(LongString::from(exchange)),
+        );
+    }
+    if let Some(limit) = delivery_limit {
+        arguments.insert("x-delivery-limit".into(), AMQPValue::LongLongInt(limit));
+    }
+    arguments
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_follow_spec_11() {
+        let topology = Topology::new("forgepool");
+        assert_eq!(topology.submissions(), "forgepool.submissions");
+        assert_eq!(topology.jobs(), "forgepool.jobs");
+        assert_eq!(topology.dead(), "forgepool.dead");
+        assert_eq!(topology.events(), "forgepool.events");
+        assert_eq!(Topology::new("t1").jobs(), "t1.jobs");
+    }
+}

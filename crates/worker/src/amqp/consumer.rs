@@ -1,0 +1,349 @@
+//! Jobs in: the jobs queue's consumer, the checks every job message passes, and one run's
+//! life from its delivery to its settlement (done marker, claim, lease, execution, heartbeats).
+//!
+//! A job is acknowledged only after its final event is confirmed by the broker.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use proto::amqp::{self, AmqpError, Consume, DeadLetters, Delivery, Disposition, Publisher};
+use proto::amqp::{Session, Topology};
+use proto::{AgentProfile, Job, MAX_JOB_BYTES};
+use telemetry::Metrics;
+use tokio::sync::Semaphore;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+use tracing::{info, info_span, warn, Instrument};
+
+use super::lease::{InFlight, Leases, SWEEP_INTERVAL};
+use super::ledger::AmqpLedger;
+use super::sink::{AmqpSink, ObservedSink};
+use crate::config::WorkerConfig;
+use crate::engine::Engine;
+use crate::runtime::ContainerRuntime;
+
+/// Everything a run needs from the worker: its settings, the engine, and the broker's parts.
+pub struct Jobs<R: ContainerRuntime> {
+    /// The worker's settings.
+    pub config: WorkerConfig,
+    /// The engine that executes runs.
+    pub engine: Engine<R>,
+    /// Queue and exchange names.
+    pub topology: Topology,
+    /// The confirming publisher (events, parked jobs, dead letters).
+    pub publisher: Arc<Publisher>,
+    /// The events of runs.
+    pub sink: AmqpSink,
+    /// The final review ledger.
+    pub ledger: AmqpLedger,
+    /// Leases, done markers and presence.
+    pub leases: Leases,
+    /// The runs this worker executes.
+    pub in_flight: Arc<InFlight>,
+    /// What `/metrics` serves.
+    pub metrics: Arc<Metrics>,
+    /// Run slots.
+    pub slots: Arc<Semaphore>,
+    /// Fired when in-flight runs must stop and be handed back.
+    pub interrupt: CancellationToken,
+    /// Fired when the worker stops taking work (SIGTERM): jobs not started yet go back.
+    pub draining: CancellationToken,
+}
+
+/// The jobs queue's consumer: each delivery is checked, then run in a task of `runs`.
+pub struct JobFeed<R: ContainerRuntime> {
+    /// The worker's parts.
+    pub jobs: Arc<Jobs<R>>,
+    /// The tasks of the runs in flight.
+    pub runs: TaskTracker,
+}
+
+impl<R: ContainerRuntime> std::fmt::Debug for Jobs<R> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Jobs")
+            .field("worker", &self.config.worker_id)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<R: ContainerRuntime> std::fmt::Debug for JobFeed<R> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("JobFeed")
+            .field("jobs", &self.jobs)
+            .field("runs", &self.runs.len())
+            .finish()
+    }
+}
+
+impl<R: ContainerRuntime> JobFeed<R> {
+    fn tag(&self) -> String {
+        format!("worker-{}", self.jobs.config.worker_id)
+    }
+}
+
+impl<R: ContainerRuntime> Consume for JobFeed<R> {
+    fn name(&self) -> &str {
+        "worker-jobs"
+    }
+
+    async fn open(&self, again: bool) -> Result<Session, AmqpError> {
+        let jobs = &self.jobs;
+        // After a lost connection, take the leases of the runs still in flight again before
+        // any job arrives: the broker has just offered those jobs to every worker.
+        if again {
+            let _ = jobs.leases.refresh().await;
+        }
+        let prefetch = u16::try_from(jobs.config.concurrency).unwrap_or(u16::MAX);
+        let queue = jobs.topology.jobs();
+        amqp::open_consumer(
+            &jobs.config.amqp_url,
+            &self.tag(),
+            &jobs.topology,
+            &queue,
+            prefetch,
+        )
+        .await
+    }
+
+    async fn handle(&self, delivery: Delivery) {
+        take_delivery(&self.jobs, &self.runs, delivery).await;
+    }
+
+    fn connected(&self, again: bool) {
+        if again {
+            self.jobs.metrics.broker_reconnected("worker-jobs");
+        }
+    }
+
+    /// The runs in flight settle their deliveries on the lost session's channel, if it still
+    /// lives: it is left to the broker rather than closed.
+    async fn retire(&self, session: Session) {
+        drop(session);
+    }
+}
+
+/// How long a redelivered job waits before its lease is tried: two sweeps, in which a live
+/// worker that still runs it declares its lease again.
+const REDELIVERY_GRACE: Duration = Duration::from_secs(2 * SWEEP_INTERVAL.as_secs());
+
+async fn take_delivery<R: ContainerRuntime>(
+    jobs: &Arc<Jobs<R>>,
+    runs: &TaskTracker,
+    delivery: Delivery,
+) {
+    let signature = amqp::header_text(&delivery.properties, proto::SIGNATURE_HEADER);
+    let job = match trusted_job(&jobs.config, &delivery.data, signature.as_deref()) {
+        Ok(job) => job,
+        Err(reason) => return jobs.settle(&delivery, Disposition::DeadLetter(reason)).await,
+    };
+    // The prefetch keeps deliveries within our slots, but the next delivery can arrive just
+    // before the slot of the run that was acknowledged is released: it waits for that slot
+    // instead of bouncing back to the queue (which would count against the delivery limit).
+    let jobs = Arc::clone(jobs);
+    let span = info_span!("job", run_id = %job.run_id, ticket = %job.ticket);
+    runs.spawn(
+        async move {
+            // A job offered again may still run on a worker that lost its broker connection
+            // (a broker restart drops every lease at once): give that worker time to take its
+            // lease again before this one tries.
+            if delivery.redelivered && !jobs.in_flight.contains(job.run_id).await {
+                tokio::select! {
+                    () = tokio::time::sleep(REDELIVERY_GRACE) => {}
+                    () = jobs.draining.cancelled() => {
+                        return jobs.settle(&delivery, Disposition::Requeue).await;
+                    }
+                }
+            }
+            let Ok(permit) = Arc::clone(&jobs.slots).acquire_owned().await else {
+                return jobs.settle(&delivery, Disposition::Requeue).await;
+            };
+            jobs.run(job, delivery).await;
+            drop(permit);
+        }
+        .instrument(span),
+    );
+}
+
+impl<R: ContainerRuntime> Jobs<R> {
+    /// Settles a delivery of the jobs queue as decided, counting dead letters.
+    async fn settle(&self, delivery: &Delivery, disposition: Disposition) {
+        let source = self.topology.jobs();
+        if matches!(disposition, Disposition::DeadLetter(_)) {
+            self.metrics.dead_lettered(&source);
+        }
+        let dead_letters = DeadLetters {
+            publisher: &self.publisher,
+            topology: &self.topology,
+            source: &source,
+        };
+        if let Err(error) = amqp::settle(delivery, disposition, dead_letters).await {
+            // The channel was closed under us (a consumer timeout or a lost connection): the
+            // broker offers the job again, and the done marker settles it then.
+            warn!(%error, "cannot settle the job; the broker offers it again");
+        }
+    }
+
+    /// One delivery of a trusted job: runs it unless it is finished or held elsewhere, then
+    /// settles the delivery, then gives the lease back.
+    async fn run(&self, job: Job, delivery: Delivery) {
+        let (disposition, leased) = self.claim_and_execute(&job, &delivery).await;
+        self.settle(&delivery, disposition).await;
+        if leased {
+            self.leases.release(job.run_id).await;
+        }
+    }
+
+    /// Returns what to do with the delivery, and whether the run's lease was taken.
+    async fn claim_and_execute(&self, job: &Job, delivery: &Delivery) -> (Disposition, bool) {
+        let run_id = job.run_id;
+        // A finished run that is delivered again is acknowledged without running.
+        match self
+            .leases
+            .exists(&self.topology.done(&job.execution_key()))
+            .await
+        {
+            Ok(true) => {
+                info!("run already finished; acknowledging the redelivered job");
+                return (Disposition::Ack, false);
+            }
+            Ok(false) => {}
+            Err(error) => {
+                warn!(%error, "cannot check the done marker; handing the job back");
+                return (Disposition::Requeue, false);
+            }
+        }
+        // Claim the run in this process first: the lease is exclusive per connection, so it
+        // cannot tell two deliveries to this same worker apart.
+        let Some(cancel) = self.in_flight.claim(run_id).await else {
+            // This worker runs it already (the broker redelivered it after a lost connection).
+            return (self.park(delivery).await, false);
+        };
+        match self.leases.acquire(run_id).await {
+            Ok(true) => {}
+            Ok(false) => {
+                // Another live worker holds the run (the broker redelivered it after a consumer
+                // timeout): park it in the wait queue; it comes back until that worker is done.
+                self.in_flight.release(run_id).await;
+                return (self.park(delivery).await, false);
+            }
+            Err(error) => {
+                self.in_flight.release(run_id).await;
+                warn!(%error, "cannot lease the run; handing the job back");
+                return (Disposition::Requeue, false);
+            }
+        }
+        (self.execute(job, cancel).await, true)
+    }
+
+    /// Puts a job whose run is held elsewhere into the wait queue, signature and all.
+    async fn park(&self, delivery: &Delivery) -> Disposition {
+        let signature = amqp::header_text(&delivery.properties, proto::SIGNATURE_HEADER);
+        let parked = self
+            .publisher
+            .publish(
+                "",
+                &self.topology.jobs_wait(),
+                &delivery.data,
+                signature.map(amqp::signature_headers),
+            )
+            .await;
+        match parked {
+            Ok(()) => Disposition::Ack,
+            Err(_) => Disposition::Requeue,
+        }
+    }
+
+    /// Executes a leased run with heartbeats beside it; a finished run is marked done before
+    /// its job is acknowledged.
+    async fn execute(&self, job: &Job, cancel: CancellationToken) -> Disposition {
+        let sink = ObservedSink::new(&self.sink, &self.metrics, job);
+        self.metrics.runs_in_progress().inc();
+        let execution =
+            self.engine
+                .execute(job, &sink, &self.ledger, cancel, self.interrupt.clone());
+        // Heartbeats go out beside the run, never in its way.
+        let heartbeats =
+            self.sink
+                .heartbeats(job.run_id, &self.config.worker_id, self.config.heartbeat);
+        let outcome = tokio::select! {
+            outcome = execution => outcome,
+            () = heartbeats => unreachable!("heartbeats go on until the run ends"),
+        };
+        self.metrics.runs_in_progress().dec();
+        self.in_flight.release(job.run_id).await;
+        match outcome {
+            Ok(Some(result)) => {
+                self.leases.mark_done(&job.execution_key()).await;
+                info!(state = %result.state, "job done");
+                Disposition::Ack
+            }
+            Ok(None) => Disposition::Requeue,
+            Err(error) => {
+                warn!(%error, "final events not confirmed; handing the job back");
+                Disposition::Requeue
+            }
+        }
+    }
+}
+
+/// A job message checked as untrusted input: its size and signature first (nothing of an
+/// unsigned message is parsed beyond that), then its schema, its fields, its repository URL,
+/// and each of its profiles against the worker's own agents file. The error is the dead
+/// letter's reason.
+pub fn trusted_job(
+    config: &WorkerConfig,
+    data: &[u8],
+    signature: Option<&str>,
+) -> Result<Job, String> {
+    if data.len() > MAX_JOB_BYTES {
+        return Err(format!(
+            "oversized message: {} bytes, over the limit of {MAX_JOB_BYTES}",
+            data.len()
+        ));
+    }
+    config.job_key.verify(data, signature)?;
+    let job = decode_job(data)?;
+    check_job(&job, &config.profiles, &config.allowed_schemes)?;
+    Ok(job)
+}
+
+/// Checks a decoded job's fields, its repository URL, and each profile against the worker's
+/// own profiles (image, command, env names, network, user and limits must be the same).
+pub fn check_job(
+    job: &Job,
+    profiles: &BTreeMap<String, AgentProfile>,
+    allowed_schemes: &[String],
+) -> Result<(), String> {
+    job.check()
+        .map_err(|e| format!("the job is invalid: {e}"))?;
+    proto::names::check_url(&job.repository.url, allowed_schemes)
+        .map_err(|e| format!("the job's repository.url {e}"))?;
+    let named = [
+        Some(&job.implementer),
+        job.reviewer.as_ref(),
+        job.final_reviewer.as_ref(),
+    ];
+    for profile in named.into_iter().flatten() {
+        let Some(own) = profiles.get(&profile.name) else {
+            return Err(format!(
+                "the job names the agent profile `{}`, which this worker's agents file does not have",
+                profile.name
+            ));
+        };
+        let differences = profile.differences(own);
+        if !differences.is_empty() {
+            return Err(format!(
+                "the job's profile `{}` differs from this worker's agents file in: {}; give dispatcher and workers the same agents file",
+                profile.name,
+                differences.join(", ")
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Decodes a job, refusing oversized messages and a missing or unknown `schema_version` first.
+pub fn decode_job(data: &[u8]) -> Result<Job, String> {
+    proto::decode_message(data, MAX_JOB_BYTES)
+}

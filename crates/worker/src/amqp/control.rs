@@ -1,0 +1,102 @@
+//! Cancel requests: a consumer of the control exchange that cancels the runs this worker
+//! holds.
+
+use std::sync::Arc;
+
+use lapin::options::{BasicConsumeOptions, QueueBindOptions, QueueDeclareOptions};
+use lapin::types::FieldTable;
+use proto::amqp::{self, AmqpError, Consume, Delivery, Session, Topology};
+use proto::{Control, ControlAction};
+use tokio_util::sync::CancellationToken;
+use tracing::info;
+
+use super::lease::InFlight;
+
+/// Receives cancel requests on an exclusive queue of its own bound to `cancel.*`.
+#[derive(Debug)]
+pub struct Cancels {
+    amqp_url: String,
+    topology: Topology,
+    in_flight: Arc<InFlight>,
+}
+
+impl Cancels {
+    /// Cancel requests from the broker at `amqp_url` for the runs `in_flight`.
+    pub fn new(amqp_url: &str, topology: Topology, in_flight: Arc<InFlight>) -> Cancels {
+        Cancels {
+            amqp_url: amqp_url.to_string(),
+            topology,
+            in_flight,
+        }
+    }
+
+    /// Receives cancel requests until `shutdown`.
+    pub async fn listen(self, shutdown: CancellationToken) {
+        if let Some(session) = amqp::consume(&self, &shutdown).await {
+            session.close().await;
+        }
+    }
+}
+
+impl Consume for Cancels {
+    fn name(&self) -> &str {
+        "forgepool-worker-control"
+    }
+
+    async fn open(&self, _again: bool) -> Result<Session, AmqpError> {
+        let broker = |operation| move |source| AmqpError::Broker { operation, source };
+        let opened = async {
+            let connection = amqp::connect(&self.amqp_url, self.name()).await?;
+            let channel = connection
+                .create_channel()
+                .await
+                .map_err(broker("open channel"))?;
+            let exclusive = QueueDeclareOptions {
+                exclusive: true,
+                auto_delete: true,
+                ..Default::default()
+            };
+            let queue = channel
+                .queue_declare("", exclusive, FieldTable::default())
+                .await
+                .map_err(broker("declare control queue"))?;
+            channel
+                .queue_bind(
+                    queue.name().as_str(),
+                    &self.topology.control(),
+                    "cancel.*",
+                    QueueBindOptions::default(),
+                    FieldTable::default(),
+                )
+                .await
+                .map_err(broker("bind control queue"))?;
+            let no_ack = BasicConsumeOptions {
+                no_ack: true,
+                ..Default::default()
+            };
+            let consumer = channel
+                .basic_consume(queue.name().as_str(), "control", no_ack, FieldTable::default())
+                .await
+                .map_err(broker("consume control"))?;
+            Ok(Session {
+                connection,
+                channel,
+                consumer,
+                tag: "control".into(),
+            })
+        };
+        tokio::time::timeout(amqp::SESSION_TIMEOUT, opened)
+            .await
+            .unwrap_or_else(|_| Err(AmqpError::Pool("the broker did not answer in time".into())))
+    }
+
+    async fn handle(&self, delivery: Delivery) {
+        let Ok(control) = serde_json::from_slice::<Control>(&delivery.data) else {
+            return;
+        };
+        if control.action == ControlAction::Cancel && self.in_flight.cancel(control.run_id).await
+        {
+            info!(run_id = %control.run_id, "cancel requested");
+        }
+    }
+}

@@ -1,0 +1,373 @@
+//! Leases, done markers and presence: the broker facts that keep one execution of a run at a
+//! time, settle finished jobs, and let workers find the containers of a worker that died.
+//!
+//! - a **lease** (an exclusive queue per run) is held while a run executes, so a job that the
+//!   broker redelivers while its worker still lives (after a consumer-acknowledgement timeout)
+//!   waits in the wait queue instead of running twice;
+//! - a **done marker** (a durable queue per run, expiring after an hour) is declared after the
+//!   final events are confirmed, so a redelivered finished job is acknowledged without running;
+//! - a **presence** queue per worker instance lets the other workers find and remove the
+//!   containers of a worker that died.
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use lapin::options::{QueueDeclareOptions, QueueDeleteOptions};
+use lapin::types::{AMQPValue, FieldTable};
+use lapin::{Channel, Connection};
+use proto::amqp::{self, AmqpError, Topology, DONE_MARKER_TTL_MS};
+use tokio::sync::Mutex;
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, info, warn};
+use uuid::Uuid;
+
+use crate::runtime::ContainerRuntime;
+
+/// The runs this worker executes, each with the token that cancels it.
+#[derive(Debug, Default)]
+pub struct InFlight(Mutex<HashMap<Uuid, CancellationToken>>);
+
+impl InFlight {
+    /// Claims `run_id` in this process: its cancel token, or `None` when this process runs it
+    /// already (the lease is exclusive per connection, so it cannot tell two deliveries to this
+    /// same worker apart).
+    pub async fn claim(&self, run_id: Uuid) -> Option<CancellationToken> {
+        let mut runs = self.0.lock().await;
+        match runs.entry(run_id) {
+            std::collections::hash_map::Entry::Occupied(_) => None,
+            std::collections::hash_map::Entry::Vacant(slot) => {
+                Some(slot.insert(CancellationToken::new()).clone())
+            }
+        }
+    }
+
+    /// Forgets a run that ended or was never started.
+    pub async fn release(&self, run_id: Uuid) {
+        self.0.lock().await.remove(&run_id);
+    }
+
+    /// Whether this process runs `run_id`.
+    pub async fn contains(&self, run_id: Uuid) -> bool {
+        self.0.lock().await.contains_key(&run_id)
+    }
+
+    /// Cancels `run_id` if this process runs it; returns whether it did.
+    pub async fn cancel(&self, run_id: Uuid) -> bool {
+        match self.0.lock().await.get(&run_id) {
+            Some(token) => {
+                token.cancel();
+                true
+            }
+            None => false,
+        }
+    }
+
+    async fn ids(&self) -> Vec<Uuid> {
+        self.0.lock().await.keys().copied().collect()
+    }
+}
+
+/// The connection that holds this worker's leases and its presence queue; replaced after a
+/// loss, and then the leases of the runs in flight are taken again.
+#[derive(Debug)]
+pub struct Leases {
+    amqp_url: String,
+    topology: Topology,
+    /// This process's instance id: its presence queue's name.
+    instance: String,
+    /// The runs whose leases are taken again after a reconnection.
+    in_flight: Arc<InFlight>,
+    connection: Mutex<Option<Connection>>,
+    /// Bumped each time the connection is opened (again): the sweep restarts its grace period
+    /// after any reconnection, whoever made it.
+    generation: AtomicU64,
+}
+
+impl Leases {
+    /// Leases on the broker at `amqp_url` for the runs `in_flight` of the worker instance
+    /// `instance`.
+    pub fn new(
+        amqp_url: &str,
+        topology: Topology,
+        instance: &str,
+        in_flight: Arc<InFlight>,
+    ) -> Leases {
+        Leases {
+            amqp_url: amqp_url.to_string(),
+            topology,
+            instance: instance.to_string(),
+            in_flight,
+            connection: Mutex::new(None),
+            generation: AtomicU64::new(0),
+        }
+    }
+
+    /// How many times the connection was opened.
+    pub fn generation(&self) -> u64 {
+        self.generation.load(Ordering::SeqCst)
+    }
+
+    /// Makes sure the connection is open, the presence queue declared and the leases of the
+    /// runs in flight held (after a broker restart too).
+    pub async fn refresh(&self) -> Result<(), AmqpError> {
+        self.bounded(async {
+            let channel = self.channel().await?;
+            let _ = channel.close(200, "presence").await;
+            Ok(())
+        })
+        .await
+    }
+
+    /// Whether a queue exists (a passive declare; a missing queue closes only its own channel).
+    pub async fn exists(&self, name: &str) -> Result<bool, AmqpError> {
+        self.bounded(async {
+            let channel = self.channel().await?;
+            let passive = QueueDeclareOptions {
+                passive: true,
+                ..Default::default()
+            };
+            match channel
+                .queue_declare(name, passive, FieldTable::default())
+                .await
+            {
+                Ok(_) => {
+                    let _ = channel.close(200, "checked").await;
+                    Ok(true)
+                }
+                Err(lapin::Error::ProtocolError(error)) if error.get_id() == 404 => Ok(false),
+                // An exclusive queue of another connection exists, and is locked to us.
+                Err(lapin::Error::ProtocolError(error)) if error.get_id() == 405 => Ok(true),
+                Err(source) => Err(AmqpError::Broker {
+                    operation: "check queue",
+                    source,
+                }),
+            }
+        })
+        .await
+    }
+
+    /// Declares the run's exclusive lease queue; `false` when another live worker holds it.
+    pub async fn acquire(&self, run_id: Uuid) -> Result<bool, AmqpError> {
+        self.bounded(async {
+            let channel = self.channel().await?;
+            let exclusive = QueueDeclareOptions {
+                exclusive: true,
+                auto_delete: false,
+                ..Default::default()
+            };
+            let lease = self.topology.lease(&run_id.to_string());
+            match channel
+                .queue_declare(&lease, exclusive, FieldTable::default())
+                .await
+            {
+                Ok(_) => {
+                    let _ = channel.close(200, "leased").await;
+                    Ok(true)
+                }
+                Err(lapin::Error::ProtocolError(error)) if error.get_id() == 405 => Ok(false),
+                Err(source) => Err(AmqpError::Broker {
+                    operation: "lease run",
+                    source,
+                }),
+            }
+        })
+        .await
+    }
+
+    /// Deletes the run's lease queue through a fresh channel (the one that took it may be
+    /// gone).
+    pub async fn release(&self, run_id: Uuid) {
+        let _ = self
+            .bounded(async {
+                let channel = self.channel().await?;
+                let lease = self.topology.lease(&run_id.to_string());
+                let _ = channel
+                    .queue_delete(&lease, QueueDeleteOptions::default())
+                    .await;
+                let _ = channel.close(200, "released").await;
+                Ok(())
+            })
+            .await;
+    }
+
+    /// Declares the done marker of one execution of a run (`{run_id}` or, for a resumed run,
+    /// `{run_id}.{checkpoint}`), so a paused run's marker never settles its resumed job.
+    pub async fn mark_done(&self, execution: &str) {
+        let mut arguments = FieldTable::default();
+        arguments.insert(
+            "x-expires".into(),
+            AMQPValue::LongLongInt(DONE_MARKER_TTL_MS),
+        );
+        let durable = QueueDeclareOptions {
+            durable: true,
+            ..Default::default()
+        };
+        let declared = self.bounded(async {
+            let channel = self.channel().await?;
+            channel
+                .queue_declare(&self.topology.done(execution), durable, arguments)
+                .await
+                .map_err(|source| AmqpError::Broker {
+                    operation: "mark run done",
+                    source,
+                })?;
+            let _ = channel.close(200, "done").await;
+            Ok(())
+        });
+        if let Err(error) = declared.await {
+            warn!(%error, "cannot mark the run done");
+        }
+    }
+
+    /// Closes the connection with a goodbye (the leases and the presence go with it).
+    pub async fn close(&self) {
+        if let Some(connection) = self.connection.lock().await.take() {
+            let _ =
+                tokio::time::timeout(Duration::from_secs(5), connection.close(200, "bye")).await;
+        }
+    }
+
+    /// Runs one operation within [`amqp::SESSION_TIMEOUT`]. A broker that stops answering (a
+    /// restart the connection has not noticed yet) costs the connection: the next operation
+    /// opens a new one, and takes the leases again.
+    async fn bounded<T>(
+        &self,
+        work: impl Future<Output = Result<T, AmqpError>>,
+    ) -> Result<T, AmqpError> {
+        match tokio::time::timeout(amqp::SESSION_TIMEOUT, work).await {
+            Ok(outcome) => outcome,
+            Err(_) => {
+                *self.connection.lock().await = None;
+                Err(AmqpError::Pool(format!(
+                    "the broker did not answer within {:?}; reconnecting",
+                    amqp::SESSION_TIMEOUT
+                )))
+            }
+        }
+    }
+
+    /// A fresh channel, reconnecting (announcing presence, and taking the leases of the runs in
+    /// flight again) when the connection was lost.
+    async fn channel(&self) -> Result<Channel, AmqpError> {
+        let broker = |operation| move |source| AmqpError::Broker { operation, source };
+        let mut slot = self.connection.lock().await;
+        if !slot.as_ref().is_some_and(|c| c.status().connected()) {
+            let connection = amqp::connect(&self.amqp_url, "forgepool-worker-leases").await?;
+            let channel = connection
+                .create_channel()
+                .await
+                .map_err(broker("open channel"))?;
+            let exclusive = QueueDeclareOptions {
+                exclusive: true,
+                auto_delete: true,
+                ..Default::default()
+            };
+            channel
+                .queue_declare(
+                    &self.topology.presence(&self.instance),
+                    exclusive,
+                    FieldTable::default(),
+                )
+                .await
+                .map_err(broker("declare presence"))?;
+            self.take_again(&connection).await;
+            self.generation.fetch_add(1, Ordering::SeqCst);
+            *slot = Some(connection);
+        }
+        let connection = slot.as_ref().expect("connected above");
+        connection
+            .create_channel()
+            .await
+            .map_err(broker("open channel"))
+    }
+
+    /// Leases die with their connection: takes them again for the runs in flight, each on a
+    /// channel of its own (a lease another worker took closes its channel).
+    async fn take_again(&self, connection: &Connection) {
+        let held = QueueDeclareOptions {
+            exclusive: true,
+            ..Default::default()
+        };
+        for run_id in self.in_flight.ids().await {
+            let lease = self.topology.lease(&run_id.to_string());
+            let taken = match connection.create_channel().await {
+                Ok(channel) => {
+                    let taken = channel
+                        .queue_declare(&lease, held, FieldTable::default())
+                        .await;
+                    let _ = channel.close(200, "leased").await;
+                    taken.map(|_| ())
+                }
+                Err(error) => Err(error),
+            };
+            if let Err(error) = taken {
+                warn!(%run_id, %error, "cannot take the lease of a run in flight again");
+            }
+        }
+    }
+}
+
+/// How often the sweep runs, and how long another instance's presence must stay missing
+/// before its containers are removed. A broker restart drops every presence queue at once;
+/// live workers declare theirs again within one sweep, so only a dead worker stays missing.
+pub const SWEEP_INTERVAL: Duration = Duration::from_secs(5);
+const PRESENCE_GRACE: Duration = Duration::from_secs(30);
+
+/// Every sweep: keeps this worker's presence declared (after a broker restart too), removes
+/// its overdue containers, and removes the containers of instances of the same cluster whose
+/// presence has been missing for [`PRESENCE_GRACE`] while this worker's own was steady.
+pub async fn sweep<R: ContainerRuntime>(
+    leases: &Leases,
+    runtime: &R,
+    shutdown: CancellationToken,
+) {
+    let mut missing_since: HashMap<String, Instant> = HashMap::new();
+    let mut steady_since = Instant::now();
+    let mut generation = leases.generation();
+    loop {
+        tokio::select! {
+            () = tokio::time::sleep(SWEEP_INTERVAL) => {},
+            () = shutdown.cancelled() => return,
+        }
+        let _ = runtime.remove_orphans().await;
+        // Declares our presence again when the lease connection was lost.
+        if let Err(error) = leases.refresh().await {
+            debug!(%error, "cannot declare presence; no sweep this time");
+            missing_since.clear();
+            continue;
+        }
+        if leases.generation() != generation {
+            generation = leases.generation();
+            // Everyone else may be reconnecting too: start counting again.
+            steady_since = Instant::now();
+            missing_since.clear();
+        }
+        let Ok(instances) = runtime.other_instances().await else {
+            continue;
+        };
+        missing_since.retain(|instance, _| instances.contains(instance));
+        for instance in instances {
+            match leases.exists(&leases.topology.presence(&instance)).await {
+                Ok(false) => {
+                    let since = *missing_since
+                        .entry(instance.clone())
+                        .or_insert_with(Instant::now);
+                    let overdue = since.elapsed() >= PRESENCE_GRACE
+                        && steady_since.elapsed() >= PRESENCE_GRACE;
+                    if overdue {
+                        info!(%instance, "removing the containers of a dead worker");
+                        let _ = runtime.remove_instance(&instance).await;
+                        missing_since.remove(&instance);
+                    }
+                }
+                Ok(true) => {
+                    missing_since.remove(&instance);
+                }
+                Err(_) => {}
+            }
+        }
+    }
+}

@@ -1,0 +1,207 @@
+//! The final review ledger on the broker, shared by every worker of the cluster.
+
+use std::sync::Arc;
+
+use lapin::options::{QueueDeclareOptions, QueueDeleteOptions};
+use lapin::types::{AMQPValue, FieldTable};
+use lapin::{Channel, Connection};
+use proto::amqp::{self, Publisher, Topology};
+
+use crate::ledger::{Entry, LedgerError, Receipt, ReviewLedger};
+
+/// How long the final review's intent and receipt are kept: long after any redelivery.
+const LEDGER_TTL_MS: i64 = 7 * 24 * 3600 * 1000;
+
+/// The final review ledger on the broker, shared by every worker of the cluster: the intent
+/// and the receipt of a run are each one persistent message in a durable queue of their own
+/// (`{prefix}.review.intent.{run_id}`, `{prefix}.review.receipt.{run_id}`), kept seven days.
+#[derive(Debug, Clone)]
+pub struct AmqpLedger {
+    amqp_url: String,
+    topology: Topology,
+    publisher: Arc<Publisher>,
+}
+
+impl AmqpLedger {
+    /// A ledger on the broker at `amqp_url`, publishing through `publisher`.
+    pub fn new(amqp_url: &str, topology: Topology, publisher: Arc<Publisher>) -> AmqpLedger {
+        AmqpLedger {
+            amqp_url: amqp_url.to_string(),
+            topology,
+            publisher,
+        }
+    }
+
+    async fn session<T>(
+        &self,
+        work: impl std::future::Future<Output = Result<T, LedgerError>>,
+    ) -> Result<T, LedgerError> {
+        tokio::time::timeout(amqp::SESSION_TIMEOUT, work)
+            .await
+            .unwrap_or_else(|_| Err(LedgerError("the broker did not answer in time".into())))
+    }
+
+    async fn channel(&self, connection: &Connection) -> Result<Channel, LedgerError> {
+        connection
+            .create_channel()
+            .await
+            .map_err(|e| LedgerError(e.to_string()))
+    }
+
+    /// The one message kept in `queue`, left in place; `None` when the queue does not exist.
+    async fn peek(
+        &self,
+        connection: &Connection,
+        queue: &str,
+    ) -> Result<Option<Vec<u8>>, LedgerError> {
+        let channel = self.channel(connection).await?;
+        let passive = QueueDeclareOptions {
+            passive: true,
+            ..Default::default()
+        };
+        match channel
+            .queue_declare(queue, passive, FieldTable::default())
+            .await
+        {
+            Ok(_) => {}
+            Err(lapin::Error::ProtocolError(error)) if error.get_id() == 404 => return Ok(None),
+            Err(error) => return Err(LedgerError(error.to_string())),
+        }
+        let message = channel
+            .basic_get(queue, lapin::options::BasicGetOptions { no_ack: false })
+            .await
+            .map_err(|e| LedgerError(e.to_string()))?;
+        let body = match message {
+            Some(message) => {
+                let body = message.delivery.data.clone();
+                message
+                    .delivery
+                    .nack(lapin::options::BasicNackOptions {
+                        requeue: true,
+                        ..Default::default()
+                    })
+                    .await
+                    .map_err(|e| LedgerError(e.to_string()))?;
+                Some(body)
+            }
+            None => None,
+        };
+        let _ = channel.close(200, "read").await;
+        Ok(body)
+    }
+
+    /// Replaces what `queue` holds with `body`, confirmed by the broker.
+    async fn keep(
+        &self,
+        connection: &Connection,
+        queue: &str,
+        body: &[u8],
+    ) -> Result<(), LedgerError> {
+        let channel = self.channel(connection).await?;
+        let mut arguments = FieldTable::default();
+        arguments.insert("x-expires".into(), AMQPValue::LongLongInt(LEDGER_TTL_MS));
+        let durable = QueueDeclareOptions {
+            durable: true,
+            ..Default::default()
+        };
+        channel
+            .queue_declare(queue, durable, arguments)
+            .await
+            .map_err(|e| LedgerError(e.to_string()))?;
+        channel
+            .queue_purge(queue, Default::default())
+            .await
+            .map_err(|e| LedgerError(e.to_string()))?;
+        let _ = channel.close(200, "declared").await;
+        self.publisher
+            .publish("", queue, body, None)
+            .await
+            .map_err(|e| LedgerError(e.to_string()))
+    }
+
+    async fn delete(&self, connection: &Connection, queue: &str) -> Result<(), LedgerError> {
+        let channel = self.channel(connection).await?;
+        match channel
+            .queue_delete(queue, QueueDeleteOptions::default())
+            .await
+        {
+            Ok(_) => {
+                let _ = channel.close(200, "deleted").await;
+                Ok(())
+            }
+            Err(lapin::Error::ProtocolError(error)) if error.get_id() == 404 => Ok(()),
+            Err(error) => Err(LedgerError(error.to_string())),
+        }
+    }
+
+    async fn connect(&self) -> Result<Connection, LedgerError> {
+        amqp::connect(&self.amqp_url, "forgepool-worker-ledger")
+            .await
+            .map_err(|e| LedgerError(e.to_string()))
+    }
+}
+
+impl ReviewLedger for AmqpLedger {
+    async fn lookup(&self, run_id: &str) -> Result<Entry, LedgerError> {
+        self.session(async {
+            let connection = self.connect().await?;
+            let intent = self
+                .peek(&connection, &self.topology.review_intent(run_id))
+                .await?;
+            let receipt = self
+                .peek(&connection, &self.topology.review_receipt(run_id))
+                .await?;
+            let _ = connection.close(200, "bye").await;
+            Ok(Entry {
+                intent: intent.map(|tree| String::from_utf8_lossy(&tree).to_string()),
+                receipt: receipt.and_then(|body| serde_json::from_slice(&body).ok()),
+            })
+        })
+        .await
+    }
+
+    async fn intent(&self, run_id: &str, tree: &str) -> Result<(), LedgerError> {
+        self.session(async {
+            let connection = self.connect().await?;
+            let kept = self
+                .keep(
+                    &connection,
+                    &self.topology.review_intent(run_id),
+                    tree.as_bytes(),
+                )
+                .await;
+            let _ = connection.close(200, "bye").await;
+            kept
+        })
+        .await
+    }
+
+    async fn receipt(&self, run_id: &str, receipt: &Receipt) -> Result<(), LedgerError> {
+        let body = serde_json::to_vec(receipt).map_err(|e| LedgerError(e.to_string()))?;
+        self.session(async {
+            let connection = self.connect().await?;
+            let kept = async {
+                self.keep(&connection, &self.topology.review_receipt(run_id), &body)
+                    .await?;
+                self.delete(&connection, &self.topology.review_intent(run_id))
+                    .await
+            }
+            .await;
+            let _ = connection.close(200, "bye").await;
+            kept
+        })
+        .await
+    }
+
+    async fn clear(&self, run_id: &str) -> Result<(), LedgerError> {
+        self.session(async {
+            let connection = self.connect().await?;
+            let deleted = self
+                .delete(&connection, &self.topology.review_intent(run_id))
+                .await;
+            let _ = connection.close(200, "bye").await;
+            deleted
+        })
+        .await
+    }
+}
