@@ -238,7 +238,8 @@ async fn handle_submission(
 async fn handle_dead_letter(dispatcher: &Dispatcher, delivery: &Delivery) -> Disposition {
     let (source, reason) = amqp::dead_letter_origin(&delivery.properties);
     let topology = &dispatcher.topology;
-    let from_jobs = source.is_some_and(|queue| queue == topology.jobs() || queue == topology.jobs_wait());
+    let from_jobs =
+        source.is_some_and(|queue| queue == topology.jobs() || queue == topology.jobs_wait());
     // Only a job this dispatcher signed may fail its run: a forged message naming a real run
     // (refused by a worker) must not end that run.
     let signature = amqp::header_text(&delivery.properties, proto::SIGNATURE_HEADER);

@@ -20,8 +20,8 @@ use serde::Deserialize;
 use uuid::Uuid;
 
 use crate::dispatcher::{Dispatcher, ResumeFailure, SubmitFailure};
-use crate::streams::StreamSlot;
 use crate::store::{RunFilter, RunRecord, RunStore};
+use crate::streams::StreamSlot;
 use crate::SubmitError;
 
 /// The router with every route and the bearer-token check on `/v1`.

@@ -54,12 +54,21 @@ mod tests {
         let (a, b) = (Uuid::new_v4(), Uuid::new_v4());
         let first = StreamSlot::take(&counts, a, 2).expect("first");
         let second = StreamSlot::take(&counts, a, 2).expect("second");
-        assert!(StreamSlot::take(&counts, a, 2).is_none(), "a third stream of one run");
-        assert!(StreamSlot::take(&counts, b, 2).is_some(), "another run is not limited");
+        assert!(
+            StreamSlot::take(&counts, a, 2).is_none(),
+            "a third stream of one run"
+        );
+        assert!(
+            StreamSlot::take(&counts, b, 2).is_some(),
+            "another run is not limited"
+        );
         drop(first);
         let third = StreamSlot::take(&counts, a, 2);
         assert!(third.is_some(), "a dropped stream frees its place");
         drop((second, third));
-        assert!(counts.0.lock().unwrap().is_empty(), "no run is left with a count of 0");
+        assert!(
+            counts.0.lock().unwrap().is_empty(),
+            "no run is left with a count of 0"
+        );
     }
 }

@@ -40,6 +40,8 @@ mod final_review;
 mod implement;
 mod review;
 mod stage;
+#[cfg(test)]
+mod tests;
 mod verify;
 
 use context::RunContext;

@@ -237,6 +237,8 @@ async fn run_git(
         .collect::<Vec<_>>()
         .join(" ");
     let finished = async {
+        #[cfg(test)]
+        let _clock = HoldTestClock::new();
         let mut child = command.spawn()?;
         if let (Some(input), Some(mut stdin)) = (input, child.stdin.take()) {
             use tokio::io::AsyncWriteExt;
@@ -257,6 +259,31 @@ async fn run_git(
         });
     }
     Ok(String::from_utf8_lossy(&output.stdout).trim().to_string())
+}
+
+/// Under a paused test clock tokio moves time on whenever the runtime waits for nothing but
+/// I/O, so [`GIT_TIMEOUT`] would pass while git works. A blocking task held while a child runs
+/// stops that: tokio never auto-advances while one is running. The engine's unit tests run
+/// real git on a paused clock; production code never needs this.
+#[cfg(test)]
+struct HoldTestClock(Option<std::sync::mpsc::Sender<()>>);
+
+#[cfg(test)]
+impl HoldTestClock {
+    fn new() -> HoldTestClock {
+        let (release, held) = std::sync::mpsc::channel::<()>();
+        tokio::task::spawn_blocking(move || {
+            let _ = held.recv();
+        });
+        HoldTestClock(Some(release))
+    }
+}
+
+#[cfg(test)]
+impl Drop for HoldTestClock {
+    fn drop(&mut self) {
+        self.0.take();
+    }
 }
 
 /// Clones `url` into the run's repository (its git folder and work tree, neither existing

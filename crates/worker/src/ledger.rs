@@ -8,7 +8,7 @@
 //! cancelled, failed) clears the intent.
 //!
 //! [`MemoryLedger`] serves the embedded mode (one process, no redelivery); the worker keeps its
-//! ledger on the broker (`service::AmqpLedger`), where every worker of the cluster sees it.
+//! ledger on the broker (`amqp::AmqpLedger`), where every worker of the cluster sees it.
 
 use std::collections::HashMap;
 use std::future::Future;

@@ -12,6 +12,8 @@ pub mod confined;
 pub mod docker;
 pub mod egress;
 pub mod engine;
+#[cfg(test)]
+pub(crate) mod fake;
 pub mod final_review;
 pub mod git;
 pub mod ledger;

@@ -228,9 +228,8 @@ pub trait ContainerRuntime: Send + Sync + 'static {
     fn instance(&self) -> &str;
 
     /// The instances of this worker's cluster, other than this one, that own containers here.
-    fn other_instances(
-        &self,
-    ) -> impl Future<Output = Result<HashSet<String>, RuntimeError>> + Send;
+    fn other_instances(&self)
+        -> impl Future<Output = Result<HashSet<String>, RuntimeError>> + Send;
 
     /// Removes everything a worker instance known to be gone left. Returns how many
     /// containers were removed.

@@ -79,7 +79,12 @@ pub async fn run<R: ContainerRuntime>(
     let swept = Arc::clone(&jobs);
     let sweep_shutdown = shutdown.clone();
     background.spawn(async move {
-        sweep(&swept.leases, swept.engine.runtime().as_ref(), sweep_shutdown).await;
+        sweep(
+            &swept.leases,
+            swept.engine.runtime().as_ref(),
+            sweep_shutdown,
+        )
+        .await;
     });
     background.spawn(watch_queues(Arc::clone(&jobs), shutdown.clone()));
     jobs.metrics.set_run_slots(jobs.config.concurrency);

@@ -327,9 +327,7 @@ pub async fn settle(
                 )
                 .await;
             match published {
-                Ok(()) => {
-                    bounded(delivery.ack(lapin::options::BasicAckOptions::default())).await
-                }
+                Ok(()) => bounded(delivery.ack(lapin::options::BasicAckOptions::default())).await,
                 Err(error) => {
                     warn!(%error, "cannot dead-letter; rejecting instead");
                     bounded(delivery.reject(lapin::options::BasicRejectOptions { requeue: false }))
@@ -351,9 +349,7 @@ async fn requeue(delivery: &Delivery) -> Result<(), String> {
     .await
 }
 
-async fn bounded(
-    operation: impl Future<Output = lapin::Result<()>>,
-) -> Result<(), String> {
+async fn bounded(operation: impl Future<Output = lapin::Result<()>>) -> Result<(), String> {
     match tokio::time::timeout(SETTLE_TIMEOUT, operation).await {
         Ok(Ok(())) => Ok(()),
         Ok(Err(error)) => Err(error.to_string()),

@@ -76,7 +76,6 @@ pub enum AmqpError {
     Pool(String),
 }
 
-
 pub mod client;
 pub mod delivery;
 pub mod topology;

@@ -135,7 +135,11 @@ async fn take_delivery<R: ContainerRuntime>(
     let signature = amqp::header_text(&delivery.properties, proto::SIGNATURE_HEADER);
     let job = match trusted_job(&jobs.config, &delivery.data, signature.as_deref()) {
         Ok(job) => job,
-        Err(reason) => return jobs.settle(&delivery, Disposition::DeadLetter(reason)).await,
+        Err(reason) => {
+            return jobs
+                .settle(&delivery, Disposition::DeadLetter(reason))
+                .await
+        }
     };
     // The prefetch keeps deliveries within our slots, but the next delivery can arrive just
     // before the slot of the run that was acknowledged is released: it waits for that slot

@@ -75,7 +75,12 @@ impl Consume for Cancels {
                 ..Default::default()
             };
             let consumer = channel
-                .basic_consume(queue.name().as_str(), "control", no_ack, FieldTable::default())
+                .basic_consume(
+                    queue.name().as_str(),
+                    "control",
+                    no_ack,
+                    FieldTable::default(),
+                )
                 .await
                 .map_err(broker("consume control"))?;
             Ok(Session {
@@ -94,8 +99,7 @@ impl Consume for Cancels {
         let Ok(control) = serde_json::from_slice::<Control>(&delivery.data) else {
             return;
         };
-        if control.action == ControlAction::Cancel && self.in_flight.cancel(control.run_id).await
-        {
+        if control.action == ControlAction::Cancel && self.in_flight.cancel(control.run_id).await {
             info!(run_id = %control.run_id, "cancel requested");
         }
     }

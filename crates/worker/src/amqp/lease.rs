@@ -319,11 +319,7 @@ const PRESENCE_GRACE: Duration = Duration::from_secs(30);
 /// Every sweep: keeps this worker's presence declared (after a broker restart too), removes
 /// its overdue containers, and removes the containers of instances of the same cluster whose
 /// presence has been missing for [`PRESENCE_GRACE`] while this worker's own was steady.
-pub async fn sweep<R: ContainerRuntime>(
-    leases: &Leases,
-    runtime: &R,
-    shutdown: CancellationToken,
-) {
+pub async fn sweep<R: ContainerRuntime>(leases: &Leases, runtime: &R, shutdown: CancellationToken) {
     let mut missing_since: HashMap<String, Instant> = HashMap::new();
     let mut steady_since = Instant::now();
     let mut generation = leases.generation();

@@ -96,4 +96,3 @@ const STAGE_OPEN_FILES: i64 = 4096;
 /// The processes limit of the stage user (the container's pids limit is the tighter bound per
 /// stage; this one counts every process of that user on the host).
 const STAGE_PROCESSES: i64 = 8192;
-

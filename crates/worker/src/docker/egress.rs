@@ -9,8 +9,7 @@ use futures_util::StreamExt;
 
 use super::{process_alive, short_instance};
 use crate::runtime::{
-    LABEL_CLUSTER, LABEL_HOST, LABEL_INSTANCE, LABEL_MANAGED, LABEL_PID, LABEL_STAGE,
-    LABEL_WORKER,
+    LABEL_CLUSTER, LABEL_HOST, LABEL_INSTANCE, LABEL_MANAGED, LABEL_PID, LABEL_STAGE, LABEL_WORKER,
 };
 use std::collections::HashMap;
 use std::time::Duration;
@@ -331,9 +330,7 @@ impl DockerRuntime {
             state.network = false;
         }
     }
-
 }
-
 
 fn proxy_url(name: &str, token: &str) -> String {
     format!(

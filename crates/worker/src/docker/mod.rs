@@ -22,8 +22,8 @@ mod egress;
 mod janitor;
 mod logs;
 
-pub use egress::DEFAULT_EGRESS_IMAGE;
 use egress::EgressState;
+pub use egress::DEFAULT_EGRESS_IMAGE;
 use logs::Collected;
 
 use crate::runtime::{
@@ -89,7 +89,6 @@ pub struct DockerRuntime {
     /// The egress network and the proxies made so far, one per allowlist.
     egress: tokio::sync::Mutex<EgressState>,
 }
-
 
 impl DockerRuntime {
     /// Connects to the engine named by `DOCKER_HOST` (or the local socket) and checks it answers.
@@ -173,7 +172,6 @@ impl DockerRuntime {
             set.remove(image);
         }
     }
-
 
     async fn remove(&self, id: &str) -> Result<(), RuntimeError> {
         let options = RemoveContainerOptions {
@@ -371,7 +369,6 @@ impl ContainerRuntime for DockerRuntime {
         })
     }
 
-
     async fn remove_orphans(&self) -> Result<usize, RuntimeError> {
         self.remove_orphans_and_overdue().await
     }
@@ -391,7 +388,6 @@ impl ContainerRuntime for DockerRuntime {
     async fn close(&self) {
         self.close_egress().await;
     }
-
 }
 
 /// Removes a container in the background if the future that owns it is dropped early.
@@ -422,8 +418,6 @@ impl Drop for RemoveOnDrop {
         }
     }
 }
-
-
 
 async fn bounded<T>(
     operation: &'static str,

@@ -1,0 +1,558 @@
+//! The engine against the scripted [`FakeRuntime`], on a paused clock: every phase's
+//! mapping from a stage's exit to the machine's input, with a real git repository and no
+//! Docker. Each test names the bug it catches.
+
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+
+use proto::{Event, EventKind, Job, RunResult, RunState, Stage, StageOutcome};
+use tokio_util::sync::CancellationToken;
+
+use super::{Engine, EngineConfig, EXIT_PAUSED};
+use crate::fake::{Act, FakeRuntime};
+use crate::ledger::MemoryLedger;
+use crate::sink::{EventSink, PublishEvent};
+
+const BRANCH: &str = "forge/shop-1";
+
+/// Collects every event of a run.
+#[derive(Debug, Default)]
+struct Events(Mutex<Vec<Event>>);
+
+impl EventSink for Events {
+    async fn publish(&self, event: Event) -> Result<(), PublishEvent> {
+        self.0.lock().unwrap().push(event);
+        Ok(())
+    }
+}
+
+/// A bare origin repository with one commit on `main`, and a workspace root.
+struct Bench {
+    dir: tempfile::TempDir,
+}
+
+fn git(dir: &Path, args: &[&str]) -> String {
+    let output = std::process::Command::new("git")
+        .args(["-c", "user.name=t", "-c", "user.email=t@example.com"])
+        .args(args)
+        .current_dir(dir)
+        .output()
+        .expect("git runs");
+    assert!(output.status.success(), "git {args:?}: {output:?}");
+    String::from_utf8_lossy(&output.stdout).to_string()
+}
+
+impl Bench {
+    fn new() -> Bench {
+        let dir = tempfile::tempdir().unwrap();
+        let seed = dir.path().join("seed");
+        std::fs::create_dir(&seed).unwrap();
+        git(&seed, &["init", "-q", "-b", "main"]);
+        std::fs::write(seed.join("README.md"), "shop\n").unwrap();
+        git(&seed, &["add", "."]);
+        git(&seed, &["commit", "-q", "-m", "seed"]);
+        git(dir.path(), &["clone", "-q", "--bare", "seed", "origin.git"]);
+        Bench { dir }
+    }
+
+    fn origin(&self) -> PathBuf {
+        self.dir.path().join("origin.git")
+    }
+
+    /// A file of the delivered branch; `None` when nothing was pushed.
+    fn delivered(&self, path: &str) -> Option<String> {
+        let output = std::process::Command::new("git")
+            .args(["show", &format!("{BRANCH}:{path}")])
+            .current_dir(self.origin())
+            .output()
+            .unwrap();
+        output
+            .status
+            .success()
+            .then(|| String::from_utf8_lossy(&output.stdout).to_string())
+    }
+
+    fn job(&self, review: Option<(u32, bool)>, commands: &[(&str, u64)], budget: u32) -> Job {
+        let profile = |name: &str| {
+            serde_json::json!({"name": name, "image": "agent:fake", "command": [], "env": [],
+                "network": "none", "memory_bytes": 1u64 << 30, "cpus": 1.0,
+                "timeout_seconds": 1800, "user": null})
+        };
+        let review = review.map(|(max_cycles, block_on_failure)| {
+            serde_json::json!({"source": "skills/x/review.md", "instructions": "Review it.",
+                "max_cycles": max_cycles, "block_on_failure": block_on_failure,
+                "timeout_seconds": 600})
+        });
+        let commands: Vec<_> = commands
+            .iter()
+            .map(|(name, timeout)| serde_json::json!({"argv": [name], "timeout": timeout}))
+            .collect();
+        serde_json::from_value(serde_json::json!({
+            "schema_version": proto::SCHEMA_VERSION, "run_id": uuid::Uuid::new_v4(),
+            "ticket": "SHOP-1", "project": "shop", "skill": "implement-task",
+            "step": "implement_task", "brief": "Add the feature.",
+            "repository": {"url": format!("file://{}", self.origin().display())},
+            "commands": commands, "skill_md": "Implement it.",
+            "reviewer": review.as_ref().map(|_| profile("reviewer")), "review": review,
+            "repair_budget": budget, "implementer": profile("implementer"),
+            "final_reviewer": null, "warnings": [],
+            "submitted_at": "2026-12-03T12:00:00Z"
+        }))
+        .expect("a valid job")
+    }
+
+    /// Runs `job` to its end on `runtime`.
+    async fn run(&self, runtime: FakeRuntime, job: &Job) -> Outcome {
+        self.run_with(runtime, job, CancellationToken::new()).await
+    }
+
+    async fn run_with(
+        &self,
+        runtime: FakeRuntime,
+        job: &Job,
+        cancel: CancellationToken,
+    ) -> Outcome {
+        let runtime = std::sync::Arc::new(runtime);
+        let mut config = EngineConfig::for_process(self.dir.path().join("runs"));
+        config.can_chown = false;
+        let engine = Engine::new(std::sync::Arc::clone(&runtime), config);
+        let events = Events::default();
+        let ledger = MemoryLedger::default();
+        let result = engine
+            .execute(job, &events, &ledger, cancel, CancellationToken::new())
+            .await
+            .expect("events are published")
+            .expect("the run is not interrupted");
+        let events = events.0.into_inner().unwrap();
+        Outcome {
+            result,
+            events,
+            runtime,
+        }
+    }
+}
+
+struct Outcome {
+    result: RunResult,
+    events: Vec<Event>,
+    runtime: std::sync::Arc<FakeRuntime>,
+}
+
+impl Outcome {
+    fn reason(&self) -> String {
+        self.events
+            .iter()
+            .rev()
+            .find_map(|e| match &e.kind {
+                EventKind::State { reason, .. } => Some(reason.clone()),
+                _ => None,
+            })
+            .unwrap_or_default()
+    }
+
+    fn cycles(&self) -> Vec<proto::CycleRecord> {
+        self.events
+            .iter()
+            .filter_map(|e| match &e.kind {
+                EventKind::Cycle { cycle } => Some(cycle.clone()),
+                _ => None,
+            })
+            .collect()
+    }
+
+    fn verdicts(&self) -> Vec<String> {
+        self.cycles().iter().map(|c| c.verdict.clone()).collect()
+    }
+
+    fn outcomes(&self, stage: Stage) -> Vec<StageOutcome> {
+        self.events
+            .iter()
+            .filter_map(|e| match &e.kind {
+                EventKind::StageFinished {
+                    stage: finished,
+                    outcome,
+                    ..
+                } if *finished == stage => Some(*outcome),
+                _ => None,
+            })
+            .collect()
+    }
+}
+
+fn implements(round: u32) -> Act {
+    Act::writes("/workspace/feature.txt", &format!("round {round}\n"))
+}
+
+/// Catches: an approving first review that does not deliver, or delivers the wrong tree.
+#[tokio::test(start_paused = true)]
+async fn an_approval_at_once_delivers_the_implemented_tree() {
+    let bench = Bench::new();
+    let runtime = FakeRuntime::default()
+        .with(Stage::Implement, [implements(1)])
+        .with(Stage::Review, [Act::prints("All criteria pass. APPROVED")]);
+    let outcome = bench
+        .run(runtime, &bench.job(Some((3, true)), &[], 0))
+        .await;
+    assert_eq!(
+        outcome.result.state,
+        RunState::Delivered,
+        "{}",
+        outcome.reason()
+    );
+    assert_eq!(outcome.verdicts(), ["approved"]);
+    assert_eq!(outcome.result.branch.as_deref(), Some(BRANCH));
+    assert_eq!(bench.delivered("feature.txt").as_deref(), Some("round 1\n"));
+    assert_eq!(outcome.runtime.stages(), ["implement", "review"]);
+}
+
+/// Catches: feedback that never reaches the next round, or a loop that stops after a
+/// rejection with cycles left.
+#[tokio::test(start_paused = true)]
+async fn a_rejection_sends_its_feedback_to_the_next_round_which_is_approved() {
+    let bench = Bench::new();
+    let runtime = FakeRuntime::default()
+        .with(Stage::Implement, [implements(1), implements(2)])
+        .with(
+            Stage::Review,
+            [
+                Act::prints("REJECTED\nMissing tests for the feature"),
+                Act::prints("APPROVED"),
+            ],
+        );
+    let outcome = bench
+        .run(runtime, &bench.job(Some((3, true)), &[], 0))
+        .await;
+    assert_eq!(
+        outcome.result.state,
+        RunState::Delivered,
+        "{}",
+        outcome.reason()
+    );
+    assert_eq!(outcome.verdicts(), ["rejected", "approved"]);
+    assert_eq!(outcome.result.implementation_rounds, 2);
+    assert_eq!(bench.delivered("feature.txt").as_deref(), Some("round 2\n"));
+    let prompts = outcome.runtime.prompts();
+    assert!(
+        prompts[2].contains("## Reviewer Feedback\n\nMissing tests for the feature"),
+        "the second round's prompt: {}",
+        prompts[2]
+    );
+    assert!(
+        !prompts[0].contains("## Reviewer Feedback"),
+        "{}",
+        prompts[0]
+    );
+}
+
+/// Catches: `block_on_failure` ignored (a blocked run that pushes anyway).
+#[tokio::test(start_paused = true)]
+async fn an_exhausted_review_with_block_on_failure_blocks_and_pushes_nothing() {
+    let bench = Bench::new();
+    let runtime = FakeRuntime::default()
+        .with(Stage::Implement, [implements(1), implements(2)])
+        .with(Stage::Review, [Act::prints("REJECTED\nstill wrong")]);
+    let outcome = bench
+        .run(runtime, &bench.job(Some((2, true)), &[], 0))
+        .await;
+    assert_eq!(outcome.result.state, RunState::Blocked);
+    assert!(
+        outcome.reason().contains("block_on_failure"),
+        "{}",
+        outcome.reason()
+    );
+    assert_eq!(outcome.verdicts(), ["rejected", "rejected"]);
+    assert_eq!(bench.delivered("feature.txt"), None);
+}
+
+/// Catches: an exhausted review without blocking that is not delivered, or delivered without
+/// its warning.
+#[tokio::test(start_paused = true)]
+async fn an_exhausted_review_without_blocking_is_delivered_with_warnings() {
+    let bench = Bench::new();
+    let runtime = FakeRuntime::default()
+        .with(Stage::Implement, [implements(1), implements(2)])
+        .with(Stage::Review, [Act::prints("REJECTED\nstill wrong")]);
+    let outcome = bench
+        .run(runtime, &bench.job(Some((2, false)), &[], 0))
+        .await;
+    assert_eq!(outcome.result.state, RunState::DeliveredWithWarnings);
+    assert!(
+        outcome
+            .result
+            .warnings
+            .iter()
+            .any(|w| w.contains("exhausted")),
+        "{:?}",
+        outcome.result.warnings
+    );
+    assert_eq!(bench.delivered("feature.txt").as_deref(), Some("round 2\n"));
+}
+
+/// Catches: a reviewer past its time limit that is waited on, or counted as an approval.
+/// On the paused clock its 600 s limit passes at once.
+#[tokio::test(start_paused = true)]
+async fn a_reviewer_past_its_time_limit_is_stopped_and_counts_as_a_rejection() {
+    let bench = Bench::new();
+    let runtime = FakeRuntime::default()
+        .with(Stage::Implement, [implements(1)])
+        .with(Stage::Review, [Act::Hang]);
+    let outcome = bench
+        .run(runtime, &bench.job(Some((1, false)), &[], 0))
+        .await;
+    assert_eq!(outcome.outcomes(Stage::Review), [StageOutcome::TimedOut]);
+    assert_eq!(outcome.verdicts(), ["rejected"]);
+    assert!(
+        outcome.cycles()[0]
+            .feedback
+            .contains("timed out after 600 seconds"),
+        "{}",
+        outcome.cycles()[0].feedback
+    );
+    assert_eq!(outcome.result.state, RunState::DeliveredWithWarnings);
+}
+
+/// Catches: an implementer past its time limit that leaves the run hanging or delivered.
+#[tokio::test(start_paused = true)]
+async fn an_implementer_past_its_time_limit_fails_the_run() {
+    let bench = Bench::new();
+    let runtime = FakeRuntime::default().with(Stage::Implement, [Act::Hang]);
+    let outcome = bench.run(runtime, &bench.job(None, &[], 0)).await;
+    assert_eq!(outcome.result.state, RunState::Failed);
+    assert!(
+        outcome.reason().contains("timed out after 1800 s"),
+        "{}",
+        outcome.reason()
+    );
+    assert_eq!(outcome.outcomes(Stage::Implement), [StageOutcome::TimedOut]);
+}
+
+/// Catches: a crashing implementer whose output is lost, or whose run goes on to review.
+#[tokio::test(start_paused = true)]
+async fn a_crashing_implementer_fails_the_run_with_its_last_output() {
+    let bench = Bench::new();
+    let runtime = FakeRuntime::default()
+        .with(
+            Stage::Implement,
+            [Act::exits(3, "something broke in the implementer")],
+        )
+        .with(Stage::Review, [Act::prints("APPROVED")]);
+    let outcome = bench
+        .run(runtime, &bench.job(Some((3, true)), &[], 0))
+        .await;
+    assert_eq!(outcome.result.state, RunState::Failed);
+    let reason = outcome.reason();
+    assert!(reason.contains("exited with code 3"), "{reason}");
+    assert!(
+        reason.contains("something broke in the implementer"),
+        "{reason}"
+    );
+    assert_eq!(
+        outcome.runtime.stages(),
+        ["implement"],
+        "no review after a crash"
+    );
+}
+
+/// Catches: a crashing reviewer counted as an approval.
+#[tokio::test(start_paused = true)]
+async fn a_crashing_reviewer_is_a_rejection_that_says_so() {
+    let bench = Bench::new();
+    let runtime = FakeRuntime::default()
+        .with(Stage::Implement, [implements(1)])
+        .with(Stage::Review, [Act::exits(9, "reviewer blew up")]);
+    let outcome = bench
+        .run(runtime, &bench.job(Some((1, true)), &[], 0))
+        .await;
+    assert_eq!(outcome.verdicts(), ["rejected"]);
+    assert!(
+        outcome.cycles()[0].feedback.contains("exited with code 9"),
+        "{}",
+        outcome.cycles()[0].feedback
+    );
+    assert_eq!(outcome.result.state, RunState::Blocked);
+}
+
+/// Catches: a provider pause (exit 75) that fails the run, or pauses it without the
+/// checkpoint a resume needs.
+#[tokio::test(start_paused = true)]
+async fn a_provider_pause_pauses_the_run_with_a_checkpoint() {
+    let bench = Bench::new();
+    let runtime = FakeRuntime::default().with(
+        Stage::Implement,
+        [Act::exits(EXIT_PAUSED, "429 rate limited by the provider")],
+    );
+    let outcome = bench.run(runtime, &bench.job(None, &[], 0)).await;
+    assert_eq!(outcome.result.state, RunState::Paused);
+    assert!(
+        outcome.reason().contains("forgepool resume"),
+        "{}",
+        outcome.reason()
+    );
+    assert!(
+        outcome
+            .reason()
+            .contains("429 rate limited by the provider"),
+        "{}",
+        outcome.reason()
+    );
+    let checkpoints = outcome
+        .events
+        .iter()
+        .filter(|e| matches!(e.kind, EventKind::Checkpoint { .. }))
+        .count();
+    assert_eq!(checkpoints, 1);
+    assert_eq!(outcome.outcomes(Stage::Implement), [StageOutcome::Paused]);
+}
+
+/// Catches: failed checks that do not start a repair round, or a repair that is not
+/// verified again.
+#[tokio::test(start_paused = true)]
+async fn failed_checks_start_a_repair_round_that_is_verified_again() {
+    let bench = Bench::new();
+    let runtime = FakeRuntime::default()
+        .with(Stage::Implement, [implements(1), implements(2)])
+        .with(
+            Stage::Verify,
+            [Act::exits(4, "fixed.txt missing"), Act::prints("ok")],
+        );
+    let outcome = bench
+        .run(runtime, &bench.job(None, &[("check", 30)], 1))
+        .await;
+    assert_eq!(
+        outcome.result.state,
+        RunState::Delivered,
+        "{}",
+        outcome.reason()
+    );
+    assert_eq!(outcome.result.implementation_rounds, 2);
+    assert_eq!(outcome.result.repair_history[0].failing[0].1, Some(4));
+    assert!(outcome.result.repair_history[1].failing.is_empty());
+    assert_eq!(
+        outcome.runtime.stages(),
+        ["implement", "verify", "implement", "verify"]
+    );
+}
+
+/// Catches: the no-progress guard not tripping (the budget spent on identical rounds).
+#[tokio::test(start_paused = true)]
+async fn the_same_tree_failing_the_same_way_twice_trips_the_guard() {
+    let bench = Bench::new();
+    let runtime = FakeRuntime::default()
+        .with(
+            Stage::Implement,
+            [Act::writes("/workspace/feature.txt", "same\n")],
+        )
+        .with(Stage::Verify, [Act::exits(5, "too few rounds")]);
+    let outcome = bench
+        .run(runtime, &bench.job(None, &[("check", 30)], 3))
+        .await;
+    assert_eq!(outcome.result.state, RunState::Blocked);
+    assert!(
+        outcome.reason().contains("no progress"),
+        "{}",
+        outcome.reason()
+    );
+    assert_eq!(outcome.result.implementation_rounds, 2);
+    assert_eq!(bench.delivered("feature.txt"), None);
+}
+
+/// Catches: a repair budget that is not enforced.
+#[tokio::test(start_paused = true)]
+async fn a_repair_budget_of_zero_blocks_after_the_first_failure() {
+    let bench = Bench::new();
+    let runtime = FakeRuntime::default()
+        .with(Stage::Implement, [implements(1)])
+        .with(Stage::Verify, [Act::exits(4, "fixed.txt missing")]);
+    let outcome = bench
+        .run(runtime, &bench.job(None, &[("check", 30)], 0))
+        .await;
+    assert_eq!(outcome.result.state, RunState::Blocked);
+    assert!(
+        outcome.reason().contains("repair budget of 0"),
+        "{}",
+        outcome.reason()
+    );
+    assert_eq!(outcome.result.implementation_rounds, 1);
+}
+
+/// Catches: a final review whose approval is not recorded, or whose changes_required starts
+/// another repair round or delivers.
+#[tokio::test(start_paused = true)]
+async fn the_final_review_approves_or_blocks_without_another_repair() {
+    let report = |verdict: &str, findings: &str| {
+        Act::writes(
+            "/forge/output/review.json",
+            &format!(r#"{{"verdict": "{verdict}", "summary": "s", "findings": [{findings}]}}"#),
+        )
+    };
+    for (verdict, findings, state) in [
+        ("approved", "", RunState::Delivered),
+        (
+            "changes_required",
+            r#"{"severity": "high", "path": "feature.txt", "line": 1, "summary": "says round 1", "evidence": "round 1"}"#,
+            RunState::Blocked,
+        ),
+    ] {
+        let bench = Bench::new();
+        let runtime = FakeRuntime::default()
+            .with(Stage::Implement, [implements(1)])
+            .with(Stage::FinalReview, [report(verdict, findings)]);
+        let mut job = bench.job(None, &[], 3);
+        let mut final_reviewer = job.implementer.clone();
+        final_reviewer.name = "final".into();
+        job.final_reviewer = Some(final_reviewer);
+        let outcome = bench.run(runtime, &job).await;
+        assert_eq!(
+            outcome.result.state,
+            state,
+            "{verdict}: {}",
+            outcome.reason()
+        );
+        assert_eq!(outcome.result.review, verdict);
+        assert_eq!(outcome.result.implementation_rounds, 1, "{verdict}");
+        assert_eq!(
+            bench.delivered("feature.txt").is_some(),
+            state == RunState::Delivered,
+            "{verdict}"
+        );
+    }
+}
+
+/// Catches: a user's cancel that does not stop the running stage.
+#[tokio::test(start_paused = true)]
+async fn a_cancel_stops_the_running_stage_and_ends_the_run_cancelled() {
+    let bench = Bench::new();
+    let runtime = FakeRuntime::default().with(Stage::Implement, [Act::Hang]);
+    let cancel = CancellationToken::new();
+    let canceller = {
+        let cancel = cancel.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(std::time::Duration::from_secs(60)).await;
+            cancel.cancel();
+        })
+    };
+    let outcome = bench
+        .run_with(runtime, &bench.job(None, &[], 0), cancel)
+        .await;
+    canceller.await.unwrap();
+    assert_eq!(outcome.result.state, RunState::Cancelled);
+}
+
+/// Catches: a stage whose container cannot be made that leaves the run hanging, or fails it
+/// without saying why.
+#[tokio::test(start_paused = true)]
+async fn a_stage_that_cannot_be_created_fails_the_run_with_the_runtimes_reason() {
+    let bench = Bench::new();
+    let runtime = FakeRuntime::default().with(
+        Stage::Implement,
+        [Act::Unstartable("pull access denied".into())],
+    );
+    let outcome = bench.run(runtime, &bench.job(None, &[], 0)).await;
+    assert_eq!(outcome.result.state, RunState::Failed);
+    let reason = outcome.reason();
+    assert!(
+        reason.contains("agent:fake") && reason.contains("pull access denied"),
+        "{reason}"
+    );
+    assert!(outcome.runtime.stages().is_empty(), "nothing ran");
+}
