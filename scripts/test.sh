@@ -9,6 +9,9 @@ cd "$(dirname "$0")/.."
 scripts/services.sh
 scripts/build-images.sh
 scripts/chart-check.sh
+# The structural invariants of ARCHITECTURE.md (file and function sizes, where lapin and
+# bollard may appear, no circle of files).
+python3 scripts/structure-check.py
 # The forgepool image, from the debug build the tests use (tests/image.rs runs it).
 scripts/build-forgepool-image.sh --debug
 

@@ -204,6 +204,25 @@ async fn execute(store: &Store, job: proto::Job, local: &LocalArgs) -> i32 {
     };
     let signals = tokio::spawn(shutdown_signal(cancel.clone()));
 
+    let final_state = record_and_print(store, &mut events).await;
+    let _ = worker.await;
+    signals.abort();
+    runtime.close_egress().await;
+    match final_state {
+        Some(state) => state.exit_code().unwrap_or(EXIT_FAILED),
+        None => {
+            eprintln!("error: the run ended without a final state; see the log above");
+            EXIT_FAILED
+        }
+    }
+}
+
+/// Stores and prints each event of the run until its sink closes; returns its last terminal
+/// or paused state.
+async fn record_and_print(
+    store: &Store,
+    events: &mut tokio::sync::mpsc::Receiver<proto::Event>,
+) -> Option<RunState> {
     let mut final_state = None;
     while let Some(event) = events.recv().await {
         if let Err(error) = store.record_event(&event).await {
@@ -218,16 +237,7 @@ async fn execute(store: &Store, job: proto::Job, local: &LocalArgs) -> i32 {
             }
         }
     }
-    let _ = worker.await;
-    signals.abort();
-    runtime.close_egress().await;
-    match final_state {
-        Some(state) => state.exit_code().unwrap_or(EXIT_FAILED),
-        None => {
-            eprintln!("error: the run ended without a final state; see the log above");
-            EXIT_FAILED
-        }
-    }
+    final_state
 }
 
 /// Cancels the run on Ctrl-C or SIGTERM.

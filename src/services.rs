@@ -135,29 +135,7 @@ pub async fn worker(args: WorkerArgs) -> i32 {
     println!("worker {worker_id} listening on {address}");
     let shutdown = shutdown_on_signal();
     let metrics_registry = Arc::new(telemetry::Metrics::new(telemetry::Role::Worker));
-    let health = axum::Router::new()
-        .route(
-            "/healthz",
-            axum::routing::get(|| async { axum::Json(serde_json::json!({"status": "ok"})) }),
-        )
-        .route(
-            "/metrics",
-            axum::routing::get({
-                let metrics = Arc::clone(&metrics_registry);
-                move || async move {
-                    (
-                        [(axum::http::header::CONTENT_TYPE, telemetry::CONTENT_TYPE)],
-                        metrics.render(),
-                    )
-                }
-            }),
-        );
-    let health_shutdown = shutdown.clone();
-    let health_task = tokio::spawn(async move {
-        let _ = axum::serve(metrics, health)
-            .with_graceful_shutdown(async move { health_shutdown.cancelled().await })
-            .await;
-    });
+    let health_task = serve_health(metrics, Arc::clone(&metrics_registry), shutdown.clone());
     let config = WorkerConfig {
         amqp_url: args.broker.amqp_url,
         prefix: args.broker.prefix,
@@ -182,6 +160,33 @@ pub async fn worker(args: WorkerArgs) -> i32 {
     shutdown.cancel();
     let _ = health_task.await;
     code
+}
+
+/// Serves the worker's `/healthz` and `/metrics` on `listener` until `shutdown`.
+fn serve_health(
+    listener: tokio::net::TcpListener,
+    metrics: Arc<telemetry::Metrics>,
+    shutdown: CancellationToken,
+) -> tokio::task::JoinHandle<()> {
+    let health = axum::Router::new()
+        .route(
+            "/healthz",
+            axum::routing::get(|| async { axum::Json(serde_json::json!({"status": "ok"})) }),
+        )
+        .route(
+            "/metrics",
+            axum::routing::get(move || async move {
+                (
+                    [(axum::http::header::CONTENT_TYPE, telemetry::CONTENT_TYPE)],
+                    metrics.render(),
+                )
+            }),
+        );
+    tokio::spawn(async move {
+        let _ = axum::serve(listener, health)
+            .with_graceful_shutdown(async move { shutdown.cancelled().await })
+            .await;
+    })
 }
 
 /// A token cancelled by the first SIGTERM or Ctrl-C; a second one exits at once.

@@ -397,6 +397,48 @@ struct Follow {
     pending: std::collections::VecDeque<SseEvent>,
 }
 
+impl Follow {
+    /// Reads the next page of stored events into `pending` (one page at a time: the stream
+    /// holds at most a page, whatever the run printed, and reads the next one only when the
+    /// client has taken this one). Returns how many were read.
+    async fn read_page(&mut self, run_id: Uuid) -> usize {
+        let stored = self
+            .dispatcher
+            .store
+            .events_page(run_id, self.position, EVENT_PAGE)
+            .await
+            .unwrap_or_default();
+        let read = stored.len();
+        for (at, event) in stored {
+            self.position = at;
+            if let proto::EventKind::State { state, .. } = &event.kind {
+                // A terminal state is final even if a late event follows it.
+                self.finished |= state.is_terminal();
+                self.paused = *state == RunState::Paused;
+            }
+            let data = serde_json::to_string(&event).unwrap_or_default();
+            self.pending.push_back(
+                SseEvent::default()
+                    .id(at.to_string())
+                    .event(event.kind.name())
+                    .data(data),
+            );
+        }
+        read
+    }
+
+    /// Whether the run is paused now (a resume starts a new stream).
+    async fn still_paused(&self, run_id: Uuid) -> bool {
+        self.dispatcher
+            .store
+            .get_run(run_id)
+            .await
+            .ok()
+            .flatten()
+            .is_some_and(|r| r.state == RunState::Paused)
+    }
+}
+
 async fn events(
     State(dispatcher): State<Arc<Dispatcher>>,
     Path(id): Path<String>,
@@ -445,45 +487,13 @@ async fn events(
                 return None;
             }
             follow.wake.borrow_and_update();
-            // One page at a time: the stream holds at most a page, whatever the run printed,
-            // and reads the next one only when the client has taken this one.
-            let stored = follow
-                .dispatcher
-                .store
-                .events_page(run_id, follow.position, EVENT_PAGE)
-                .await
-                .unwrap_or_default();
-            let full_page = stored.len() == EVENT_PAGE as usize;
-            if stored.is_empty() && ended_at_start {
+            let read = follow.read_page(run_id).await;
+            let full_page = read == EVENT_PAGE as usize;
+            if read == 0 && ended_at_start {
                 return None;
             }
-            for (at, event) in stored {
-                follow.position = at;
-                if let proto::EventKind::State { state, .. } = &event.kind {
-                    // A terminal state is final even if a late event follows it.
-                    follow.finished |= state.is_terminal();
-                    follow.paused = *state == RunState::Paused;
-                }
-                let data = serde_json::to_string(&event).unwrap_or_default();
-                follow.pending.push_back(
-                    SseEvent::default()
-                        .id(at.to_string())
-                        .event(event.kind.name())
-                        .data(data),
-                );
-            }
-            if follow.pending.is_empty() && follow.paused {
-                let still_paused = follow
-                    .dispatcher
-                    .store
-                    .get_run(run_id)
-                    .await
-                    .ok()
-                    .flatten()
-                    .is_some_and(|r| r.state == RunState::Paused);
-                if still_paused {
-                    return None;
-                }
+            if follow.pending.is_empty() && follow.paused && follow.still_paused(run_id).await {
+                return None;
             }
             if follow.pending.is_empty() && !full_page {
                 let stopping = follow.dispatcher.stopping.clone();

@@ -185,6 +185,13 @@ impl Metrics {
                 .expect("a valid gauge"),
             registry,
         };
+        metrics.register_plain_metrics();
+        metrics
+    }
+
+    /// Registers the metrics without labels (the labelled families register themselves).
+    fn register_plain_metrics(&self) {
+        let metrics = self;
         for single in [
             Box::new(metrics.containers_running.clone()) as Box<dyn prometheus::core::Collector>,
             Box::new(metrics.repair_rounds.clone()),
@@ -195,7 +202,6 @@ impl Metrics {
         ] {
             metrics.registry.register(single).expect("a unique metric");
         }
-        metrics
     }
 
     /// Counts what an event of `job` tells: review cycles and verdicts, stage durations,

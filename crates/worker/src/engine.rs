@@ -26,8 +26,8 @@ use crate::ledger::{Receipt, ReviewLedger};
 use crate::machine::{FailureSignature, Input, Limits, Phase, RoundReason, RunMachine};
 use crate::report::{self, ReportInput};
 use crate::runtime::{
-    tail, ContainerRuntime, LogChunk, Mount, StageExit, StageOutput, StageSpec, LABEL_RUN,
-    LABEL_STAGE,
+    tail, ContainerRuntime, LogChunk, Mount, RuntimeError, StageExit, StageOutput, StageSpec,
+    LABEL_RUN, LABEL_STAGE,
 };
 use crate::sink::Redacting;
 use crate::sink::{EventSink, PublishEvent};
@@ -38,6 +38,7 @@ mod context;
 mod deliver;
 mod final_review;
 mod implement;
+mod prompt;
 mod review;
 mod stage;
 #[cfg(test)]
@@ -187,26 +188,8 @@ impl<R: ContainerRuntime> Engine<R> {
         interrupt: &CancellationToken,
         stop: &CancellationToken,
     ) -> Result<Option<(RunState, String)>, PublishEvent> {
-        if run.job.final_reviewer.is_some() {
-            match ledger.lookup(&run.job.run_id.to_string()).await {
-                Ok(entry) => {
-                    if let Some(tree) = entry.unknown_outcome() {
-                        run.final_unknown = true;
-                        return Ok(Some((
-                            RunState::Blocked,
-                            format!(
-                                "unknown outcome: an earlier execution of this run died during the final review of tree {tree}, and a final review is never repeated blindly. Inspect the run's events and the final reviewer's side (its provider may have done the work), then submit a new run"
-                            ),
-                        )));
-                    }
-                }
-                Err(error) => {
-                    warn!(%error, "cannot read the final review ledger; handing the job back");
-                    // Not at once: every delivery counts towards the queue's delivery limit.
-                    tokio::time::sleep(Duration::from_secs(5)).await;
-                    return Ok(None);
-                }
-            }
+        if let Some(ended) = self.earlier_final_review(run, ledger).await {
+            return Ok(ended);
         }
         if let Some(reason) = self.refusal(run.job) {
             return Ok(Some((RunState::Failed, reason)));
@@ -236,24 +219,20 @@ impl<R: ContainerRuntime> Engine<R> {
         };
         let cancel_user = cancel;
         let cancel = stop;
-        let mut machine = RunMachine::new(run.limits());
-        if let Some(checkpoint) = &run.job.resume {
-            match run.restore(checkpoint).await {
+        let mut machine = match run.job.resume.clone() {
+            None => RunMachine::new(run.limits()),
+            Some(checkpoint) => match run.restore(&checkpoint).await {
                 Ok(restored) => {
                     info!(sequence = checkpoint.sequence, "resuming from a checkpoint");
-                    machine = restored;
+                    restored
                 }
                 Err(error) => {
-                    return Ok(Some((
-                        RunState::Failed,
-                        format!(
-                            "cannot resume from checkpoint {}: {error}",
-                            checkpoint.sequence
-                        ),
-                    )))
+                    let sequence = checkpoint.sequence;
+                    let reason = format!("cannot resume from checkpoint {sequence}: {error}");
+                    return Ok(Some((RunState::Failed, reason)));
                 }
-            }
-        }
+            },
+        };
         loop {
             if let Some((state, reason)) = machine.finished() {
                 return Ok(Some((state, reason.to_string())));
@@ -263,47 +242,15 @@ impl<R: ContainerRuntime> Engine<R> {
             }
             let input = if cancel_user.is_cancelled() {
                 Input::Cancelled
+            } else if let Phase::Paused { reason, resume } = &machine.phase {
+                let reason = self
+                    .pause(run, sink, &machine, reason, (**resume).clone())
+                    .await?;
+                return Ok(Some((RunState::Paused, reason)));
             } else {
-                match machine.phase.clone() {
-                    Phase::Implement { round, reason } => {
-                        let ahead = ahead.take();
-                        self.implement(
-                            run,
-                            sink,
-                            cancel,
-                            round,
-                            &reason,
-                            machine.cycles_used,
-                            ahead,
-                        )
-                        .await?
-                    }
-                    Phase::Verify { round, tree } => {
-                        self.verify(run, sink, cancel, round, &tree).await?
-                    }
-                    Phase::Review { round, cycle, tree } => {
-                        self.review(run, sink, cancel, round, cycle, &tree).await?
-                    }
-                    Phase::FinalReview { tree } => {
-                        self.final_review(run, sink, ledger, cancel, &tree).await?
-                    }
-                    Phase::Deliver { tree } => self.deliver(run, &tree).await,
-                    Phase::Paused { reason, resume } => {
-                        let reason = match run.checkpoint(&machine, *resume).await {
-                            Ok(checkpoint) => {
-                                publish(sink, run.job.run_id, EventKind::Checkpoint { checkpoint })
-                                    .await?;
-                                format!("{reason}; resume it with `forgepool resume {}` once the provider is ready", run.job.run_id)
-                            }
-                            Err(error) => {
-                                warn!(%error, "cannot save the paused run's progress");
-                                format!("{reason}; its progress could not be saved ({error}), so it cannot be resumed: submit a new run")
-                            }
-                        };
-                        return Ok(Some((RunState::Paused, reason)));
-                    }
-                    Phase::Finished { .. } => unreachable!("handled above"),
-                }
+                let stage = ahead.take();
+                self.phase_input(run, sink, ledger, cancel, &machine, stage)
+                    .await?
             };
             if interrupt.is_cancelled() {
                 return Ok(None);
@@ -314,6 +261,87 @@ impl<R: ContainerRuntime> Engine<R> {
             };
             run.review_exhausted = machine.review_exhausted;
             run.implementation_rounds = machine.implementation_rounds;
+        }
+    }
+
+    /// Runs the phase the machine is in and returns what happened, as the machine's input.
+    async fn phase_input<S: EventSink, L: ReviewLedger>(
+        &self,
+        run: &mut RunContext<'_>,
+        sink: &S,
+        ledger: &L,
+        cancel: &CancellationToken,
+        machine: &RunMachine,
+        ahead: Option<Ahead<R::Created>>,
+    ) -> Result<Input, PublishEvent> {
+        match machine.phase.clone() {
+            Phase::Implement { round, reason } => {
+                let cycles_used = machine.cycles_used;
+                self.implement(run, sink, cancel, round, &reason, cycles_used, ahead)
+                    .await
+            }
+            Phase::Verify { round, tree } => self.verify(run, sink, cancel, round, &tree).await,
+            Phase::Review { round, cycle, tree } => {
+                self.review(run, sink, cancel, round, cycle, &tree).await
+            }
+            Phase::FinalReview { tree } => {
+                self.final_review(run, sink, ledger, cancel, &tree).await
+            }
+            Phase::Deliver { tree } => Ok(self.deliver(run, &tree).await),
+            Phase::Paused { .. } | Phase::Finished { .. } => {
+                unreachable!("the loop ends the run in these phases")
+            }
+        }
+    }
+
+    /// Saves a paused run's checkpoint and publishes it; returns the paused state's reason.
+    async fn pause<S: EventSink>(
+        &self,
+        run: &mut RunContext<'_>,
+        sink: &S,
+        machine: &RunMachine,
+        reason: &str,
+        resume: Phase,
+    ) -> Result<String, PublishEvent> {
+        let run_id = run.job.run_id;
+        match run.checkpoint(machine, resume).await {
+            Ok(checkpoint) => {
+                publish(sink, run_id, EventKind::Checkpoint { checkpoint }).await?;
+                Ok(format!("{reason}; resume it with `forgepool resume {run_id}` once the provider is ready"))
+            }
+            Err(error) => {
+                warn!(%error, "cannot save the paused run's progress");
+                Ok(format!("{reason}; its progress could not be saved ({error}), so it cannot be resumed: submit a new run"))
+            }
+        }
+    }
+
+    /// With a final reviewer: the ending of a run whose earlier execution died during its
+    /// final review (an unknown outcome is never reviewed again blindly), or a hand-back when
+    /// the ledger cannot be read (`Some(None)`).
+    async fn earlier_final_review<L: ReviewLedger>(
+        &self,
+        run: &mut RunContext<'_>,
+        ledger: &L,
+    ) -> Option<Option<(RunState, String)>> {
+        run.job.final_reviewer.as_ref()?;
+        match ledger.lookup(&run.job.run_id.to_string()).await {
+            Ok(entry) => {
+                let tree = entry.unknown_outcome()?;
+                run.final_unknown = true;
+                Some(Some((
+                    RunState::Blocked,
+                    format!(
+                        "unknown outcome: an earlier execution of this run died during the final review of tree {tree}, and a final review is never repeated blindly. Inspect the run's events and the final reviewer's side (its provider may have done the work), then submit a new run"
+                    ),
+                )))
+            }
+            Err(error) => {
+                warn!(%error, "cannot read the final review ledger; handing the job back");
+                // Not at once: every delivery counts towards the queue's delivery limit.
+                tokio::time::sleep(Duration::from_secs(5)).await;
+                Some(None)
+            }
         }
     }
 

@@ -269,52 +269,10 @@ impl RunMachine {
                 self.after_verification(round, tree)
             }
             (Phase::Verify { round, tree }, Input::ChecksFailed { signature, report }) => {
-                let same = self
-                    .last_failure
-                    .as_ref()
-                    .is_some_and(|(t, s)| *t == tree && *s == signature);
-                if same {
-                    finished(
-                        RunState::Blocked,
-                        "no progress: two consecutive rounds left the same source tree and the same failing checks",
-                    )
-                } else if self.repairs_used >= self.limits.repair_budget {
-                    finished(
-                        RunState::Blocked,
-                        &format!(
-                            "verification failed and the repair budget of {} is spent",
-                            self.limits.repair_budget
-                        ),
-                    )
-                } else {
-                    self.repairs_used += 1;
-                    self.last_failure = Some((tree, signature));
-                    Phase::Implement {
-                        round: round + 1,
-                        reason: RoundReason::Repair(report),
-                    }
-                }
+                self.after_failed_checks(round, tree, signature, report)
             }
             (Phase::Review { round, cycle, tree }, Input::Reviewed { approved, feedback }) => {
-                self.cycles_used = cycle;
-                if approved {
-                    self.after_review(tree)
-                } else if cycle < self.limits.max_cycles {
-                    Phase::Implement {
-                        round: round + 1,
-                        reason: RoundReason::Review(feedback),
-                    }
-                } else if self.limits.block_on_failure {
-                    finished(
-                        RunState::Blocked,
-                        &format!(
-                            "review rejected all {cycle} cycle(s) and block_on_failure is set"
-                        ),
-                    )
-                } else {
-                    self.review_exhausted = true;
-                    self.after_review(tree)
-                }
+                self.after_verdict(round, cycle, tree, approved, feedback)
             }
             (Phase::FinalReview { tree }, Input::FinalReviewed { approved, reason }) => {
                 if approved {
@@ -346,6 +304,70 @@ impl RunMachine {
             _ => return Err(unexpected),
         };
         Ok(self)
+    }
+
+    /// After failed checks: the no-progress guard, then the repair budget, then a repair round.
+    fn after_failed_checks(
+        &mut self,
+        round: u32,
+        tree: String,
+        signature: FailureSignature,
+        report: String,
+    ) -> Phase {
+        let same = self
+            .last_failure
+            .as_ref()
+            .is_some_and(|(t, s)| *t == tree && *s == signature);
+        if same {
+            finished(
+                RunState::Blocked,
+                "no progress: two consecutive rounds left the same source tree and the same failing checks",
+            )
+        } else if self.repairs_used >= self.limits.repair_budget {
+            finished(
+                RunState::Blocked,
+                &format!(
+                    "verification failed and the repair budget of {} is spent",
+                    self.limits.repair_budget
+                ),
+            )
+        } else {
+            self.repairs_used += 1;
+            self.last_failure = Some((tree, signature));
+            Phase::Implement {
+                round: round + 1,
+                reason: RoundReason::Repair(report),
+            }
+        }
+    }
+
+    /// After a review verdict: onwards when approved, another round while cycles remain, then
+    /// blocked or onwards with a warning as `block_on_failure` says.
+    fn after_verdict(
+        &mut self,
+        round: u32,
+        cycle: u32,
+        tree: String,
+        approved: bool,
+        feedback: String,
+    ) -> Phase {
+        self.cycles_used = cycle;
+        if approved {
+            self.after_review(tree)
+        } else if cycle < self.limits.max_cycles {
+            Phase::Implement {
+                round: round + 1,
+                reason: RoundReason::Review(feedback),
+            }
+        } else if self.limits.block_on_failure {
+            finished(
+                RunState::Blocked,
+                &format!("review rejected all {cycle} cycle(s) and block_on_failure is set"),
+            )
+        } else {
+            self.review_exhausted = true;
+            self.after_review(tree)
+        }
     }
 
     /// The terminal state, once finished.

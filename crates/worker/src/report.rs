@@ -35,6 +35,24 @@ pub fn render(input: &ReportInput<'_>) -> String {
     let _ = writeln!(out, "Outcome: **{}** ({})\n", input.state, input.reason);
     let _ = writeln!(out, "## Brief\n\n{}\n", job.brief.trim());
 
+    verification(&mut out, input);
+    implementation_rounds(&mut out, input);
+    review_section(&mut out, input);
+    let _ = writeln!(out, "## Final review\n\n{}\n", input.final_review);
+
+    if !input.warnings.is_empty() {
+        let _ = writeln!(out, "## Warnings\n");
+        for warning in input.warnings {
+            let _ = writeln!(out, "- {warning}");
+        }
+        out.push('\n');
+    }
+    out
+}
+
+/// The verification table.
+fn verification(out: &mut String, input: &ReportInput<'_>) {
+    let job = input.job;
     let _ = writeln!(out, "## Verification\n");
     if job.commands.is_empty() {
         let _ = writeln!(out, "No verification commands were configured.\n");
@@ -60,7 +78,11 @@ pub fn render(input: &ReportInput<'_>) -> String {
         }
         out.push('\n');
     }
+}
 
+/// Each implementation round: its reason, tree and failing checks.
+fn implementation_rounds(out: &mut String, input: &ReportInput<'_>) {
+    let job = input.job;
     let _ = writeln!(out, "## Implementation rounds\n");
     let _ = writeln!(
         out,
@@ -95,7 +117,11 @@ pub fn render(input: &ReportInput<'_>) -> String {
         );
     }
     out.push('\n');
+}
 
+/// forgepool's review cycles, the agent's own loop apart, and the notes of an exhausted review.
+fn review_section(out: &mut String, input: &ReportInput<'_>) {
+    let job = input.job;
     let _ = writeln!(out, "## Review\n");
     // Only forgepool's own records are reviews; a container's own loop is shown apart, as
     // what the agent says about itself.
@@ -159,17 +185,6 @@ pub fn render(input: &ReportInput<'_>) -> String {
             out.push('\n');
         }
     }
-
-    let _ = writeln!(out, "## Final review\n\n{}\n", input.final_review);
-
-    if !input.warnings.is_empty() {
-        let _ = writeln!(out, "## Warnings\n");
-        for warning in input.warnings {
-            let _ = writeln!(out, "- {warning}");
-        }
-        out.push('\n');
-    }
-    out
 }
 
 fn first_line(text: &str) -> &str {

@@ -110,90 +110,69 @@ impl Topology {
         format!("{}.presence.{instance}", self.prefix)
     }
 
-    /// Declares every exchange and shared queue. Idempotent.
+    /// Declares every exchange and shared queue, and binds them. Idempotent.
     pub async fn declare(&self, channel: &Channel) -> Result<(), AmqpError> {
         let broker = |operation| move |source| AmqpError::Broker { operation, source };
         let durable = ExchangeDeclareOptions {
             durable: true,
             ..Default::default()
         };
-        channel
-            .exchange_declare(
-                &self.dead(),
-                ExchangeKind::Fanout,
-                durable,
-                FieldTable::default(),
-            )
-            .await
-            .map_err(broker("declare dead-letter exchange"))?;
-        channel
-            .exchange_declare(
-                &self.events(),
-                ExchangeKind::Topic,
-                durable,
-                FieldTable::default(),
-            )
-            .await
-            .map_err(broker("declare events exchange"))?;
-        channel
-            .exchange_declare(
-                &self.submit(),
-                ExchangeKind::Fanout,
-                durable,
-                FieldTable::default(),
-            )
-            .await
-            .map_err(broker("declare submit exchange"))?;
-        channel
-            .exchange_declare(
-                &self.control(),
-                ExchangeKind::Topic,
-                durable,
-                FieldTable::default(),
-            )
-            .await
-            .map_err(broker("declare control exchange"))?;
-
+        let exchanges = [
+            (self.dead(), ExchangeKind::Fanout),
+            (self.events(), ExchangeKind::Topic),
+            (self.submit(), ExchangeKind::Fanout),
+            (self.control(), ExchangeKind::Topic),
+        ];
+        for (name, kind) in exchanges {
+            channel
+                .exchange_declare(&name, kind, durable, FieldTable::default())
+                .await
+                .map_err(broker("declare exchange"))?;
+        }
         let queue = QueueDeclareOptions {
             durable: true,
             ..Default::default()
         };
-        for name in [self.dead(), self.dispatcher_dead()] {
+        let work = || quorum(Some(&self.dead()), Some(DELIVERY_LIMIT));
+        let queues = [
+            (self.dead(), quorum(None, None)),
+            (self.dispatcher_dead(), quorum(None, None)),
+            (self.jobs(), work()),
+            (self.submissions(), work()),
+            (self.jobs_wait(), self.wait_arguments()),
+            (self.dispatcher_events(), work()),
+        ];
+        for (name, arguments) in queues {
             channel
-                .queue_declare(&name, queue, quorum(None, None))
+                .queue_declare(&name, queue, arguments)
                 .await
-                .map_err(broker("declare dead-letter queue"))?;
+                .map_err(broker("declare queue"))?;
+        }
+        // (queue, exchange, routing key)
+        let bindings = [
+            (self.dead(), self.dead(), ""),
+            (self.dispatcher_dead(), self.dead(), ""),
+            (self.submissions(), self.submit(), ""),
+            (self.dispatcher_events(), self.events(), "run.#"),
+        ];
+        for (queue, exchange, key) in bindings {
             channel
                 .queue_bind(
-                    &name,
-                    &self.dead(),
-                    "",
+                    &queue,
+                    &exchange,
+                    key,
                     QueueBindOptions::default(),
                     FieldTable::default(),
                 )
                 .await
-                .map_err(broker("bind dead-letter queue"))?;
+                .map_err(broker("bind queue"))?;
         }
-        for name in [self.jobs(), self.submissions()] {
-            channel
-                .queue_declare(
-                    &name,
-                    queue,
-                    quorum(Some(&self.dead()), Some(DELIVERY_LIMIT)),
-                )
-                .await
-                .map_err(broker("declare work queue"))?;
-        }
-        channel
-            .queue_bind(
-                &self.submissions(),
-                &self.submit(),
-                "",
-                QueueBindOptions::default(),
-                FieldTable::default(),
-            )
-            .await
-            .map_err(broker("bind submission queue"))?;
+        Ok(())
+    }
+
+    /// The wait queue holds a job for [`WAIT_QUEUE_TTL_MS`], then dead-letters it back to the
+    /// jobs queue through the default exchange.
+    fn wait_arguments(&self) -> FieldTable {
         let mut wait = FieldTable::default();
         wait.insert(
             "x-message-ttl".into(),
@@ -207,29 +186,7 @@ impl Topology {
             "x-dead-letter-routing-key".into(),
             AMQPValue::LongString(LongString::from(self.jobs())),
         );
-        channel
-            .queue_declare(&self.jobs_wait(), queue, wait)
-            .await
-            .map_err(broker("declare wait queue"))?;
-        channel
-            .queue_declare(
-                &self.dispatcher_events(),
-                queue,
-                quorum(Some(&self.dead()), Some(DELIVERY_LIMIT)),
-            )
-            .await
-            .map_err(broker("declare dispatcher events queue"))?;
-        channel
-            .queue_bind(
-                &self.dispatcher_events(),
-                &self.events(),
-                "run.#",
-                QueueBindOptions::default(),
-                FieldTable::default(),
-            )
-            .await
-            .map_err(broker("bind dispatcher events queue"))?;
-        Ok(())
+        wait
     }
 }
 

@@ -13,20 +13,7 @@ impl<R: ContainerRuntime> Engine<R> {
         cycles_used: u32,
     ) -> Result<PreparedStage, String> {
         let job = run.job;
-        let mut prompt = format!(
-            "{}\n\n## Brief\n\n{}\n",
-            job.skill_md.trim_end(),
-            job.brief.trim_end()
-        );
-        match reason {
-            RoundReason::Initial => {}
-            RoundReason::Review(feedback) => {
-                prompt.push_str(&format!("\n## Reviewer Feedback\n\n{}\n", feedback.trim()))
-            }
-            RoundReason::Repair(report) => {
-                prompt.push_str(&format!("\n## Failed Checks\n\n{}\n", report.trim()))
-            }
-        }
+        let prompt = prompt::implement(&job.skill_md, &job.brief, reason);
         let stage_dir = run.stage_dirs(Stage::Implement, &prompt, None).await?;
         let profile = &job.implementer;
         let mounts = agent_mounts(&run.repo.work_tree, false, &stage_dir);

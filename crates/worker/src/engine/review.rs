@@ -28,11 +28,7 @@ impl<R: ContainerRuntime> Engine<R> {
         let diff = git::diff(&run.repo, &run.base, &commit)
             .await
             .unwrap_or_default();
-        let prompt = format!(
-            "{}\n\n## Brief\n\n{}\n\n## The Change\n\nThe changed source is in /workspace, a git repository whose HEAD holds the change on top of the branch `base`: `git diff base...HEAD` shows it. The same diff is in /forge/input/diff.patch.\n\n## Verdict\n\nOutput APPROVED if every criterion passes, or REJECTED followed by specific, actionable feedback.\n",
-            review.instructions.trim_end(),
-            job.brief.trim_end()
-        );
+        let prompt = prompt::review(&review.instructions, &job.brief);
         let stage_dir = match run
             .stage_dirs(Stage::Review, &prompt, Some(&format!("{diff}\n")))
             .await
@@ -80,31 +76,8 @@ impl<R: ContainerRuntime> Engine<R> {
                 tail(&output.tail, 2048)
             )),
         };
-        let file_name = format!("review_cycle_{cycle}.json");
-        let content = serde_json::json!({
-            "cycle": cycle,
-            "max_cycles": review.max_cycles,
-            "verdict": verdict.word(),
-            "feedback": verdict.feedback,
-            "skill": job.skill,
-            "elapsed_seconds": (started.elapsed().as_secs_f64() * 10.0).round() / 10.0,
-            "timestamp": proto::timestamp_now(),
-            "run_id": job.run_id,
-            "ticket": job.ticket,
-            "step": job.step,
-        });
-        // The record is forgepool's, made from this stage: it is published from here, and the
-        // copy in the workspace (for the implementer's next round) is never read back.
-        let record = CycleRecord {
-            step: job.step.clone(),
-            file: file_name.clone(),
-            cycle,
-            max_cycles: Some(review.max_cycles),
-            verdict: verdict.word().to_string(),
-            feedback: verdict.feedback.clone(),
-            content,
-            origin: CycleOrigin::Forgepool,
-        };
+        let record = cycle_record(job, review, cycle, &verdict, started.elapsed());
+        let file_name = record.file.clone();
         run.collector.own(&job.step, &file_name);
         if let Err(error) = run.write_cycle_file(&record).await {
             return Ok(Input::StageFailed { reason: error });
@@ -117,5 +90,39 @@ impl<R: ContainerRuntime> Engine<R> {
             approved: verdict.approved,
             feedback: verdict.feedback,
         })
+    }
+}
+
+/// Forgepool's own record of a review cycle (SPEC 8's fields), made from the stage it ran: it
+/// is published from here, and the copy in the workspace (for the implementer's next round)
+/// is never read back.
+fn cycle_record(
+    job: &Job,
+    review: &proto::ReviewConfig,
+    cycle: u32,
+    verdict: &Verdict,
+    elapsed: Duration,
+) -> CycleRecord {
+    let content = serde_json::json!({
+        "cycle": cycle,
+        "max_cycles": review.max_cycles,
+        "verdict": verdict.word(),
+        "feedback": verdict.feedback,
+        "skill": job.skill,
+        "elapsed_seconds": (elapsed.as_secs_f64() * 10.0).round() / 10.0,
+        "timestamp": proto::timestamp_now(),
+        "run_id": job.run_id,
+        "ticket": job.ticket,
+        "step": job.step,
+    });
+    CycleRecord {
+        step: job.step.clone(),
+        file: format!("review_cycle_{cycle}.json"),
+        cycle,
+        max_cycles: Some(review.max_cycles),
+        verdict: verdict.word().to_string(),
+        feedback: verdict.feedback.clone(),
+        content,
+        origin: CycleOrigin::Forgepool,
     }
 }

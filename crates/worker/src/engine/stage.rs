@@ -119,15 +119,12 @@ impl<R: ContainerRuntime> Engine<R> {
         prepared: PreparedStage,
         created: Option<R::Created>,
     ) -> Result<Result<StageOutput, Input>, PublishEvent> {
-        let PreparedStage {
-            spec,
-            place:
-                StagePlace {
-                    stage,
-                    round,
-                    cycle,
-                },
-        } = prepared;
+        let PreparedStage { spec, place } = prepared;
+        let StagePlace {
+            stage,
+            round,
+            cycle,
+        } = place;
         let run_id = run.job.run_id;
         tracing::Span::current().record("stage", stage.as_str());
         for mount in spec.mounts.iter().filter(|m| !m.read_only) {
@@ -152,20 +149,7 @@ impl<R: ContainerRuntime> Engine<R> {
         // stage stops when it is exceeded (its /tmp is a tmpfs of the same size).
         let disk = DiskWatch::new(&spec).await;
         let stage_stop = cancel.child_token();
-        let container = async {
-            match created {
-                Some(created) => {
-                    self.runtime
-                        .run_created(created, log_sender, stage_stop.clone())
-                        .await
-                }
-                None => {
-                    self.runtime
-                        .run_stage(spec, log_sender, stage_stop.clone())
-                        .await
-                }
-            }
-        };
+        let container = self.start_container(spec, created, log_sender, stage_stop.clone());
         let mut disk_ticker = tokio::time::interval(DISK_CHECK);
         disk_ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut disk_exceeded: Option<String> = None;
@@ -203,41 +187,53 @@ impl<R: ContainerRuntime> Engine<R> {
             disk_exceeded = disk.exceeded().await;
         }
         while let Ok(chunk) = log_receiver.try_recv() {
+            let (stream, text) = (chunk.stream, chunk.text);
             publish(
                 sink,
                 run_id,
                 EventKind::Log {
                     stage,
-                    stream: chunk.stream,
-                    text: chunk.text,
+                    stream,
+                    text,
                 },
             )
             .await?;
         }
         self.sweep(run, sink).await?;
-        let (exit_code, outcome_name, duration) = match &outcome {
-            Ok(output) => match output.exit {
-                StageExit::Exited(code) => (
-                    Some(code),
-                    if code == 0 {
-                        StageOutcome::Completed
-                    } else if code == EXIT_PAUSED {
-                        StageOutcome::Paused
-                    } else {
-                        StageOutcome::Failed
-                    },
-                    output.duration,
-                ),
-                StageExit::TimedOut => (None, StageOutcome::TimedOut, output.duration),
-                StageExit::Cancelled => (None, StageOutcome::Cancelled, output.duration),
-            },
-            Err(_) => (None, StageOutcome::Failed, Duration::ZERO),
-        };
-        let outcome_name = if disk_exceeded.is_some() {
-            StageOutcome::Failed
-        } else {
-            outcome_name
-        };
+        self.finish_stage(sink, run_id, place, outcome, disk_exceeded)
+            .await
+    }
+
+    /// Runs the stage's container: the one created ahead, or a new one.
+    async fn start_container(
+        &self,
+        spec: StageSpec,
+        created: Option<R::Created>,
+        logs: mpsc::Sender<LogChunk>,
+        stop: CancellationToken,
+    ) -> Result<StageOutput, RuntimeError> {
+        match created {
+            Some(created) => self.runtime.run_created(created, logs, stop).await,
+            None => self.runtime.run_stage(spec, logs, stop).await,
+        }
+    }
+
+    /// Publishes how a stage ended, and returns its output, or the input that ends the run
+    /// (a runtime error, a disk allowance exceeded).
+    async fn finish_stage<S: EventSink>(
+        &self,
+        sink: &S,
+        run_id: Uuid,
+        place: StagePlace,
+        outcome: Result<StageOutput, RuntimeError>,
+        disk_exceeded: Option<String>,
+    ) -> Result<Result<StageOutput, Input>, PublishEvent> {
+        let StagePlace {
+            stage,
+            round,
+            cycle,
+        } = place;
+        let (exit_code, outcome_name, duration) = finished_as(&outcome, disk_exceeded.is_some());
         tracing::info!(
             outcome = outcome_name.as_str(),
             exit_code,
@@ -403,4 +399,28 @@ fn chown_tree(dir: &Path, uid: u32, gid: u32) {
             }
         }
     }
+}
+
+/// How a stage ended, for its `stage_finished` event: its exit code, its outcome (a stage
+/// stopped for its disk allowance failed), and its duration.
+fn finished_as(
+    outcome: &Result<StageOutput, RuntimeError>,
+    disk_exceeded: bool,
+) -> (Option<i64>, StageOutcome, Duration) {
+    let (exit_code, finished, duration) = match outcome {
+        Ok(output) => match output.exit {
+            StageExit::Exited(0) => (Some(0), StageOutcome::Completed, output.duration),
+            StageExit::Exited(EXIT_PAUSED) => {
+                (Some(EXIT_PAUSED), StageOutcome::Paused, output.duration)
+            }
+            StageExit::Exited(code) => (Some(code), StageOutcome::Failed, output.duration),
+            StageExit::TimedOut => (None, StageOutcome::TimedOut, output.duration),
+            StageExit::Cancelled => (None, StageOutcome::Cancelled, output.duration),
+        },
+        Err(_) => (None, StageOutcome::Failed, Duration::ZERO),
+    };
+    if disk_exceeded {
+        return (exit_code, StageOutcome::Failed, duration);
+    }
+    (exit_code, finished, duration)
 }
