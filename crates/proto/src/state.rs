@@ -49,6 +49,14 @@ impl RunState {
         )
     }
 
+    /// Whether a run in this state may move to `next`: the one transition rule both stores
+    /// apply. A terminal state is never left (a late or duplicated event of an execution that
+    /// ended is kept as history, and changes nothing); every other state may move to any.
+    pub fn accepts(self, next: RunState) -> bool {
+        let _ = next;
+        !self.is_terminal()
+    }
+
     /// The CLI exit code for a run that ended in this state (SPEC 10); `None` while it is live.
     ///
     /// A paused run is reported with 75 (`EX_TEMPFAIL`), the same code a provider uses to pause.
@@ -90,6 +98,17 @@ impl std::fmt::Display for RunState {
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn a_terminal_state_is_never_left_and_a_live_one_goes_anywhere() {
+        use RunState::*;
+        for from in RunState::ALL {
+            for to in RunState::ALL {
+                let expected = matches!(from, Queued | Running | Paused);
+                assert_eq!(from.accepts(to), expected, "{from} -> {to}");
+            }
+        }
+    }
     use super::*;
 
     #[test]

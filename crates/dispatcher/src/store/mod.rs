@@ -61,6 +61,54 @@ pub struct RunRecord {
     pub result: Option<RunResult>,
 }
 
+/// A run as both stores read it: raw columns, then [`RunRow::into_record`] builds the
+/// [`RunRecord`], in one place.
+#[derive(Debug)]
+pub(crate) struct RunRow {
+    /// The frozen job, as stored JSON.
+    pub job: String,
+    /// The current state's name.
+    pub state: String,
+    /// The result, as stored JSON.
+    pub result: Option<String>,
+    /// Every state change: state name, reason, time.
+    pub states: Vec<(String, String, String)>,
+    /// Every cycle record, as stored JSON, ordered by step and cycle.
+    pub cycles: Vec<String>,
+}
+
+impl RunRow {
+    /// The record: a state the store does not know reads as `failed`, and a state change
+    /// with an unknown state is left out.
+    pub(crate) fn into_record(self) -> Result<RunRecord, StoreError> {
+        Ok(RunRecord {
+            job: serde_json::from_str(&self.job)?,
+            state: RunState::parse(&self.state).unwrap_or(RunState::Failed),
+            states: self
+                .states
+                .into_iter()
+                .filter_map(|(state, reason, time)| {
+                    RunState::parse(&state).map(|state| (state, reason, time))
+                })
+                .collect(),
+            cycles: self
+                .cycles
+                .iter()
+                .map(|body| serde_json::from_str(body))
+                .collect::<Result<Vec<CycleRecord>, _>>()?,
+            result: self.result.map(|r| serde_json::from_str(&r)).transpose()?,
+        })
+    }
+}
+
+/// Whether a run whose stored state is `current` takes the state `next` ([`RunState::accepts`];
+/// a run with no stored state takes any).
+pub(crate) fn takes_state(current: Option<&str>, next: RunState) -> bool {
+    current
+        .and_then(RunState::parse)
+        .is_none_or(|current| current.accepts(next))
+}
+
 /// Where runs and events are kept.
 pub trait RunStore: Send + Sync + 'static {
     /// Stores a newly frozen job in state `queued`.

@@ -10,7 +10,7 @@ use std::future::Future;
 use std::time::Duration;
 
 use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod, Runtime};
-use proto::{CycleRecord, Event, EventKind, Job, RunState, RunSummary};
+use proto::{Event, EventKind, Job, RunState, RunSummary};
 use tokio_postgres::NoTls;
 use uuid::Uuid;
 
@@ -214,11 +214,7 @@ impl RunStore for PostgresStore {
                         .query_opt("SELECT state FROM runs WHERE run_id = $1 FOR UPDATE", &[&run_id])
                         .await?
                         .map(|row| row.get::<_, String>(0));
-                    let terminal = current
-                        .as_deref()
-                        .and_then(RunState::parse)
-                        .is_some_and(RunState::is_terminal);
-                    if !terminal {
+                    if super::takes_state(current.as_deref(), *state) {
                         tx.execute(
                             "UPDATE runs SET state = $2, updated_at = $3 WHERE run_id = $1",
                             &[&run_id, &state.as_str(), &event.time],
@@ -277,9 +273,7 @@ impl RunStore for PostgresStore {
                 )
                 .await?
                 .iter()
-                .filter_map(|r| {
-                    RunState::parse(r.get::<_, &str>(0)).map(|s| (s, r.get(1), r.get(2)))
-                })
+                .map(|r| (r.get(0), r.get(1), r.get(2)))
                 .collect();
             let cycles = client
                 .query(
@@ -288,15 +282,16 @@ impl RunStore for PostgresStore {
                 )
                 .await?
                 .iter()
-                .map(|r| serde_json::from_str(r.get::<_, &str>(0)))
-                .collect::<Result<Vec<CycleRecord>, _>>()?;
-            Ok(Some(RunRecord {
-                job: serde_json::from_str(&job)?,
-                state: RunState::parse(&state).unwrap_or(RunState::Failed),
+                .map(|r| r.get(0))
+                .collect();
+            let row = super::RunRow {
+                job,
+                state,
+                result,
                 states,
                 cycles,
-                result: result.map(|r| serde_json::from_str(&r)).transpose()?,
-            }))
+            };
+            row.into_record().map(Some)
         })
         .await
     }

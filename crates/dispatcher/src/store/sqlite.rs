@@ -3,7 +3,7 @@
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
-use proto::{CycleRecord, Event, EventKind, Job, RunState, RunSummary};
+use proto::{Event, EventKind, Job, RunState, RunSummary};
 use rusqlite::{params, Connection, OptionalExtension};
 use uuid::Uuid;
 
@@ -134,8 +134,7 @@ impl RunStore for SqliteStore {
                 EventKind::State { state, reason } => {
                     let current: Option<String> =
                         tx.query_row("SELECT state FROM runs WHERE run_id = ?1", params![run_id], |r| r.get(0)).optional()?;
-                    let terminal = current.as_deref().and_then(RunState::parse).is_some_and(RunState::is_terminal);
-                    if !terminal {
+                    if super::takes_state(current.as_deref(), *state) {
                         tx.execute(
                             "UPDATE runs SET state = ?2, updated_at = ?3 WHERE run_id = ?1",
                             params![run_id, state.as_str(), event.time],
@@ -184,32 +183,21 @@ impl RunStore for SqliteStore {
                 "SELECT state, reason, time FROM state_history WHERE run_id = ?1 ORDER BY id",
             )?;
             let states = statement
-                .query_map(params![id], |r| {
-                    Ok((
-                        r.get::<_, String>(0)?,
-                        r.get::<_, String>(1)?,
-                        r.get::<_, String>(2)?,
-                    ))
-                })?
-                .collect::<Result<Vec<_>, _>>()?
-                .into_iter()
-                .filter_map(|(s, reason, time)| RunState::parse(&s).map(|s| (s, reason, time)))
-                .collect();
+                .query_map(params![id], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))?
+                .collect::<Result<Vec<_>, _>>()?;
             let mut statement =
                 c.prepare("SELECT body FROM cycles WHERE run_id = ?1 ORDER BY step, cycle")?;
             let cycles = statement
                 .query_map(params![id], |r| r.get::<_, String>(0))?
-                .collect::<Result<Vec<_>, _>>()?
-                .iter()
-                .map(|body| serde_json::from_str(body))
-                .collect::<Result<Vec<CycleRecord>, _>>()?;
-            Ok(Some(RunRecord {
-                job: serde_json::from_str(&job)?,
-                state: RunState::parse(&state).unwrap_or(RunState::Failed),
+                .collect::<Result<Vec<_>, _>>()?;
+            let row = super::RunRow {
+                job,
+                state,
+                result,
                 states,
                 cycles,
-                result: result.map(|r| serde_json::from_str(&r)).transpose()?,
-            }))
+            };
+            row.into_record().map(Some)
         })
         .await
     }
