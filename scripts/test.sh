@@ -12,6 +12,9 @@ scripts/chart-check.sh
 # The structural invariants of ARCHITECTURE.md (file and function sizes, where lapin and
 # bollard may appear, no circle of files).
 python3 scripts/structure-check.py
+# Formatting and lints over every crate of the workspace, tests included.
+cargo fmt --all --check
+cargo clippy --workspace --all-targets -- -D warnings
 # The forgepool image, from the debug build the tests use (tests/image.rs runs it).
 scripts/build-forgepool-image.sh --debug
 

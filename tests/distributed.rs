@@ -734,6 +734,7 @@ async fn the_final_review_ledger_on_the_broker_keeps_intents_and_receipts() {
         "reading leaves the intent in place"
     );
     let receipt = Receipt {
+        schema_version: proto::SCHEMA_VERSION,
         tree: "tree-a".into(),
         report: FinalReport {
             approved: true,

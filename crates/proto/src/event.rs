@@ -1,5 +1,6 @@
 //! Events: what a worker reports about a run, stored by the dispatcher and streamed to watchers.
 
+use crate::Checkpoint;
 use serde::{Deserialize, Serialize};
 use uuid::Uuid;
 
@@ -226,24 +227,6 @@ pub enum CycleOrigin {
     Forgepool,
 }
 
-/// Where a paused run stopped: the source it had reached and the loop's state, enough for any
-/// worker to continue it with the same frozen job.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct Checkpoint {
-    /// 1 for the first pause of a run, 2 for the next, and so on.
-    pub sequence: u32,
-    /// The commit the run started from.
-    pub base: String,
-    /// The git tree the run had reached (the last completed round's, or the base's).
-    pub tree: String,
-    /// The change from `base` to `tree`, every file encoded as binary (ASCII only); replaying
-    /// it on `base` must give `tree` exactly.
-    pub patch: String,
-    /// The run loop's state, as the worker wrote it. Opaque to everything but the worker.
-    pub state: serde_json::Value,
-}
-
 /// The start of the reason of the `queued` state a resume records.
 pub const RESUMED_REASON: &str = "resumed by request";
 
@@ -411,7 +394,7 @@ mod tests {
                         base: "b".into(),
                         tree: "t".into(),
                         patch: String::new(),
-                        state: serde_json::json!({}),
+                        state: crate::checkpoint::sample_loop_state(),
                     },
                 },
             )

@@ -407,7 +407,7 @@ mod tests {
             base: "b".into(),
             tree: "t".into(),
             patch: String::new(),
-            state: serde_json::json!({}),
+            state: crate::checkpoint::sample_loop_state(),
         });
         assert_eq!(
             job.execution_key(),

@@ -8,6 +8,7 @@
 #[cfg(feature = "amqp")]
 pub mod amqp;
 mod api;
+mod checkpoint;
 mod event;
 mod job;
 pub mod names;
@@ -19,9 +20,13 @@ pub use api::{
     ApiError, ApiErrorBody, Control, ControlAction, RunList, RunSummary, RunView, StateChange,
     SubmitResponse,
 };
+pub use checkpoint::{
+    Checkpoint, FailureSignature, FinalReport, Finding, Limits, LoopState, MachineState, Phase,
+    ReviewReceipt, RoundReason,
+};
 pub use event::{
-    latest_checkpoint, resumed_event, CheckResult, Checkpoint, CycleOrigin, CycleRecord, Event,
-    EventKind, LogStream, RoundRecord, RunResult, Stage, StageOutcome, MAX_CHECKPOINT_PATCH_BYTES,
+    latest_checkpoint, resumed_event, CheckResult, CycleOrigin, CycleRecord, Event, EventKind,
+    LogStream, RoundRecord, RunResult, Stage, StageOutcome, MAX_CHECKPOINT_PATCH_BYTES,
     RESUMED_REASON,
 };
 pub use job::{check_egress_entry, AgentProfile, Job, Network, ReviewConfig, DEFAULT_DISK_BYTES};

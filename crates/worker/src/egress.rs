@@ -568,7 +568,7 @@ mod tests {
         let decoy_port = decoy.local_addr().unwrap().port();
         let (touched, mut touched_rx) = tokio::sync::mpsc::unbounded_channel();
         tokio::spawn(async move {
-            while let Ok(_) = decoy.accept().await {
+            while let Ok(_connection) = decoy.accept().await {
                 let _ = touched.send(());
             }
         });

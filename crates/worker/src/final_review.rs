@@ -11,7 +11,7 @@ use std::path::{Component, Path};
 
 use crate::confined::{Confined, ReadError};
 
-use serde::{Deserialize, Serialize};
+use serde::Deserialize;
 
 /// The largest report accepted: 256 KiB.
 pub const MAX_REPORT_BYTES: u64 = 256 * 1024;
@@ -20,32 +20,7 @@ pub const MAX_SOURCE_FILE_BYTES: u64 = 8 * 1024 * 1024;
 /// The most findings a report may hold.
 pub const MAX_FINDINGS: usize = 30;
 
-/// A validated report.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct FinalReport {
-    /// `approved` or `changes_required`.
-    pub approved: bool,
-    /// The reviewer's summary.
-    pub summary: String,
-    /// The findings, each checked against the source.
-    pub findings: Vec<Finding>,
-}
-
-/// One finding of the report.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct Finding {
-    /// `low`, `medium`, `high` or `critical`.
-    pub severity: String,
-    /// A relative source path.
-    pub path: String,
-    /// A 1-based line in that file.
-    pub line: u64,
-    /// What is wrong.
-    pub summary: String,
-    /// Text quoted from the file.
-    pub evidence: String,
-}
+pub use proto::{FinalReport, Finding};
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]

@@ -14,23 +14,13 @@ use std::collections::HashMap;
 use std::future::Future;
 use std::sync::Mutex;
 
-use serde::{Deserialize, Serialize};
-
-use crate::final_review::FinalReport;
-
 /// A failed ledger operation.
 #[derive(Debug, thiserror::Error)]
 #[error("final review ledger: {0}")]
 pub struct LedgerError(pub String);
 
 /// A validated report, kept with the tree it reviewed.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct Receipt {
-    /// The reviewed tree.
-    pub tree: String,
-    /// The validated report.
-    pub report: FinalReport,
-}
+pub use proto::ReviewReceipt as Receipt;
 
 /// What the ledger holds for a run.
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -138,8 +128,9 @@ mod tests {
             Some("t")
         );
         let receipt = Receipt {
+            schema_version: proto::SCHEMA_VERSION,
             tree: "t".into(),
-            report: FinalReport {
+            report: proto::FinalReport {
                 approved: true,
                 summary: "ok".into(),
                 findings: Vec::new(),

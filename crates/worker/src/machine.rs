@@ -6,111 +6,7 @@
 //! review and delivery.
 
 use proto::RunState;
-use serde::{Deserialize, Serialize};
-
-/// A failing verification signature: each failing command's argv and exit code.
-pub type FailureSignature = Vec<(Vec<String>, Option<i64>)>;
-
-/// The limits frozen into a job that the loop obeys.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Limits {
-    /// Review cycles allowed; 0 when the skill has no reviewer.
-    pub max_cycles: u32,
-    /// End blocked when every cycle was rejected.
-    pub block_on_failure: bool,
-    /// Repair rounds allowed after failed checks.
-    pub repair_budget: u32,
-    /// Whether an independent final review was requested.
-    pub final_review: bool,
-}
-
-/// Why an implementation round runs, and the feedback it receives.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub enum RoundReason {
-    /// The first round.
-    Initial,
-    /// A reviewer rejected the previous round; its feedback.
-    Review(String),
-    /// Verification failed; the failed checks, formatted for the prompt.
-    Repair(String),
-}
-
-impl RoundReason {
-    /// The short name kept in `repair_history`.
-    pub fn name(&self) -> &'static str {
-        match self {
-            RoundReason::Initial => "initial",
-            RoundReason::Review(_) => "review",
-            RoundReason::Repair(_) => "repair",
-        }
-    }
-}
-
-/// What the run does next.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub enum Phase {
-    /// Run the implementer for `round`.
-    Implement {
-        /// The 1-based implementation round.
-        round: u32,
-        /// Why, with the feedback to inject.
-        reason: RoundReason,
-    },
-    /// Run every verification command over `tree`.
-    Verify {
-        /// The round whose result is checked.
-        round: u32,
-        /// The tree the implementer left.
-        tree: String,
-    },
-    /// Run review cycle `cycle` over `tree`.
-    Review {
-        /// The round whose result is reviewed.
-        round: u32,
-        /// The 1-based cycle.
-        cycle: u32,
-        /// The verified tree.
-        tree: String,
-    },
-    /// Run the independent final review over `tree`.
-    FinalReview {
-        /// The verified (and approved) tree.
-        tree: String,
-    },
-    /// Commit and push `tree`.
-    Deliver {
-        /// The tree to deliver; delivery refuses if the workspace no longer matches it.
-        tree: String,
-    },
-    /// A provider paused the run; `resume` is the phase to return to.
-    Paused {
-        /// The phase interrupted by the pause, repeated on resume.
-        resume: Box<Phase>,
-        /// What the stage said.
-        reason: String,
-    },
-    /// The run ended.
-    Finished {
-        /// The terminal state.
-        state: RunState,
-        /// Why.
-        reason: String,
-    },
-}
-
-impl Phase {
-    fn name(&self) -> &'static str {
-        match self {
-            Phase::Implement { .. } => "implement",
-            Phase::Verify { .. } => "verify",
-            Phase::Review { .. } => "review",
-            Phase::FinalReview { .. } => "final_review",
-            Phase::Deliver { .. } => "deliver",
-            Phase::Paused { .. } => "paused",
-            Phase::Finished { .. } => "finished",
-        }
-    }
-}
+pub use proto::{FailureSignature, Limits, MachineState, Phase, RoundReason};
 
 /// The outcome of the stage a phase asked for.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -201,7 +97,7 @@ pub struct UnexpectedInput {
 }
 
 /// The run loop's state: the phase and the counters that the rules depend on.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RunMachine {
     /// What happens next.
     pub phase: Phase,
@@ -219,7 +115,35 @@ pub struct RunMachine {
     last_failure: Option<(String, FailureSignature)>,
 }
 
+impl From<&RunMachine> for MachineState {
+    fn from(machine: &RunMachine) -> MachineState {
+        MachineState {
+            phase: machine.phase.clone(),
+            limits: machine.limits,
+            implementation_rounds: machine.implementation_rounds,
+            repairs_used: machine.repairs_used,
+            cycles_used: machine.cycles_used,
+            review_exhausted: machine.review_exhausted,
+            last_failure: machine.last_failure.clone(),
+        }
+    }
+}
+
 impl RunMachine {
+    /// The machine a checkpoint kept, under the job's `limits` (a checkpoint never changes
+    /// them).
+    pub fn restored(state: MachineState, limits: Limits) -> RunMachine {
+        RunMachine {
+            phase: state.phase,
+            limits,
+            implementation_rounds: state.implementation_rounds,
+            repairs_used: state.repairs_used,
+            cycles_used: state.cycles_used,
+            review_exhausted: state.review_exhausted,
+            last_failure: state.last_failure,
+        }
+    }
+
     /// A machine at round 1.
     pub fn new(limits: Limits) -> RunMachine {
         RunMachine {

@@ -9,6 +9,9 @@ use proto::amqp::{self, Publisher, Topology};
 
 use crate::ledger::{Entry, LedgerError, Receipt, ReviewLedger};
 
+/// The largest receipt read back (a report is at most 256 KiB).
+const MAX_RECEIPT_BYTES: usize = 1024 * 1024;
+
 /// How long the final review's intent and receipt are kept: long after any redelivery.
 const LEDGER_TTL_MS: i64 = 7 * 24 * 3600 * 1000;
 
@@ -154,7 +157,8 @@ impl ReviewLedger for AmqpLedger {
             let _ = connection.close(200, "bye").await;
             Ok(Entry {
                 intent: intent.map(|tree| String::from_utf8_lossy(&tree).to_string()),
-                receipt: receipt.and_then(|body| serde_json::from_slice(&body).ok()),
+                receipt: receipt
+                    .and_then(|body| proto::decode_message(&body, MAX_RECEIPT_BYTES).ok()),
             })
         })
         .await

@@ -1,19 +1,9 @@
 //! Pauses and resumes: what a checkpoint keeps of a paused run, and how a fresh clone is put
 //! back where it stopped.
 
-use super::*;
+use proto::LoopState;
 
-/// What a checkpoint keeps of a paused run besides its source: the loop's state (its phase is
-/// the one to repeat) and what the prompts, the history and the report are built from.
-#[derive(Debug, serde::Serialize, serde::Deserialize)]
-struct Snapshot {
-    machine: RunMachine,
-    history: Vec<serde_json::Value>,
-    rounds: Vec<RoundRecord>,
-    checks: Vec<CheckResult>,
-    cycles: Vec<CycleRecord>,
-    stage_count: u32,
-}
+use super::*;
 
 impl RunContext<'_> {
     /// Saves where a paused run stopped. `phase` is the phase to repeat on resume; the source is
@@ -47,9 +37,9 @@ impl RunContext<'_> {
                 patch.len()
             ));
         }
-        let mut machine = machine.clone();
+        let mut machine = proto::MachineState::from(machine);
         machine.phase = phase;
-        let snapshot = Snapshot {
+        let state = LoopState {
             machine,
             history: self.history.clone(),
             rounds: self.rounds.clone(),
@@ -62,7 +52,7 @@ impl RunContext<'_> {
             base: self.base.clone(),
             tree,
             patch,
-            state: serde_json::to_value(&snapshot).map_err(|e| e.to_string())?,
+            state,
         };
         // The resumed job must still be a job a worker accepts.
         let mut resumed = self.job.clone();
@@ -81,8 +71,7 @@ impl RunContext<'_> {
     /// change replayed and checked against the saved tree, the cycle files and the history.
     /// The loop's limits come from the job, never from the checkpoint.
     pub(super) async fn restore(&mut self, checkpoint: &Checkpoint) -> Result<RunMachine, String> {
-        let snapshot: Snapshot = serde_json::from_value(checkpoint.state.clone())
-            .map_err(|e| format!("unreadable loop state: {e}"))?;
+        let snapshot = checkpoint.state.clone();
         let failed = |e: git::GitError| e.to_string();
         self.repo
             .git_in_tree(&["checkout", "--quiet", "--detach", &checkpoint.base])
@@ -122,8 +111,7 @@ impl RunContext<'_> {
         self.cycles = snapshot.cycles;
         self.stage_count = snapshot.stage_count;
         self.write_workspace_history().await?;
-        let mut machine = snapshot.machine;
-        machine.limits = self.limits();
+        let machine = RunMachine::restored(snapshot.machine, self.limits());
         self.implementation_rounds = machine.implementation_rounds;
         self.review_exhausted = machine.review_exhausted;
         Ok(machine)

@@ -51,6 +51,7 @@ impl<R: ContainerRuntime> Engine<R> {
         let recorded = match (&input, &run.final_report) {
             (Input::FinalReviewed { .. }, Some(report)) => {
                 let receipt = Receipt {
+                    schema_version: proto::SCHEMA_VERSION,
                     tree: tree.to_string(),
                     report: report.clone(),
                 };
