@@ -96,36 +96,17 @@ pub struct UnexpectedInput {
     pub input: &'static str,
 }
 
-/// The run loop's state: the phase and the counters that the rules depend on.
+/// The run loop: its state (the phase and the counters the rules depend on, read through
+/// `Deref`) and the rules that move it. The state is the checkpoint's [`MachineState`]; only
+/// [`RunMachine::step`] changes it.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct RunMachine {
-    /// What happens next.
-    pub phase: Phase,
-    /// The frozen limits.
-    pub limits: Limits,
-    /// Completed implementer containers.
-    pub implementation_rounds: u32,
-    /// Repair rounds started after failed checks.
-    pub repairs_used: u32,
-    /// Review cycles performed.
-    pub cycles_used: u32,
-    /// Every review cycle was rejected and the run went on without approval.
-    pub review_exhausted: bool,
-    /// The previous completed round's failure, for the no-progress guard.
-    last_failure: Option<(String, FailureSignature)>,
-}
+pub struct RunMachine(MachineState);
 
-impl From<&RunMachine> for MachineState {
-    fn from(machine: &RunMachine) -> MachineState {
-        MachineState {
-            phase: machine.phase.clone(),
-            limits: machine.limits,
-            implementation_rounds: machine.implementation_rounds,
-            repairs_used: machine.repairs_used,
-            cycles_used: machine.cycles_used,
-            review_exhausted: machine.review_exhausted,
-            last_failure: machine.last_failure.clone(),
-        }
+impl std::ops::Deref for RunMachine {
+    type Target = MachineState;
+
+    fn deref(&self) -> &MachineState {
+        &self.0
     }
 }
 
@@ -133,20 +114,12 @@ impl RunMachine {
     /// The machine a checkpoint kept, under the job's `limits` (a checkpoint never changes
     /// them).
     pub fn restored(state: MachineState, limits: Limits) -> RunMachine {
-        RunMachine {
-            phase: state.phase,
-            limits,
-            implementation_rounds: state.implementation_rounds,
-            repairs_used: state.repairs_used,
-            cycles_used: state.cycles_used,
-            review_exhausted: state.review_exhausted,
-            last_failure: state.last_failure,
-        }
+        RunMachine(MachineState { limits, ..state })
     }
 
     /// A machine at round 1.
     pub fn new(limits: Limits) -> RunMachine {
-        RunMachine {
+        RunMachine(MachineState {
             phase: Phase::Implement {
                 round: 1,
                 reason: RoundReason::Initial,
@@ -157,23 +130,28 @@ impl RunMachine {
             cycles_used: 0,
             review_exhausted: false,
             last_failure: None,
-        }
+        })
+    }
+
+    /// The state a checkpoint keeps.
+    pub fn state(&self) -> &MachineState {
+        &self.0
     }
 
     /// Advances the machine by one stage outcome.
     pub fn step(mut self, input: Input) -> Result<RunMachine, UnexpectedInput> {
         let unexpected = UnexpectedInput {
-            phase: self.phase.name(),
+            phase: self.0.phase.name(),
             input: input.name(),
         };
         let phase = std::mem::replace(
-            &mut self.phase,
+            &mut self.0.phase,
             Phase::Finished {
                 state: RunState::Failed,
                 reason: String::new(),
             },
         );
-        self.phase = match (phase, input) {
+        self.0.phase = match (phase, input) {
             (Phase::Finished { .. }, _) => return Err(unexpected),
             (_, Input::Cancelled) => finished(RunState::Cancelled, "cancelled by request"),
             (Phase::Paused { resume, .. }, Input::Resumed) => *resume,
@@ -185,11 +163,11 @@ impl RunMachine {
             (_, Input::StageFailed { reason }) => finished(RunState::Failed, &reason),
 
             (Phase::Implement { round, .. }, Input::Implemented { tree }) => {
-                self.implementation_rounds += 1;
+                self.0.implementation_rounds += 1;
                 Phase::Verify { round, tree }
             }
             (Phase::Verify { round, tree }, Input::Verified) => {
-                self.last_failure = None;
+                self.0.last_failure = None;
                 self.after_verification(round, tree)
             }
             (Phase::Verify { round, tree }, Input::ChecksFailed { signature, report }) => {
@@ -213,7 +191,7 @@ impl RunMachine {
                 &format!("the final review report was refused: {reason}"),
             ),
             (Phase::Deliver { .. }, Input::Delivered) => {
-                if self.review_exhausted {
+                if self.0.review_exhausted {
                     finished(
                         RunState::DeliveredWithWarnings,
                         "the change was pushed, but review was exhausted without approval",
@@ -247,17 +225,17 @@ impl RunMachine {
                 RunState::Blocked,
                 "no progress: two consecutive rounds left the same source tree and the same failing checks",
             )
-        } else if self.repairs_used >= self.limits.repair_budget {
+        } else if self.0.repairs_used >= self.0.limits.repair_budget {
             finished(
                 RunState::Blocked,
                 &format!(
                     "verification failed and the repair budget of {} is spent",
-                    self.limits.repair_budget
+                    self.0.limits.repair_budget
                 ),
             )
         } else {
-            self.repairs_used += 1;
-            self.last_failure = Some((tree, signature));
+            self.0.repairs_used += 1;
+            self.0.last_failure = Some((tree, signature));
             Phase::Implement {
                 round: round + 1,
                 reason: RoundReason::Repair(report),
@@ -275,38 +253,38 @@ impl RunMachine {
         approved: bool,
         feedback: String,
     ) -> Phase {
-        self.cycles_used = cycle;
+        self.0.cycles_used = cycle;
         if approved {
             self.after_review(tree)
-        } else if cycle < self.limits.max_cycles {
+        } else if cycle < self.0.limits.max_cycles {
             Phase::Implement {
                 round: round + 1,
                 reason: RoundReason::Review(feedback),
             }
-        } else if self.limits.block_on_failure {
+        } else if self.0.limits.block_on_failure {
             finished(
                 RunState::Blocked,
                 &format!("review rejected all {cycle} cycle(s) and block_on_failure is set"),
             )
         } else {
-            self.review_exhausted = true;
+            self.0.review_exhausted = true;
             self.after_review(tree)
         }
     }
 
     /// The terminal state, once finished.
     pub fn finished(&self) -> Option<(RunState, &str)> {
-        match &self.phase {
+        match &self.0.phase {
             Phase::Finished { state, reason } => Some((*state, reason)),
             _ => None,
         }
     }
 
     fn after_verification(&mut self, round: u32, tree: String) -> Phase {
-        if self.limits.max_cycles > 0 && self.cycles_used < self.limits.max_cycles {
+        if self.0.limits.max_cycles > 0 && self.0.cycles_used < self.0.limits.max_cycles {
             Phase::Review {
                 round,
-                cycle: self.cycles_used + 1,
+                cycle: self.0.cycles_used + 1,
                 tree,
             }
         } else {
@@ -315,7 +293,7 @@ impl RunMachine {
     }
 
     fn after_review(&mut self, tree: String) -> Phase {
-        if self.limits.final_review {
+        if self.0.limits.final_review {
             Phase::FinalReview { tree }
         } else {
             Phase::Deliver { tree }

@@ -55,6 +55,34 @@ pub async fn connect(url: &str, name: &str) -> Result<Connection, AmqpError> {
     }
 }
 
+/// Opens a connection of its own (see [`connect`]) and a channel on it.
+pub async fn connect_channel(url: &str, name: &str) -> Result<(Connection, Channel), AmqpError> {
+    let connection = connect(url, name).await?;
+    let channel = open_channel(&connection).await?;
+    Ok((connection, channel))
+}
+
+/// Opens a channel on `connection`.
+pub async fn open_channel(connection: &Connection) -> Result<Channel, AmqpError> {
+    connection
+        .create_channel()
+        .await
+        .map_err(|source| AmqpError::Broker {
+            operation: "open channel",
+            source,
+        })
+}
+
+/// The options of a queue that lives and dies with its connection (presence, a control
+/// queue).
+pub fn exclusive_queue() -> QueueDeclareOptions {
+    QueueDeclareOptions {
+        exclusive: true,
+        auto_delete: true,
+        ..Default::default()
+    }
+}
+
 /// A URL with its password hidden, for messages and logs.
 pub fn redact_url(url: &str) -> String {
     match (url.find("://"), url.rfind('@')) {
@@ -113,13 +141,7 @@ impl Publisher {
             .await
             .map_err(|_| AmqpError::Pool(format!("no connection within {CONNECT_TIMEOUT:?}")))?
             .map_err(|e| AmqpError::Pool(e.to_string()))?;
-        let channel = connection
-            .create_channel()
-            .await
-            .map_err(|source| AmqpError::Broker {
-                operation: "open channel",
-                source,
-            })?;
+        let channel = open_channel(&connection).await?;
         channel
             .confirm_select(ConfirmSelectOptions::default())
             .await

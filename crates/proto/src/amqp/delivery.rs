@@ -341,7 +341,9 @@ pub async fn settle(
 /// The limit on settling a delivery; a dead connection must not hang the task holding it.
 pub const SETTLE_TIMEOUT: Duration = Duration::from_secs(10);
 
-async fn requeue(delivery: &Delivery) -> Result<(), String> {
+/// Hands a delivery back to its queue within [`SETTLE_TIMEOUT`] (a message read and left in
+/// place).
+pub async fn requeue(delivery: &Delivery) -> Result<(), String> {
     bounded(delivery.nack(lapin::options::BasicNackOptions {
         requeue: true,
         ..Default::default()

@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use lapin::options::{BasicConsumeOptions, QueueBindOptions, QueueDeclareOptions};
+use lapin::options::{BasicConsumeOptions, QueueBindOptions};
 use lapin::types::FieldTable;
 use proto::amqp::{self, AmqpError, Consume, Delivery, Session, Topology};
 use proto::{Control, ControlAction};
@@ -46,18 +46,9 @@ impl Consume for Cancels {
     async fn open(&self, _again: bool) -> Result<Session, AmqpError> {
         let broker = |operation| move |source| AmqpError::Broker { operation, source };
         let opened = async {
-            let connection = amqp::connect(&self.amqp_url, self.name()).await?;
-            let channel = connection
-                .create_channel()
-                .await
-                .map_err(broker("open channel"))?;
-            let exclusive = QueueDeclareOptions {
-                exclusive: true,
-                auto_delete: true,
-                ..Default::default()
-            };
+            let (connection, channel) = amqp::connect_channel(&self.amqp_url, self.name()).await?;
             let queue = channel
-                .queue_declare("", exclusive, FieldTable::default())
+                .queue_declare("", amqp::exclusive_queue(), FieldTable::default())
                 .await
                 .map_err(broker("declare control queue"))?;
             channel

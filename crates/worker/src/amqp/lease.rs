@@ -255,20 +255,12 @@ impl Leases {
         let broker = |operation| move |source| AmqpError::Broker { operation, source };
         let mut slot = self.connection.lock().await;
         if !slot.as_ref().is_some_and(|c| c.status().connected()) {
-            let connection = amqp::connect(&self.amqp_url, "forgepool-worker-leases").await?;
-            let channel = connection
-                .create_channel()
-                .await
-                .map_err(broker("open channel"))?;
-            let exclusive = QueueDeclareOptions {
-                exclusive: true,
-                auto_delete: true,
-                ..Default::default()
-            };
+            let (connection, channel) =
+                amqp::connect_channel(&self.amqp_url, "forgepool-worker-leases").await?;
             channel
                 .queue_declare(
                     &self.topology.presence(&self.instance),
-                    exclusive,
+                    amqp::exclusive_queue(),
                     FieldTable::default(),
                 )
                 .await

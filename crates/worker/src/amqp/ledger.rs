@@ -76,16 +76,10 @@ impl AmqpLedger {
             .map_err(|e| LedgerError(e.to_string()))?;
         let body = match message {
             Some(message) => {
-                let body = message.delivery.data.clone();
-                message
-                    .delivery
-                    .nack(lapin::options::BasicNackOptions {
-                        requeue: true,
-                        ..Default::default()
-                    })
+                amqp::requeue(&message.delivery)
                     .await
-                    .map_err(|e| LedgerError(e.to_string()))?;
-                Some(body)
+                    .map_err(LedgerError)?;
+                Some(message.delivery.data)
             }
             None => None,
         };

@@ -37,7 +37,7 @@ impl RunContext<'_> {
                 patch.len()
             ));
         }
-        let mut machine = proto::MachineState::from(machine);
+        let mut machine = machine.state().clone();
         machine.phase = phase;
         let state = LoopState {
             machine,

@@ -150,6 +150,19 @@ impl Outcome {
             .unwrap_or_default()
     }
 
+    /// Asserts the run's final state, showing its reason when it is another.
+    fn assert_state(&self, state: RunState) {
+        assert_eq!(self.result.state, state, "{}", self.reason());
+    }
+
+    /// Asserts that the final state's reason says each of `parts`.
+    fn assert_reason(&self, parts: &[&str]) {
+        let reason = self.reason();
+        for part in parts {
+            assert!(reason.contains(part), "`{part}` is not in: {reason}");
+        }
+    }
+
     fn cycles(&self) -> Vec<proto::CycleRecord> {
         self.events
             .iter()
@@ -179,6 +192,24 @@ impl Outcome {
     }
 }
 
+/// Plays a scripted run: each stage kind's acts, on a job with `review` (max cycles and
+/// `block_on_failure`), `checks` and a repair `budget`.
+async fn play(
+    script: Vec<(Stage, Vec<Act>)>,
+    review: Option<(u32, bool)>,
+    checks: &[(&str, u64)],
+    budget: u32,
+) -> (Bench, Outcome) {
+    let bench = Bench::new();
+    let runtime = script
+        .into_iter()
+        .fold(FakeRuntime::default(), |runtime, (stage, acts)| {
+            runtime.with(stage, acts)
+        });
+    let outcome = bench.run(runtime, &bench.job(review, checks, budget)).await;
+    (bench, outcome)
+}
+
 fn implements(round: u32) -> Act {
     Act::writes("/workspace/feature.txt", &format!("round {round}\n"))
 }
@@ -186,19 +217,20 @@ fn implements(round: u32) -> Act {
 /// Catches: an approving first review that does not deliver, or delivers the wrong tree.
 #[tokio::test(start_paused = true)]
 async fn an_approval_at_once_delivers_the_implemented_tree() {
-    let bench = Bench::new();
-    let runtime = FakeRuntime::default()
-        .with(Stage::Implement, [implements(1)])
-        .with(Stage::Review, [Act::prints("All criteria pass. APPROVED")]);
-    let outcome = bench
-        .run(runtime, &bench.job(Some((3, true)), &[], 0))
-        .await;
-    assert_eq!(
-        outcome.result.state,
-        RunState::Delivered,
-        "{}",
-        outcome.reason()
-    );
+    let (bench, outcome) = play(
+        vec![
+            (Stage::Implement, vec![implements(1)]),
+            (
+                Stage::Review,
+                vec![Act::prints("All criteria pass. APPROVED")],
+            ),
+        ],
+        Some((3, true)),
+        &[],
+        0,
+    )
+    .await;
+    outcome.assert_state(RunState::Delivered);
     assert_eq!(outcome.verdicts(), ["approved"]);
     assert_eq!(outcome.result.branch.as_deref(), Some(BRANCH));
     assert_eq!(bench.delivered("feature.txt").as_deref(), Some("round 1\n"));
@@ -209,25 +241,23 @@ async fn an_approval_at_once_delivers_the_implemented_tree() {
 /// rejection with cycles left.
 #[tokio::test(start_paused = true)]
 async fn a_rejection_sends_its_feedback_to_the_next_round_which_is_approved() {
-    let bench = Bench::new();
-    let runtime = FakeRuntime::default()
-        .with(Stage::Implement, [implements(1), implements(2)])
-        .with(
-            Stage::Review,
-            [
-                Act::prints("REJECTED\nMissing tests for the feature"),
-                Act::prints("APPROVED"),
-            ],
-        );
-    let outcome = bench
-        .run(runtime, &bench.job(Some((3, true)), &[], 0))
-        .await;
-    assert_eq!(
-        outcome.result.state,
-        RunState::Delivered,
-        "{}",
-        outcome.reason()
-    );
+    let (bench, outcome) = play(
+        vec![
+            (Stage::Implement, vec![implements(1), implements(2)]),
+            (
+                Stage::Review,
+                vec![
+                    Act::prints("REJECTED\nMissing tests for the feature"),
+                    Act::prints("APPROVED"),
+                ],
+            ),
+        ],
+        Some((3, true)),
+        &[],
+        0,
+    )
+    .await;
+    outcome.assert_state(RunState::Delivered);
     assert_eq!(outcome.verdicts(), ["rejected", "approved"]);
     assert_eq!(outcome.result.implementation_rounds, 2);
     assert_eq!(bench.delivered("feature.txt").as_deref(), Some("round 2\n"));
@@ -244,102 +274,90 @@ async fn a_rejection_sends_its_feedback_to_the_next_round_which_is_approved() {
     );
 }
 
-/// Catches: `block_on_failure` ignored (a blocked run that pushes anyway).
+/// Catches: `block_on_failure` ignored (a blocked run that pushes anyway), or an exhausted
+/// review without blocking that is not delivered, or delivered without its warning.
 #[tokio::test(start_paused = true)]
-async fn an_exhausted_review_with_block_on_failure_blocks_and_pushes_nothing() {
-    let bench = Bench::new();
-    let runtime = FakeRuntime::default()
-        .with(Stage::Implement, [implements(1), implements(2)])
-        .with(Stage::Review, [Act::prints("REJECTED\nstill wrong")]);
-    let outcome = bench
-        .run(runtime, &bench.job(Some((2, true)), &[], 0))
-        .await;
-    assert_eq!(outcome.result.state, RunState::Blocked);
-    assert!(
-        outcome.reason().contains("block_on_failure"),
-        "{}",
-        outcome.reason()
-    );
-    assert_eq!(outcome.verdicts(), ["rejected", "rejected"]);
-    assert_eq!(bench.delivered("feature.txt"), None);
+async fn an_exhausted_review_blocks_or_is_delivered_with_warnings_as_block_on_failure_says() {
+    for (block_on_failure, state, delivered) in [
+        (true, RunState::Blocked, None),
+        (false, RunState::DeliveredWithWarnings, Some("round 2\n")),
+    ] {
+        let bench = Bench::new();
+        let runtime = FakeRuntime::default()
+            .with(Stage::Implement, [implements(1), implements(2)])
+            .with(Stage::Review, [Act::prints("REJECTED\nstill wrong")]);
+        let job = bench.job(Some((2, block_on_failure)), &[], 0);
+        let outcome = bench.run(runtime, &job).await;
+        assert_eq!(outcome.result.state, state, "{}", outcome.reason());
+        assert_eq!(outcome.verdicts(), ["rejected", "rejected"]);
+        assert_eq!(bench.delivered("feature.txt").as_deref(), delivered);
+        if block_on_failure {
+            outcome.assert_reason(&["block_on_failure"]);
+        } else {
+            let warnings = &outcome.result.warnings;
+            assert!(
+                warnings.iter().any(|w| w.contains("exhausted")),
+                "{warnings:?}"
+            );
+        }
+    }
 }
 
-/// Catches: an exhausted review without blocking that is not delivered, or delivered without
-/// its warning.
+/// Catches: a reviewer past its time limit that is waited on, or a crashing one, counted as
+/// an approval. On the paused clock the 600 s limit passes at once.
 #[tokio::test(start_paused = true)]
-async fn an_exhausted_review_without_blocking_is_delivered_with_warnings() {
-    let bench = Bench::new();
-    let runtime = FakeRuntime::default()
-        .with(Stage::Implement, [implements(1), implements(2)])
-        .with(Stage::Review, [Act::prints("REJECTED\nstill wrong")]);
-    let outcome = bench
-        .run(runtime, &bench.job(Some((2, false)), &[], 0))
-        .await;
-    assert_eq!(outcome.result.state, RunState::DeliveredWithWarnings);
-    assert!(
-        outcome
-            .result
-            .warnings
-            .iter()
-            .any(|w| w.contains("exhausted")),
-        "{:?}",
-        outcome.result.warnings
-    );
-    assert_eq!(bench.delivered("feature.txt").as_deref(), Some("round 2\n"));
-}
-
-/// Catches: a reviewer past its time limit that is waited on, or counted as an approval.
-/// On the paused clock its 600 s limit passes at once.
-#[tokio::test(start_paused = true)]
-async fn a_reviewer_past_its_time_limit_is_stopped_and_counts_as_a_rejection() {
-    let bench = Bench::new();
-    let runtime = FakeRuntime::default()
-        .with(Stage::Implement, [implements(1)])
-        .with(Stage::Review, [Act::Hang]);
-    let outcome = bench
-        .run(runtime, &bench.job(Some((1, false)), &[], 0))
-        .await;
-    assert_eq!(outcome.outcomes(Stage::Review), [StageOutcome::TimedOut]);
-    assert_eq!(outcome.verdicts(), ["rejected"]);
-    assert!(
-        outcome.cycles()[0]
-            .feedback
-            .contains("timed out after 600 seconds"),
-        "{}",
-        outcome.cycles()[0].feedback
-    );
-    assert_eq!(outcome.result.state, RunState::DeliveredWithWarnings);
+async fn a_reviewer_past_its_limit_or_crashing_is_a_rejection_that_says_so() {
+    for (act, says, finished) in [
+        (
+            Act::Hang,
+            "timed out after 600 seconds",
+            StageOutcome::TimedOut,
+        ),
+        (
+            Act::exits(9, "reviewer blew up"),
+            "exited with code 9",
+            StageOutcome::Failed,
+        ),
+    ] {
+        let script = vec![
+            (Stage::Implement, vec![implements(1)]),
+            (Stage::Review, vec![act]),
+        ];
+        let (_bench, outcome) = play(script, Some((1, false)), &[], 0).await;
+        assert_eq!(outcome.outcomes(Stage::Review), [finished]);
+        assert_eq!(outcome.verdicts(), ["rejected"]);
+        let feedback = &outcome.cycles()[0].feedback;
+        assert!(feedback.contains(says), "{feedback}");
+        outcome.assert_state(RunState::DeliveredWithWarnings);
+    }
 }
 
 /// Catches: an implementer past its time limit that leaves the run hanging or delivered.
 #[tokio::test(start_paused = true)]
 async fn an_implementer_past_its_time_limit_fails_the_run() {
-    let bench = Bench::new();
-    let runtime = FakeRuntime::default().with(Stage::Implement, [Act::Hang]);
-    let outcome = bench.run(runtime, &bench.job(None, &[], 0)).await;
-    assert_eq!(outcome.result.state, RunState::Failed);
-    assert!(
-        outcome.reason().contains("timed out after 1800 s"),
-        "{}",
-        outcome.reason()
-    );
+    let (_bench, outcome) = play(vec![(Stage::Implement, vec![Act::Hang])], None, &[], 0).await;
+    outcome.assert_state(RunState::Failed);
+    outcome.assert_reason(&["timed out after 1800 s"]);
     assert_eq!(outcome.outcomes(Stage::Implement), [StageOutcome::TimedOut]);
 }
 
 /// Catches: a crashing implementer whose output is lost, or whose run goes on to review.
 #[tokio::test(start_paused = true)]
 async fn a_crashing_implementer_fails_the_run_with_its_last_output() {
-    let bench = Bench::new();
-    let runtime = FakeRuntime::default()
-        .with(
-            Stage::Implement,
-            [Act::exits(3, "something broke in the implementer")],
-        )
-        .with(Stage::Review, [Act::prints("APPROVED")]);
-    let outcome = bench
-        .run(runtime, &bench.job(Some((3, true)), &[], 0))
-        .await;
-    assert_eq!(outcome.result.state, RunState::Failed);
+    let (_bench, outcome) = play(
+        vec![
+            (
+                Stage::Implement,
+                vec![Act::exits(3, "something broke in the implementer")],
+            ),
+            (Stage::Review, vec![Act::prints("APPROVED")]),
+        ],
+        Some((3, true)),
+        &[],
+        0,
+    )
+    .await;
+    outcome.assert_state(RunState::Failed);
     let reason = outcome.reason();
     assert!(reason.contains("exited with code 3"), "{reason}");
     assert!(
@@ -353,41 +371,22 @@ async fn a_crashing_implementer_fails_the_run_with_its_last_output() {
     );
 }
 
-/// Catches: a crashing reviewer counted as an approval.
-#[tokio::test(start_paused = true)]
-async fn a_crashing_reviewer_is_a_rejection_that_says_so() {
-    let bench = Bench::new();
-    let runtime = FakeRuntime::default()
-        .with(Stage::Implement, [implements(1)])
-        .with(Stage::Review, [Act::exits(9, "reviewer blew up")]);
-    let outcome = bench
-        .run(runtime, &bench.job(Some((1, true)), &[], 0))
-        .await;
-    assert_eq!(outcome.verdicts(), ["rejected"]);
-    assert!(
-        outcome.cycles()[0].feedback.contains("exited with code 9"),
-        "{}",
-        outcome.cycles()[0].feedback
-    );
-    assert_eq!(outcome.result.state, RunState::Blocked);
-}
-
 /// Catches: a provider pause (exit 75) that fails the run, or pauses it without the
 /// checkpoint a resume needs.
 #[tokio::test(start_paused = true)]
 async fn a_provider_pause_pauses_the_run_with_a_checkpoint() {
-    let bench = Bench::new();
-    let runtime = FakeRuntime::default().with(
-        Stage::Implement,
-        [Act::exits(EXIT_PAUSED, "429 rate limited by the provider")],
-    );
-    let outcome = bench.run(runtime, &bench.job(None, &[], 0)).await;
-    assert_eq!(outcome.result.state, RunState::Paused);
-    assert!(
-        outcome.reason().contains("forgepool resume"),
-        "{}",
-        outcome.reason()
-    );
+    let (_bench, outcome) = play(
+        vec![(
+            Stage::Implement,
+            vec![Act::exits(EXIT_PAUSED, "429 rate limited by the provider")],
+        )],
+        None,
+        &[],
+        0,
+    )
+    .await;
+    outcome.assert_state(RunState::Paused);
+    outcome.assert_reason(&["forgepool resume"]);
     assert!(
         outcome
             .reason()
@@ -408,22 +407,20 @@ async fn a_provider_pause_pauses_the_run_with_a_checkpoint() {
 /// verified again.
 #[tokio::test(start_paused = true)]
 async fn failed_checks_start_a_repair_round_that_is_verified_again() {
-    let bench = Bench::new();
-    let runtime = FakeRuntime::default()
-        .with(Stage::Implement, [implements(1), implements(2)])
-        .with(
-            Stage::Verify,
-            [Act::exits(4, "fixed.txt missing"), Act::prints("ok")],
-        );
-    let outcome = bench
-        .run(runtime, &bench.job(None, &[("check", 30)], 1))
-        .await;
-    assert_eq!(
-        outcome.result.state,
-        RunState::Delivered,
-        "{}",
-        outcome.reason()
-    );
+    let (_bench, outcome) = play(
+        vec![
+            (Stage::Implement, vec![implements(1), implements(2)]),
+            (
+                Stage::Verify,
+                vec![Act::exits(4, "fixed.txt missing"), Act::prints("ok")],
+            ),
+        ],
+        None,
+        &[("check", 30)],
+        1,
+    )
+    .await;
+    outcome.assert_state(RunState::Delivered);
     assert_eq!(outcome.result.implementation_rounds, 2);
     assert_eq!(outcome.result.repair_history[0].failing[0].1, Some(4));
     assert!(outcome.result.repair_history[1].failing.is_empty());
@@ -436,22 +433,21 @@ async fn failed_checks_start_a_repair_round_that_is_verified_again() {
 /// Catches: the no-progress guard not tripping (the budget spent on identical rounds).
 #[tokio::test(start_paused = true)]
 async fn the_same_tree_failing_the_same_way_twice_trips_the_guard() {
-    let bench = Bench::new();
-    let runtime = FakeRuntime::default()
-        .with(
-            Stage::Implement,
-            [Act::writes("/workspace/feature.txt", "same\n")],
-        )
-        .with(Stage::Verify, [Act::exits(5, "too few rounds")]);
-    let outcome = bench
-        .run(runtime, &bench.job(None, &[("check", 30)], 3))
-        .await;
-    assert_eq!(outcome.result.state, RunState::Blocked);
-    assert!(
-        outcome.reason().contains("no progress"),
-        "{}",
-        outcome.reason()
-    );
+    let (bench, outcome) = play(
+        vec![
+            (
+                Stage::Implement,
+                vec![Act::writes("/workspace/feature.txt", "same\n")],
+            ),
+            (Stage::Verify, vec![Act::exits(5, "too few rounds")]),
+        ],
+        None,
+        &[("check", 30)],
+        3,
+    )
+    .await;
+    outcome.assert_state(RunState::Blocked);
+    outcome.assert_reason(&["no progress"]);
     assert_eq!(outcome.result.implementation_rounds, 2);
     assert_eq!(bench.delivered("feature.txt"), None);
 }
@@ -459,19 +455,18 @@ async fn the_same_tree_failing_the_same_way_twice_trips_the_guard() {
 /// Catches: a repair budget that is not enforced.
 #[tokio::test(start_paused = true)]
 async fn a_repair_budget_of_zero_blocks_after_the_first_failure() {
-    let bench = Bench::new();
-    let runtime = FakeRuntime::default()
-        .with(Stage::Implement, [implements(1)])
-        .with(Stage::Verify, [Act::exits(4, "fixed.txt missing")]);
-    let outcome = bench
-        .run(runtime, &bench.job(None, &[("check", 30)], 0))
-        .await;
-    assert_eq!(outcome.result.state, RunState::Blocked);
-    assert!(
-        outcome.reason().contains("repair budget of 0"),
-        "{}",
-        outcome.reason()
-    );
+    let (_bench, outcome) = play(
+        vec![
+            (Stage::Implement, vec![implements(1)]),
+            (Stage::Verify, vec![Act::exits(4, "fixed.txt missing")]),
+        ],
+        None,
+        &[("check", 30)],
+        0,
+    )
+    .await;
+    outcome.assert_state(RunState::Blocked);
+    outcome.assert_reason(&["repair budget of 0"]);
     assert_eq!(outcome.result.implementation_rounds, 1);
 }
 
@@ -535,20 +530,24 @@ async fn a_cancel_stops_the_running_stage_and_ends_the_run_cancelled() {
         .run_with(runtime, &bench.job(None, &[], 0), cancel)
         .await;
     canceller.await.unwrap();
-    assert_eq!(outcome.result.state, RunState::Cancelled);
+    outcome.assert_state(RunState::Cancelled);
 }
 
 /// Catches: a stage whose container cannot be made that leaves the run hanging, or fails it
 /// without saying why.
 #[tokio::test(start_paused = true)]
 async fn a_stage_that_cannot_be_created_fails_the_run_with_the_runtimes_reason() {
-    let bench = Bench::new();
-    let runtime = FakeRuntime::default().with(
-        Stage::Implement,
-        [Act::Unstartable("pull access denied".into())],
-    );
-    let outcome = bench.run(runtime, &bench.job(None, &[], 0)).await;
-    assert_eq!(outcome.result.state, RunState::Failed);
+    let (_bench, outcome) = play(
+        vec![(
+            Stage::Implement,
+            vec![Act::Unstartable("pull access denied".into())],
+        )],
+        None,
+        &[],
+        0,
+    )
+    .await;
+    outcome.assert_state(RunState::Failed);
     let reason = outcome.reason();
     assert!(
         reason.contains("agent:fake") && reason.contains("pull access denied"),
