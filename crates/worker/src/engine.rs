@@ -217,6 +217,9 @@ impl<R: ContainerRuntime> Engine<R> {
                 )))
             }
         };
+        if let Some(ended) = self.delivered_earlier(run).await {
+            return Ok(Some(ended));
+        }
         let cancel_user = cancel;
         let cancel = stop;
         let mut machine = match run.job.resume.clone() {
@@ -343,6 +346,35 @@ impl<R: ContainerRuntime> Engine<R> {
                 Some(None)
             }
         }
+    }
+
+    /// The ending of a run an earlier execution already delivered: the remote branch holds a
+    /// commit with this run's trailer, so nothing runs or is pushed again. An unreadable
+    /// branch is checked again before the push.
+    async fn delivered_earlier(&self, run: &mut RunContext<'_>) -> Option<(RunState, String)> {
+        let job = run.job;
+        let branch = deliver::delivery_branch(job);
+        let seen = git::remote_delivery(&run.repo, &job.repository.url, &branch).await;
+        let (commit, owner) = match seen {
+            Ok(Some(seen)) => seen,
+            Ok(None) => return None,
+            Err(error) => {
+                warn!(%error, "cannot read the delivery branch before running");
+                return None;
+            }
+        };
+        if owner.as_deref() != Some(job.run_id.to_string().as_str()) {
+            return None;
+        }
+        let tree = run
+            .repo
+            .git(&["rev-parse", &format!("{commit}^{{tree}}")])
+            .await
+            .unwrap_or_default();
+        info!(%branch, %commit, "already delivered by an earlier execution");
+        let reason = format!("an earlier execution of this run delivered commit {commit} to {branch}; nothing ran again");
+        run.delivered = Some((branch, commit, tree));
+        Some((RunState::Delivered, reason))
     }
 
     /// Why this worker will not run the job at all, if it will not: a profile asks for what the

@@ -496,13 +496,64 @@ pub async fn diff(repo: &Repo, base: &str, commit: &str) -> Result<String, GitEr
 }
 
 /// Pushes `commit` to `branch` of `url`, replacing what the branch held.
-pub async fn push(repo: &Repo, url: &str, commit: &str, branch: &str) -> Result<(), GitError> {
+pub async fn push(
+    repo: &Repo,
+    url: &str,
+    commit: &str,
+    branch: &str,
+    replaces: Option<&str>,
+) -> Result<(), GitError> {
     proto::names::check_url(url, &allowed_schemes())
         .map_err(|reason| GitError::Refused(format!("repository URL refused: {reason}")))?;
-    let refspec = format!("+{commit}:refs/heads/{branch}");
-    repo.git(&["push", "--quiet", "--no-verify", "--", url, &refspec])
+    // Conditional on what was seen: the branch must still hold `replaces` (or not exist), so a
+    // concurrent push is never lost.
+    let lease = format!(
+        "--force-with-lease=refs/heads/{branch}:{}",
+        replaces.unwrap_or("")
+    );
+    let refspec = format!("{commit}:refs/heads/{branch}");
+    repo.git(&["push", "--quiet", "--no-verify", &lease, "--", url, &refspec])
         .await
         .map(|_| ())
+}
+
+/// The trailer that names the run a delivery commit belongs to.
+pub const RUN_TRAILER: &str = "Forgepool-Run";
+
+/// The commit `branch` holds at `url` and the run its trailer names, `None` when the branch
+/// does not exist. The commit is fetched into the run's repository to read its message.
+pub async fn remote_delivery(
+    repo: &Repo,
+    url: &str,
+    branch: &str,
+) -> Result<Option<(String, Option<String>)>, GitError> {
+    proto::names::check_url(url, &allowed_schemes())
+        .map_err(|reason| GitError::Refused(format!("repository URL refused: {reason}")))?;
+    let reference = format!("refs/heads/{branch}");
+    let listed = repo.git(&["ls-remote", "--", url, &reference]).await?;
+    let Some(commit) = listed
+        .lines()
+        .find(|line| line.ends_with(&format!("\t{reference}")))
+        .and_then(|line| line.split('\t').next())
+        .map(str::to_string)
+    else {
+        return Ok(None);
+    };
+    let seen = "refs/forgepool/seen";
+    repo.git(&["fetch", "--quiet", "--no-tags", "--", url, &format!("+{reference}:{seen}")])
+        .await?;
+    let message = repo.git(&["log", "-1", "--format=%B", &commit]).await?;
+    Ok(Some((commit, run_of(&message))))
+}
+
+/// The run id a commit message's last `Forgepool-Run:` trailer names.
+pub fn run_of(message: &str) -> Option<String> {
+    message
+        .lines()
+        .rev()
+        .find_map(|line| line.strip_prefix(RUN_TRAILER)?.strip_prefix(':'))
+        .map(|id| id.trim().to_string())
+        .filter(|id| !id.is_empty())
 }
 
 /// The change from `base` (a commit) to `tree`, as a patch that [`apply_checkpoint`] replays

@@ -52,7 +52,29 @@ impl Bench {
         git(&seed, &["add", "."]);
         git(&seed, &["commit", "-q", "-m", "seed"]);
         git(dir.path(), &["clone", "-q", "--bare", "seed", "origin.git"]);
+        // A server-side hook logs every ref update, so a second push is counted even when it
+        // rewrites the branch with the same commit.
+        let hook = dir.path().join("origin.git/hooks/update");
+        let log = dir.path().join("pushes.log");
+        std::fs::write(
+            &hook,
+            format!("#!/bin/sh\necho \"$1 $2 $3\" >> '{}'\n", log.display()),
+        )
+        .unwrap();
+        std::process::Command::new("chmod")
+            .args(["755", &hook.display().to_string()])
+            .status()
+            .unwrap();
         Bench { dir }
+    }
+
+    /// Every ref update the origin took: `ref old new`.
+    fn pushes(&self) -> Vec<String> {
+        std::fs::read_to_string(self.dir.path().join("pushes.log"))
+            .unwrap_or_default()
+            .lines()
+            .map(str::to_string)
+            .collect()
     }
 
     fn origin(&self) -> PathBuf {
@@ -106,14 +128,30 @@ impl Bench {
         self.run_with(runtime, job, CancellationToken::new()).await
     }
 
+    /// Runs `job` as a worker whose workspaces are under `root` would.
+    async fn run_on(&self, root: &str, runtime: FakeRuntime, job: &Job) -> Outcome {
+        self.execute(root, runtime, job, CancellationToken::new())
+            .await
+    }
+
     async fn run_with(
         &self,
         runtime: FakeRuntime,
         job: &Job,
         cancel: CancellationToken,
     ) -> Outcome {
+        self.execute("runs", runtime, job, cancel).await
+    }
+
+    async fn execute(
+        &self,
+        root: &str,
+        runtime: FakeRuntime,
+        job: &Job,
+        cancel: CancellationToken,
+    ) -> Outcome {
         let runtime = std::sync::Arc::new(runtime);
-        let mut config = EngineConfig::for_process(self.dir.path().join("runs"));
+        let mut config = EngineConfig::for_process(self.dir.path().join(root));
         config.can_chown = false;
         let engine = Engine::new(std::sync::Arc::clone(&runtime), config);
         let events = Events::default();
@@ -554,4 +592,65 @@ async fn a_stage_that_cannot_be_created_fails_the_run_with_the_runtimes_reason()
         "{reason}"
     );
     assert!(outcome.runtime.stages().is_empty(), "nothing ran");
+}
+
+/// An implementer whose change differs at each execution, so a second execution of a run
+/// would make a different commit.
+fn nonce() -> Act {
+    Act::writes("/workspace/feature.txt", &uuid::Uuid::new_v4().to_string())
+}
+
+/// Catches: a run executed again after it delivered (a redelivered job) that runs its stages
+/// again and pushes a second commit over the first.
+#[tokio::test(start_paused = true)]
+async fn a_second_execution_of_a_delivered_run_runs_nothing_and_pushes_nothing() {
+    let bench = Bench::new();
+    let job = bench.job(None, &[], 0);
+    let runtime = || FakeRuntime::default().with(Stage::Implement, [nonce()]);
+    let first = bench.run(runtime(), &job).await;
+    first.assert_state(RunState::Delivered);
+    let second = bench.run(runtime(), &job).await;
+    second.assert_state(RunState::Delivered);
+    second.assert_reason(&["an earlier execution of this run delivered"]);
+    assert_eq!(second.result.commit, first.result.commit);
+    assert!(second.runtime.stages().is_empty(), "{:?}", second.runtime.stages());
+    assert_eq!(bench.pushes().len(), 1, "{:?}", bench.pushes());
+}
+
+/// Catches: two executions of one run at once (a job redelivered while its first worker still
+/// runs it) that both push, the second replacing the first's commit.
+#[tokio::test(start_paused = true)]
+async fn two_executions_of_a_run_at_once_push_one_commit() {
+    let bench = Bench::new();
+    let job = bench.job(None, &[], 0);
+    let runtime = || FakeRuntime::default().with(Stage::Implement, [nonce()]);
+    let (first, second) = tokio::join!(
+        bench.run_on("worker-1", runtime(), &job),
+        bench.run_on("worker-2", runtime(), &job)
+    );
+    first.assert_state(RunState::Delivered);
+    second.assert_state(RunState::Delivered);
+    assert_eq!(first.result.commit, second.result.commit);
+    assert_eq!(bench.pushes().len(), 1, "{:?}", bench.pushes());
+    let message = git(&bench.origin(), &["log", "-1", "--format=%B", BRANCH]);
+    assert!(
+        message.contains(&format!("Forgepool-Run: {}", job.run_id)),
+        "{message}"
+    );
+}
+
+/// Catches: a newer run of the same ticket that cannot replace a finished run's branch, or
+/// replaces it without naming itself.
+#[tokio::test(start_paused = true)]
+async fn a_newer_run_of_the_ticket_replaces_the_branch_of_a_finished_one() {
+    let bench = Bench::new();
+    let runtime = || FakeRuntime::default().with(Stage::Implement, [nonce()]);
+    let older = bench.job(None, &[], 0);
+    let newer = bench.job(None, &[], 0);
+    bench.run(runtime(), &older).await.assert_state(RunState::Delivered);
+    let outcome = bench.run(runtime(), &newer).await;
+    outcome.assert_state(RunState::Delivered);
+    assert_eq!(bench.pushes().len(), 2, "{:?}", bench.pushes());
+    let message = git(&bench.origin(), &["log", "-1", "--format=%B", BRANCH]);
+    assert!(message.contains(&format!("Forgepool-Run: {}", newer.run_id)), "{message}");
 }
