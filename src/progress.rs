@@ -71,6 +71,7 @@ fn raw_line(kind: &EventKind) -> Option<String> {
             ..
         } => None,
         EventKind::State { state, reason } => Some(format!("Run {state}: {reason}")),
+        EventKind::CancelRequested { reason } => Some(format!("Cancel requested: {reason}")),
         EventKind::Checkpoint { checkpoint } => Some(format!(
             "Progress saved (checkpoint {}, tree {})",
             checkpoint.sequence,

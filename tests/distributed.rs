@@ -50,9 +50,9 @@ async fn thirty_runs_on_three_workers_are_each_delivered_once() {
         );
         let branch = format!("forge/load-{}", n + 1);
         assert_eq!(
-            cluster.commits_above_main(&branch),
+            cluster.pushes(&branch),
             1,
-            "{branch} has exactly one delivered commit"
+            "{branch} was pushed exactly once"
         );
         assert_eq!(view["result"]["commit"].as_str().unwrap().len(), 40);
     }
@@ -275,7 +275,69 @@ async fn a_run_submitted_on_the_submission_queue_is_delivered() {
         .wait_terminal(&[run_id], Duration::from_secs(60))
         .await;
     assert_eq!(views[0]["state"], "delivered", "{}", cluster.logs());
-    assert_eq!(cluster.commits_above_main("forge/queue-7"), 1);
+    assert_eq!(cluster.pushes("forge/queue-7"), 1);
+    cluster.delete_queues().await;
+}
+
+/// Catches: a retried submission (a client that timed out, a producer that published twice)
+/// that creates a second run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_repeated_submission_with_the_same_key_makes_one_run() {
+    let fixture = Fixture::new(None, &["change"], &["approve"]);
+    let cluster = Cluster::start(fixture, 0, 1, None).await;
+    let post = |key: &'static str| {
+        cluster
+            .request(reqwest::Method::POST, "/v1/runs")
+            .header("Idempotency-Key", key)
+            .json(&cluster.request_body("ONCE-1", serde_json::json!({})))
+            .send()
+    };
+    let first = post("order-17").await.unwrap();
+    assert_eq!(first.status(), 201);
+    let first: serde_json::Value = first.json().await.unwrap();
+    let again = post("order-17").await.unwrap();
+    assert_eq!(again.status(), 200, "a repeat creates nothing");
+    let again: serde_json::Value = again.json().await.unwrap();
+    assert_eq!(again["run_id"], first["run_id"]);
+    let other = post("order-18").await.unwrap();
+    assert_eq!(other.status(), 201);
+    let other: serde_json::Value = other.json().await.unwrap();
+    assert_ne!(
+        other["run_id"], first["run_id"],
+        "another key is another run"
+    );
+    let bad = post("with space").await.unwrap();
+    assert_eq!(bad.status(), 400);
+    let body: serde_json::Value = bad.json().await.unwrap();
+    assert_eq!(body["error"]["field"], "Idempotency-Key", "{body}");
+
+    // The same on the submission queue, by message_id.
+    let mut request = cluster.request_body("ONCE-2", serde_json::json!({}));
+    request["schema_version"] = serde_json::json!(1);
+    let payload = serde_json::to_vec(&request).unwrap();
+    cluster.submit_message(&payload, "msg-1").await;
+    cluster.submit_message(&payload, "msg-1").await;
+    // The consumer takes messages in order: once a later message's run exists, both copies
+    // of msg-1 were handled.
+    let mut later = cluster.request_body("ONCE-3", serde_json::json!({}));
+    later["schema_version"] = serde_json::json!(1);
+    cluster
+        .submit_message(&serde_json::to_vec(&later).unwrap(), "msg-2")
+        .await;
+    cluster.run_of_ticket("ONCE-3").await;
+    let list: serde_json::Value = cluster
+        .request(reqwest::Method::GET, "/v1/runs?ticket=ONCE-2")
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(
+        list["runs"].as_array().unwrap().len(),
+        1,
+        "msg-1 sent twice made one run: {list}"
+    );
     cluster.delete_queues().await;
 }
 
@@ -309,11 +371,7 @@ async fn a_worker_killed_mid_run_loses_nothing_and_leaves_no_container() {
         1,
         "no duplicate cycle record"
     );
-    assert_eq!(
-        cluster.commits_above_main("forge/kill-1"),
-        1,
-        "one delivery commit"
-    );
+    assert_eq!(cluster.pushes("forge/kill-1"), 1, "one delivery commit");
     // The killed worker's container is removed by the survivor within a bounded time.
     let started = std::time::Instant::now();
     while container_count(&id) > 0 {
@@ -513,6 +571,87 @@ async fn cancelling_a_running_run_stops_its_container() {
     cluster.delete_queues().await;
 }
 
+/// Catches: a cancel that is lost when no worker hears it (the run is queued, or between
+/// workers): the worker that takes the job later must still be told, and nothing delivered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cancel_no_worker_heard_still_stops_the_worker_that_takes_the_run() {
+    let fixture = Fixture::new(Some(REVIEW), &["sleep", "30"], &["approve"]);
+    let mut cluster = Cluster::start(fixture, 0, 1, None).await;
+    let id = cluster.submit("LATE-1").await;
+    let response = cluster
+        .request(reqwest::Method::POST, &format!("/v1/runs/{id}/cancel"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 202);
+    let body: serde_json::Value = response.json().await.unwrap();
+    assert_eq!(body["cancel"], "done", "a queued run is cancelled at once");
+    assert_eq!(cluster.run(&id).await["state"], "cancelled");
+    // The job is still on the queue; the worker that takes it hears the stored cancel when it
+    // reports the run, and stops (its stage is 30 s long).
+    cluster.start_worker("late", 1);
+    let started = std::time::Instant::now();
+    // The worker's own final events are kept as history (the run was already cancelled).
+    while !cluster
+        .event_stream(&id)
+        .await
+        .contains("\"type\":\"result\"")
+    {
+        assert!(
+            started.elapsed() < Duration::from_secs(25),
+            "the worker did not stop the run\n{}",
+            cluster.logs()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let stream = cluster.event_stream(&id).await;
+    assert!(
+        !stream.contains("\"outcome\":\"completed\""),
+        "no stage ran to its end: {stream}"
+    );
+    assert_eq!(
+        container_count(&id),
+        0,
+        "no container is left\n{}",
+        cluster.logs()
+    );
+    let view = cluster.run(&id).await;
+    assert_eq!(view["state"], "cancelled", "{view}");
+    assert_eq!(
+        cluster.pushes("forge/late-1"),
+        0,
+        "a cancelled run never delivers"
+    );
+    cluster.delete_queues().await;
+}
+
+/// Catches: cancelling a paused run that answers 202 and changes nothing, or a cancelled run
+/// that can still be resumed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cancelling_a_paused_run_ends_it_at_once() {
+    let fixture = Fixture::new(Some(REVIEW), &["pause-at", "1"], &["approve"]);
+    let cluster = Cluster::start(fixture, 1, 1, None).await;
+    let id = cluster.submit("HALT-1").await;
+    wait_state(&cluster, &id, "paused").await;
+    let response = cluster
+        .request(reqwest::Method::POST, &format!("/v1/runs/{id}/cancel"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 202);
+    let body: serde_json::Value = response.json().await.unwrap();
+    assert_eq!(body["cancel"], "done");
+    let view = cluster.run(&id).await;
+    assert_eq!(view["state"], "cancelled", "{view}");
+    let resume = cluster
+        .request(reqwest::Method::POST, &format!("/v1/runs/{id}/resume"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resume.status(), 409, "a cancelled run is not resumed");
+    cluster.delete_queues().await;
+}
+
 /// Containers of a run on the engine.
 fn container_count(run_id: &str) -> usize {
     let output = common::output_within(
@@ -607,7 +746,7 @@ async fn a_paused_run_frees_its_slot_and_resumes_on_another_worker_with_its_budg
             "delivered"
         ]
     );
-    assert_eq!(cluster.commits_above_main("forge/pause-1"), 1);
+    assert_eq!(cluster.pushes("forge/pause-1"), 1);
 
     // Only a paused run can be resumed.
     let again = cluster
@@ -689,10 +828,7 @@ async fn a_worker_killed_during_the_final_review_leaves_an_unknown_outcome_not_a
         .filter(|l| l.contains("\"type\":\"stage_started\"") && l.contains("\"final_review\""))
         .count();
     assert_eq!(reviews, 1, "the final review was not repeated");
-    assert!(
-        cluster.commits_above_main("forge/lost-1") == 0,
-        "nothing was delivered"
-    );
+    assert!(cluster.pushes("forge/lost-1") == 0, "nothing was delivered");
     // The dead worker's reviewer container is removed by the survivor.
     let deadline = std::time::Instant::now() + Duration::from_secs(60);
     while container_count(&run_id) > 0 {

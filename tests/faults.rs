@@ -46,10 +46,7 @@ async fn a_broker_restart_loses_no_accepted_run() {
             view["states"],
             cluster.logs()
         );
-        assert_eq!(
-            cluster.commits_above_main(&format!("forge/bounce-{}", n + 1)),
-            1
-        );
+        assert_eq!(cluster.pushes(&format!("forge/bounce-{}", n + 1)), 1);
     }
     // Both services reconnected by themselves: a new run goes through.
     let id = cluster.submit("BOUNCE-99").await;
@@ -90,7 +87,7 @@ async fn a_run_longer_than_the_consumer_timeout_completes_exactly_once() {
         cluster.logs()
     );
     assert_eq!(views[0]["result"]["implementation_rounds"], 1);
-    assert_eq!(cluster.commits_above_main("forge/long-1"), 1);
+    assert_eq!(cluster.pushes("forge/long-1"), 1);
     let logs = cluster.logs();
     assert!(
         logs.contains("consumer failed")
@@ -142,7 +139,7 @@ async fn sigterm_drains_a_worker_and_hands_its_run_back() {
         .wait_terminal(std::slice::from_ref(&id), Duration::from_secs(120))
         .await;
     assert_eq!(views[0]["state"], "delivered", "{}", cluster.logs());
-    assert_eq!(cluster.commits_above_main("forge/drain-1"), 1);
+    assert_eq!(cluster.pushes("forge/drain-1"), 1);
     cluster.delete_queues().await;
 }
 

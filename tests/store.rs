@@ -166,6 +166,106 @@ async fn store_contract(url: &str) {
         [(RunState::Delivered, 1), (RunState::Queued, 2)],
         "runs counted by their current state"
     );
+
+    // A finished run's result is final: a late execution's result is kept as an event only.
+    let late: proto::RunResult = serde_json::from_value(serde_json::json!({
+        "state": "failed", "reason": "late", "branch": null, "commit": null, "tree": null,
+        "report": "late report", "warnings": [], "repair_budget": 2,
+        "implementation_rounds": 9, "repair_history": [], "review": "not_requested"
+    }))
+    .unwrap();
+    let before = store.get_run(first.run_id).await.unwrap().unwrap().result;
+    let event = Event::new(first.run_id, EventKind::Result { result: late });
+    assert!(
+        store.record_event(&event).await.unwrap(),
+        "the event is stored"
+    );
+    let after = store.get_run(first.run_id).await.unwrap().unwrap().result;
+    assert_eq!(after, before, "the result of a finished run did not change");
+
+    // A cancel request is recorded with the run.
+    assert!(!store.cancel_requested(first.run_id).await.unwrap());
+    let asked = Event::new(
+        first.run_id,
+        EventKind::CancelRequested {
+            reason: "by a test".into(),
+        },
+    );
+    store.record_event(&asked).await.unwrap();
+    assert!(store.cancel_requested(first.run_id).await.unwrap());
+
+    // Fencing: once a second execution runs the run, the first one's events change nothing.
+    let fenced = job(
+        "SHOP-5",
+        &proto::format_timestamp(std::time::SystemTime::now()),
+    );
+    store.insert_run(&fenced).await.unwrap();
+    let (first_execution, second_execution) = (Uuid::new_v4(), Uuid::new_v4());
+    let id = fenced.run_id;
+    store
+        .record_event(&state(id, RunState::Running, "first").by(first_execution))
+        .await
+        .unwrap();
+    store
+        .record_event(&cycle(id, 1, "rejected").by(first_execution))
+        .await
+        .unwrap();
+    store
+        .record_event(&state(id, RunState::Running, "second").by(second_execution))
+        .await
+        .unwrap();
+    let late = store
+        .record_event(&cycle(id, 2, "approved").by(first_execution))
+        .await
+        .unwrap();
+    assert!(!late, "a superseded execution's event is not news");
+    store
+        .record_event(&state(id, RunState::Delivered, "first again").by(first_execution))
+        .await
+        .unwrap();
+    let record = store.get_run(id).await.unwrap().unwrap();
+    assert_eq!(
+        record.state,
+        RunState::Running,
+        "the old execution did not end the run"
+    );
+    assert_eq!(record.cycles.len(), 1, "nor add a cycle");
+    store
+        .record_event(&state(id, RunState::Blocked, "second ends").by(second_execution))
+        .await
+        .unwrap();
+    assert_eq!(
+        store.get_run(id).await.unwrap().unwrap().state,
+        RunState::Blocked
+    );
+
+    // A submission key seen in the last day returns the first run, and stores nothing.
+    let now = proto::format_timestamp(std::time::SystemTime::now());
+    let keyed = job("SHOP-3", &now);
+    let fresh = store
+        .insert_run_once(&keyed, Some("http:k1"))
+        .await
+        .unwrap();
+    assert_eq!(fresh, None, "a new key stores the run");
+    let again = job("SHOP-3", &now);
+    let repeat = store
+        .insert_run_once(&again, Some("http:k1"))
+        .await
+        .unwrap();
+    assert_eq!(repeat, Some(keyed.run_id), "the repeat names the first run");
+    assert!(
+        store.get_run(again.run_id).await.unwrap().is_none(),
+        "the repeat stored nothing"
+    );
+    assert_eq!(
+        store.run_of_key("http:k1").await.unwrap(),
+        Some(keyed.run_id)
+    );
+    assert_eq!(store.run_of_key("http:k2").await.unwrap(), None);
+    // A key older than a day is forgotten.
+    let old = job("SHOP-4", "2024-01-15T10:30:00Z");
+    store.insert_run_once(&old, Some("http:old")).await.unwrap();
+    assert_eq!(store.run_of_key("http:old").await.unwrap(), None);
 }
 
 #[tokio::test]

@@ -487,7 +487,15 @@ impl Cluster {
     /// Publishes to the exchange `{prefix}.{exchange}` (not to a queue by name).
     pub async fn publish_to_exchange(&self, exchange: &str, payload: &[u8]) {
         let exchange = format!("{}.{exchange}", self.prefix);
-        self.publish_to(&exchange, "", payload, None, None).await;
+        self.publish_to(&exchange, "", payload, None, None, None)
+            .await;
+    }
+
+    /// Publishes a run request to the submit exchange with a `message_id`.
+    pub async fn submit_message(&self, payload: &[u8], message_id: &str) {
+        let exchange = format!("{}.submit", self.prefix);
+        self.publish_to(&exchange, "", payload, None, None, Some(message_id))
+            .await;
     }
 
     async fn publish_with(
@@ -498,7 +506,7 @@ impl Cluster {
         signature: Option<String>,
     ) {
         let queue = format!("{}.{queue}", self.prefix);
-        self.publish_to("", &queue, payload, reply_to, signature)
+        self.publish_to("", &queue, payload, reply_to, signature, None)
             .await;
     }
 
@@ -510,6 +518,7 @@ impl Cluster {
         payload: &[u8],
         reply_to: Option<&str>,
         signature: Option<String>,
+        message_id: Option<&str>,
     ) {
         let connection = self.broker().await;
         let publish = async {
@@ -522,6 +531,9 @@ impl Cluster {
             let mut properties = BasicProperties::default().with_delivery_mode(2);
             if let Some(reply_to) = reply_to {
                 properties = properties.with_reply_to(reply_to.into());
+            }
+            if let Some(message_id) = message_id {
+                properties = properties.with_message_id(message_id.into());
             }
             if let Some(signature) = signature {
                 let mut headers = lapin::types::FieldTable::default();
@@ -588,22 +600,9 @@ impl Cluster {
         found
     }
 
-    /// The number of commits on `branch` above `main`.
-    pub fn commits_above_main(&self, branch: &str) -> usize {
-        let output = Command::new("git")
-            .args([
-                "--git-dir",
-                self.fixture.bare.to_str().unwrap(),
-                "rev-list",
-                "--count",
-                &format!("main..{branch}"),
-            ])
-            .output()
-            .unwrap();
-        String::from_utf8_lossy(&output.stdout)
-            .trim()
-            .parse()
-            .unwrap_or(0)
+    /// How many times `branch` was pushed, as the repository's `post-receive` hook logged it.
+    pub fn pushes(&self, branch: &str) -> usize {
+        self.fixture.pushes(branch)
     }
 
     /// Stops the services, then deletes this cluster's queues from the broker; the end of a

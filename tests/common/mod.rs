@@ -167,6 +167,20 @@ impl Fixture {
             ],
         );
         git(&seed, &["push", "--quiet", "origin", "HEAD:main"]);
+        // A server-side hook logs every ref update the repository made (after the fact, so a
+        // refused push is not counted), and a second push is counted even when it rewrites
+        // the branch.
+        let hook = bare.join("hooks/post-receive");
+        std::fs::write(
+            &hook,
+            format!(
+                "#!/bin/sh\nwhile read old new reference; do echo \"$reference $old $new\" >> '{}'; done\n",
+                dir.path().join("pushes.log").display()
+            ),
+        )
+        .unwrap();
+        std::fs::set_permissions(&hook, std::os::unix::fs::PermissionsExt::from_mode(0o755))
+            .unwrap();
 
         let skills = dir.path().join("skills");
         let skill = skills.join("default/implement-task");
@@ -289,6 +303,17 @@ impl Fixture {
     }
 
     /// The files on a branch of the repository, or `None` when the branch does not exist.
+    /// How many times `branch` was pushed (created, moved or rewritten), as the repository's
+    /// `post-receive` hook logged it.
+    pub fn pushes(&self, branch: &str) -> usize {
+        let reference = format!("refs/heads/{branch} ");
+        std::fs::read_to_string(self.dir.path().join("pushes.log"))
+            .unwrap_or_default()
+            .lines()
+            .filter(|line| line.starts_with(&reference))
+            .count()
+    }
+
     pub fn branch_files(&self, branch: &str) -> Option<Vec<String>> {
         let output = Command::new("git")
             .args([

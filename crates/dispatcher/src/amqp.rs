@@ -4,6 +4,7 @@
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
+use std::time::Duration;
 
 use proto::amqp::{self, Consume, DeadLetters, Delivery, Disposition, Session};
 use proto::{Event, EventKind, RunRequest, RunState};
@@ -11,8 +12,8 @@ use tokio_util::sync::CancellationToken;
 use tracing::{info_span, warn, Instrument};
 use uuid::Uuid;
 
-use crate::dispatcher::{Dispatcher, SubmitFailure};
-use crate::store::RunStore;
+use crate::dispatcher::{Dispatcher, Submission, SubmitFailure};
+use crate::store::{RunStore, StoreError};
 
 /// The queues the dispatcher consumes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -146,9 +147,15 @@ async fn handle_event(dispatcher: &Dispatcher, delivery: &Delivery) -> Dispositi
     };
     let span = info_span!("event", run_id = %event.run_id, kind = event.kind.name());
     async {
-        let record = dispatcher.store.get_run(event.run_id).await.ok().flatten();
-        let Some(record) = record else {
-            return Disposition::DeadLetter(format!("event for unknown run {}", event.run_id));
+        let read = patiently(dispatcher, "read the run", || {
+            dispatcher.store.get_run(event.run_id)
+        });
+        let record = match read.await {
+            Some(Some(record)) => record,
+            Some(None) => {
+                return Disposition::DeadLetter(format!("event for unknown run {}", event.run_id))
+            }
+            None => return Disposition::Requeue,
         };
         // A cycle file rewritten in place is one review cycle.
         let repeats = match &event.kind {
@@ -158,32 +165,55 @@ async fn handle_event(dispatcher: &Dispatcher, delivery: &Delivery) -> Dispositi
                 .any(|c| c.step == cycle.step && c.file == cycle.file),
             _ => false,
         };
-        match dispatcher
-            .store_event_after(record.state, &record.job, &event, repeats)
-            .await
-        {
-            Ok(_) => {
-                // A worker picked up a run that was cancelled while queued: tell it again.
-                let started = matches!(
-                    event.kind,
-                    EventKind::State {
-                        state: RunState::Running,
-                        ..
-                    }
-                );
-                if record.state == RunState::Cancelled && started {
-                    let _ = dispatcher.publish_cancel(event.run_id).await;
-                }
+        let stored = patiently(dispatcher, "store the event", || {
+            dispatcher.store_event_after(record.state, &record.job, &event, repeats)
+        });
+        match stored.await {
+            Some(_) => {
+                // A cancel the worker may not have heard (it reconnected, or took the job after
+                // the cancel): tell it again.
+                dispatcher.cancel_again_if_asked(&record, &event).await;
                 Disposition::Ack
             }
-            Err(error) => {
-                warn!(%error, "cannot store event; it will be delivered again");
-                Disposition::Retry
-            }
+            None => Disposition::Requeue,
         }
     }
     .instrument(span)
     .await
+}
+
+/// How long the events consumer keeps retrying a store that fails before it hands the event
+/// back (which counts towards the queue's delivery limit).
+const STORE_PATIENCE: Duration = Duration::from_secs(300);
+
+/// Runs a store operation until it succeeds, with back-off (0.2 s doubling up to 5 s), for up
+/// to [`STORE_PATIENCE`] or until the dispatcher stops. An event is never dead-lettered because
+/// the store failed over: the consumer waits for it, holding its delivery (a requeue would
+/// count towards the delivery limit). `None` when it gave up.
+async fn patiently<T, F, Fut>(dispatcher: &Dispatcher, what: &str, operation: F) -> Option<T>
+where
+    F: Fn() -> Fut,
+    Fut: std::future::Future<Output = Result<T, StoreError>>,
+{
+    let started = tokio::time::Instant::now();
+    let mut backoff = Duration::from_millis(200);
+    loop {
+        match operation().await {
+            Ok(value) => return Some(value),
+            Err(error) if started.elapsed() < STORE_PATIENCE => {
+                warn!(%error, "cannot {what} yet; retrying");
+                tokio::select! {
+                    () = tokio::time::sleep(backoff) => {}
+                    () = dispatcher.stopping.cancelled() => return None,
+                }
+                backoff = (backoff * 2).min(Duration::from_secs(5));
+            }
+            Err(error) => {
+                warn!(%error, "cannot {what}; handing the event back");
+                return None;
+            }
+        }
+    }
 }
 
 /// A reply to a submitter: its queue and the body.
@@ -215,10 +245,20 @@ async fn handle_submission(
         .reply_to()
         .as_ref()
         .map(|r| r.to_string());
-    let (disposition, body) = match dispatcher.submit(request).await {
-        Ok(frozen) => (
+    // A message sent again with the same `message_id` within a day makes no second run.
+    let key = delivery
+        .properties
+        .message_id()
+        .as_ref()
+        .map(|id| format!("amqp:{id}"));
+    let (disposition, body) = match dispatcher.submit_once(request, key.as_deref()).await {
+        Ok(Submission::New(frozen)) => (
             Disposition::Ack,
             serde_json::json!({"run_id": frozen.job.run_id, "state": "queued", "warnings": frozen.warnings}),
+        ),
+        Ok(Submission::Repeat(first)) => (
+            Disposition::Ack,
+            serde_json::json!({"run_id": first, "repeated": true}),
         ),
         Err(SubmitFailure::Invalid(error)) => (
             Disposition::DeadLetter(format!("refused: {error}")),

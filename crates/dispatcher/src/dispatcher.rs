@@ -13,7 +13,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 use uuid::Uuid;
 
-use crate::store::{RunStore, Store, StoreError};
+use crate::store::{RunRecord, RunStore, Store, StoreError};
 use crate::{AgentBook, Freezer, Frozen, SubmitError};
 use telemetry::Metrics;
 
@@ -29,6 +29,24 @@ pub enum SubmitFailure {
     /// The store failed.
     #[error(transparent)]
     Store(#[from] StoreError),
+}
+
+/// What a submission made.
+#[derive(Debug)]
+pub enum Submission {
+    /// A new run.
+    New(Box<Frozen>),
+    /// Nothing: the submission repeats one seen in the last 24 hours, whose run this is.
+    Repeat(Uuid),
+}
+
+/// How a cancel went.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Cancelled {
+    /// The run is cancelled (it was queued or paused).
+    Now,
+    /// The request is stored; the worker holding the run stops it.
+    Requested,
 }
 
 /// Why a paused run could not be resumed.
@@ -80,13 +98,34 @@ impl Dispatcher {
     /// Validates, freezes, stores and publishes a request. A run that is stored but cannot be
     /// published yet is published later by the republisher; it is never lost.
     pub async fn submit(&self, request: RunRequest) -> Result<Frozen, SubmitFailure> {
+        match self.submit_once(request, None).await? {
+            Submission::New(frozen) => Ok(*frozen),
+            Submission::Repeat(_) => unreachable!("a submission without a key is always new"),
+        }
+    }
+
+    /// Like [`Dispatcher::submit`], but a submission whose `key` was seen in the last 24 hours
+    /// returns the first run instead of creating another (SPEC 11).
+    pub async fn submit_once(
+        &self,
+        request: RunRequest,
+        key: Option<&str>,
+    ) -> Result<Submission, SubmitFailure> {
+        if let Some(key) = key {
+            if let Some(first) = self.store.run_of_key(key).await? {
+                return Ok(Submission::Repeat(first));
+            }
+        }
         let freezer = Freezer::from_process_env(&self.skills_dir, self.agents.clone())
             .with_allowed_schemes(self.allowed_schemes.clone());
         // Freezing reads the skill's files: on a blocking thread, never the runtime's.
         let frozen = tokio::task::spawn_blocking(move || freezer.freeze(request))
             .await
             .unwrap_or_else(|panicked| std::panic::resume_unwind(panicked.into_panic()))?;
-        self.store.insert_run(&frozen.job).await?;
+        if let Some(first) = self.store.insert_run_once(&frozen.job, key).await? {
+            // The same key was submitted at the same moment: the first one won.
+            return Ok(Submission::Repeat(first));
+        }
         info!(run_id = %frozen.job.run_id, ticket = %frozen.job.ticket, "run accepted");
         if !self.topology_ready.load(Ordering::SeqCst) {
             // Publishing could only wait for the broker: the republisher publishes it as soon
@@ -95,7 +134,7 @@ impl Dispatcher {
         } else if let Err(error) = self.publish_job(&frozen.job).await {
             warn!(run_id = %frozen.job.run_id, %error, "job stored but not yet published; it will be retried");
         }
-        Ok(frozen)
+        Ok(Submission::New(Box::new(frozen)))
     }
 
     pub(crate) async fn publish_job(&self, job: &Job) -> Result<(), AmqpError> {
@@ -176,21 +215,57 @@ impl Dispatcher {
         Ok(sequence)
     }
 
-    /// Asks the workers to cancel a run; a queued run is cancelled in the store at once.
-    pub async fn cancel(&self, job: &Job, state: RunState) -> Result<(), AmqpError> {
-        if state == RunState::Queued {
-            let event = Event::new(
-                job.run_id,
+    /// Cancels a run, durably: the cancel is stored before anyone is told. A queued or paused
+    /// run is cancelled in the store at once (no worker holds it); for a running run the
+    /// request is stored, and the worker holding it is told now and again each time it reports
+    /// the run. A failed publish is only a warning: the next report tells the worker.
+    pub async fn cancel(&self, job: &Job, state: RunState) -> Result<Cancelled, StoreError> {
+        let (kind, cancelled) = match state {
+            RunState::Queued | RunState::Paused => (
                 EventKind::State {
                     state: RunState::Cancelled,
-                    reason: "cancelled by request before it started".into(),
+                    reason: format!("cancelled by request while {state}"),
                 },
-            );
-            if let Err(error) = self.store_event(job, &event).await {
-                warn!(run_id = %job.run_id, %error, "cannot store the cancellation");
-            }
+                Cancelled::Now,
+            ),
+            _ => (
+                EventKind::CancelRequested {
+                    reason: "cancel requested through the API".into(),
+                },
+                Cancelled::Requested,
+            ),
+        };
+        self.store_event(job, &Event::new(job.run_id, kind)).await?;
+        if let Err(error) = self.publish_cancel(job.run_id).await {
+            warn!(run_id = %job.run_id, %error, "cannot tell the workers yet; the run's next report will");
         }
-        self.publish_cancel(job.run_id).await
+        Ok(cancelled)
+    }
+
+    /// Tells the worker that reports a run to cancel it again, when the run was cancelled
+    /// (or asked to be) after the worker took it: its first report, a heartbeat after a
+    /// reconnection, or the next worker's.
+    pub(crate) async fn cancel_again_if_asked(&self, record: &RunRecord, event: &Event) {
+        let reports = matches!(
+            event.kind,
+            EventKind::State {
+                state: RunState::Running,
+                ..
+            } | EventKind::Heartbeat { .. }
+                | EventKind::StageStarted { .. }
+        );
+        if !reports {
+            return;
+        }
+        let asked = record.state == RunState::Cancelled
+            || self
+                .store
+                .cancel_requested(record.job.run_id)
+                .await
+                .unwrap_or(false);
+        if asked {
+            let _ = self.publish_cancel(record.job.run_id).await;
+        }
     }
 
     pub(crate) async fn publish_cancel(&self, run_id: Uuid) -> Result<(), AmqpError> {

@@ -19,7 +19,7 @@ use proto::{ApiError, ApiErrorBody, RunList, RunState, RunView, StateChange, Sub
 use serde::Deserialize;
 use uuid::Uuid;
 
-use crate::dispatcher::{Dispatcher, ResumeFailure, SubmitFailure};
+use crate::dispatcher::{Cancelled, Dispatcher, ResumeFailure, Submission, SubmitFailure};
 use crate::store::{RunFilter, RunRecord, RunStore};
 use crate::streams::StreamSlot;
 use crate::SubmitError;
@@ -185,8 +185,9 @@ async fn submit(
 ) -> Result<(StatusCode, Json<SubmitResponse>), Failure> {
     let body = read_body(&headers, body, crate::freeze::MAX_REQUEST_BYTES).await?;
     let request = crate::request::from_json(&body)?;
-    match dispatcher.submit(request).await {
-        Ok(frozen) => Ok((
+    let key = idempotency_key(&headers)?;
+    match dispatcher.submit_once(request, key.as_deref()).await {
+        Ok(Submission::New(frozen)) => Ok((
             StatusCode::CREATED,
             Json(SubmitResponse {
                 run_id: frozen.job.run_id,
@@ -194,9 +195,45 @@ async fn submit(
                 warnings: frozen.warnings,
             }),
         )),
+        Ok(Submission::Repeat(first)) => {
+            // The first run, as it stands now.
+            let record = record(&dispatcher, &first.to_string()).await?;
+            Ok((
+                StatusCode::OK,
+                Json(SubmitResponse {
+                    run_id: first,
+                    state: record.state,
+                    warnings: record.job.warnings,
+                }),
+            ))
+        }
         Err(SubmitFailure::Invalid(error)) => Err(error.into()),
         Err(SubmitFailure::Store(error)) => Err(internal(error)),
     }
+}
+
+/// The longest `Idempotency-Key` accepted.
+pub const MAX_IDEMPOTENCY_KEY: usize = 255;
+
+/// The submission's `Idempotency-Key`, namespaced for the store: 1 to 255 visible ASCII
+/// characters.
+fn idempotency_key(headers: &HeaderMap) -> Result<Option<String>, Failure> {
+    let Some(value) = headers.get("idempotency-key") else {
+        return Ok(None);
+    };
+    let key = value.to_str().unwrap_or("");
+    let valid = !key.is_empty()
+        && key.len() <= MAX_IDEMPOTENCY_KEY
+        && key.bytes().all(|b| b.is_ascii_graphic());
+    if !valid {
+        return Err(Failure::new(
+            StatusCode::BAD_REQUEST,
+            "invalid_header",
+            format!("the Idempotency-Key header must be 1 to {MAX_IDEMPOTENCY_KEY} visible ASCII characters"),
+            Some("Idempotency-Key"),
+        ));
+    }
+    Ok(Some(format!("http:{key}")))
 }
 
 fn parse_id(id: &str) -> Result<Uuid, Failure> {
@@ -326,20 +363,17 @@ async fn cancel(
             None,
         ));
     }
-    dispatcher
+    let cancelled = dispatcher
         .cancel(&record.job, record.state)
         .await
-        .map_err(|e| {
-            Failure::new(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "broker_unavailable",
-                e.to_string(),
-                None,
-            )
-        })?;
+        .map_err(internal)?;
+    let answer = match cancelled {
+        Cancelled::Now => "done",
+        Cancelled::Requested => "requested",
+    };
     Ok((
         StatusCode::ACCEPTED,
-        Json(serde_json::json!({"run_id": record.job.run_id, "cancel": "requested"})),
+        Json(serde_json::json!({"run_id": record.job.run_id, "cancel": answer})),
     ))
 }
 

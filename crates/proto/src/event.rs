@@ -17,6 +17,11 @@ pub struct Event {
     pub run_id: Uuid,
     /// When it happened (RFC 3339).
     pub time: String,
+    /// The execution of the run that published it: each time a worker starts executing a run
+    /// it draws a new one. Once a newer execution has started, events of an older one are
+    /// kept as history and change nothing. `None` for events the dispatcher makes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub execution: Option<Uuid>,
     /// What happened.
     #[serde(flatten)]
     pub kind: EventKind,
@@ -30,8 +35,15 @@ impl Event {
             event_id: Uuid::new_v4(),
             run_id,
             time: crate::timestamp_now(),
+            execution: None,
             kind,
         }
+    }
+
+    /// The same event, published by `execution`.
+    pub fn by(mut self, execution: Uuid) -> Event {
+        self.execution = Some(execution);
+        self
     }
 
     /// The topic routing key: `run.{run_id}.{kind}`.
@@ -104,6 +116,12 @@ pub enum EventKind {
         /// The saved progress.
         checkpoint: Checkpoint,
     },
+    /// A user asked to cancel the running run: stored before the workers are told, and told
+    /// again to whichever worker reports the run until it ends.
+    CancelRequested {
+        /// Who asked, or why.
+        reason: String,
+    },
     /// The run's final result; always followed by a terminal `state` event.
     Result {
         /// The result.
@@ -123,6 +141,7 @@ impl EventKind {
             EventKind::Cycle { .. } => "cycle",
             EventKind::Heartbeat { .. } => "heartbeat",
             EventKind::Checkpoint { .. } => "checkpoint",
+            EventKind::CancelRequested { .. } => "cancel_requested",
             EventKind::Result { .. } => "result",
         }
     }

@@ -276,7 +276,10 @@ impl Metrics {
                     self.repair_rounds.inc_by(repairs as u64);
                 }
             }
-            EventKind::Log { .. } | EventKind::Heartbeat { .. } | EventKind::Checkpoint { .. } => {}
+            EventKind::Log { .. }
+            | EventKind::Heartbeat { .. }
+            | EventKind::Checkpoint { .. }
+            | EventKind::CancelRequested { .. } => {}
         }
     }
 

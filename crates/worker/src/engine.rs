@@ -29,8 +29,8 @@ use crate::runtime::{
     tail, ContainerRuntime, LogChunk, Mount, RuntimeError, StageExit, StageOutput, StageSpec,
     LABEL_RUN, LABEL_STAGE,
 };
-use crate::sink::Redacting;
 use crate::sink::{EventSink, PublishEvent};
+use crate::sink::{Redacting, Stamped};
 use crate::verdict::{self, Verdict};
 
 mod checkpoint;
@@ -137,6 +137,8 @@ impl<R: ContainerRuntime> Engine<R> {
             // Every event of the run leaves through the redacting sink: a secret an agent wrote
             // into a file, or that git printed, is never stored or shown.
             let sink = &Redacting::new(sink, run_secrets(job));
+            // Each execution draws its epoch: the dispatcher ignores a superseded one.
+            let sink = &Stamped::new(sink, Uuid::new_v4());
             let root = self.config.workspace_root.join(job.run_id.to_string());
             let mut run = RunContext::new(job, &root);
             // Stages stop on either token; the loop tells the two apart.
@@ -188,14 +190,10 @@ impl<R: ContainerRuntime> Engine<R> {
         interrupt: &CancellationToken,
         stop: &CancellationToken,
     ) -> Result<Option<(RunState, String)>, PublishEvent> {
-        if let Some(ended) = self.earlier_final_review(run, ledger).await {
-            return Ok(ended);
-        }
-        if let Some(reason) = self.refusal(run.job) {
-            return Ok(Some((RunState::Failed, reason)));
-        }
-        // The workspace is prepared while the broker confirms that the run started: neither
-        // waits for the other, and no stage starts before both are done.
+        // Every execution says first that it runs the run: the dispatcher makes it the run's
+        // current execution (SPEC 11), so even one that ends at once is heard. The workspace
+        // is prepared while the broker confirms it: neither waits for the other, and no stage
+        // starts before both are done.
         let started = publish(
             sink,
             run.job.run_id,
@@ -204,18 +202,11 @@ impl<R: ContainerRuntime> Engine<R> {
                 reason: "a worker started the run".into(),
             },
         );
-        // A fresh run's first implementer container is created during the clone as well.
-        let fresh = run.job.resume.is_none();
-        let (started, prepared) = tokio::join!(started, self.prepare(run, fresh));
+        let (started, prepared) = tokio::join!(started, self.checked_prepare(run, ledger));
         started?;
         let mut ahead = match prepared {
             Ok(ahead) => ahead,
-            Err(error) => {
-                return Ok(Some((
-                    RunState::Failed,
-                    format!("cannot prepare the workspace: {error}"),
-                )))
-            }
+            Err(ended) => return Ok(ended),
         };
         if let Some(ended) = self.delivered_earlier(run).await {
             return Ok(Some(ended));
@@ -346,6 +337,29 @@ impl<R: ContainerRuntime> Engine<R> {
                 Some(None)
             }
         }
+    }
+
+    /// The run's refusals and the final review ledger, then its workspace (with a fresh run's
+    /// first implementer container made during the clone). `Err` is how the run ends instead:
+    /// `Some` state, or `None` to hand it back.
+    async fn checked_prepare<L: ReviewLedger>(
+        &self,
+        run: &mut RunContext<'_>,
+        ledger: &L,
+    ) -> Result<Option<Ahead<R::Created>>, Option<(RunState, String)>> {
+        if let Some(ended) = self.earlier_final_review(run, ledger).await {
+            return Err(ended);
+        }
+        if let Some(reason) = self.refusal(run.job) {
+            return Err(Some((RunState::Failed, reason)));
+        }
+        let fresh = run.job.resume.is_none();
+        self.prepare(run, fresh).await.map_err(|error| {
+            Some((
+                RunState::Failed,
+                format!("cannot prepare the workspace: {error}"),
+            ))
+        })
     }
 
     /// The ending of a run an earlier execution already delivered: the remote branch holds a

@@ -512,9 +512,17 @@ pub async fn push(
         replaces.unwrap_or("")
     );
     let refspec = format!("{commit}:refs/heads/{branch}");
-    repo.git(&["push", "--quiet", "--no-verify", &lease, "--", url, &refspec])
-        .await
-        .map(|_| ())
+    repo.git(&[
+        "push",
+        "--quiet",
+        "--no-verify",
+        &lease,
+        "--",
+        url,
+        &refspec,
+    ])
+    .await
+    .map(|_| ())
 }
 
 /// The trailer that names the run a delivery commit belongs to.
@@ -540,8 +548,15 @@ pub async fn remote_delivery(
         return Ok(None);
     };
     let seen = "refs/forgepool/seen";
-    repo.git(&["fetch", "--quiet", "--no-tags", "--", url, &format!("+{reference}:{seen}")])
-        .await?;
+    repo.git(&[
+        "fetch",
+        "--quiet",
+        "--no-tags",
+        "--",
+        url,
+        &format!("+{reference}:{seen}"),
+    ])
+    .await?;
     let message = repo.git(&["log", "-1", "--format=%B", &commit]).await?;
     Ok(Some((commit, run_of(&message))))
 }

@@ -145,3 +145,24 @@ mod tests {
         assert_eq!(reason, "`git push` failed: https://x:[REDACTED]@host ab");
     }
 }
+
+/// A sink that stamps every event with the execution that publishes it (see
+/// [`proto::Event::execution`]).
+#[derive(Debug)]
+pub struct Stamped<'a, S> {
+    inner: &'a S,
+    execution: uuid::Uuid,
+}
+
+impl<'a, S: EventSink> Stamped<'a, S> {
+    /// Events into `inner`, stamped with `execution`.
+    pub fn new(inner: &'a S, execution: uuid::Uuid) -> Stamped<'a, S> {
+        Stamped { inner, execution }
+    }
+}
+
+impl<S: EventSink> EventSink for Stamped<'_, S> {
+    async fn publish(&self, event: Event) -> Result<(), PublishEvent> {
+        self.inner.publish(event.by(self.execution)).await
+    }
+}

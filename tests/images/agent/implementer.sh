@@ -1,6 +1,6 @@
 #!/bin/sh
 # Test implementer. Usage: implementer.sh MODE
-#   change      append to feature.txt; on review feedback add tests.txt, on failed checks add
+#   change      append to feature.txt and write a random nonce.txt; on review feedback add tests.txt, on failed checks add
 #               fixed.txt; keep the prompt and history it received
 #   fail        exit 3 after printing an error
 #   own-cycles  run its own review loop: write two cycle files, the last just before exiting
@@ -46,6 +46,8 @@ fi
 case "$mode" in
   change)
     echo "round $FORGE_ROUND" >> feature.txt
+    # Different at every execution: a second execution of a run makes a different commit.
+    cat /proc/sys/kernel/random/uuid > nonce.txt
     if grep -q '^## Reviewer Feedback' /forge/input/prompt.md; then
       echo "tests for the feature" > tests.txt
     fi

@@ -109,10 +109,78 @@ pub(crate) fn takes_state(current: Option<&str>, next: RunState) -> bool {
         .is_none_or(|current| current.accepts(next))
 }
 
+/// Whether a run whose stored state is `current` takes a result: only until it is finished
+/// (the engine publishes the result just before the terminal state).
+pub(crate) fn takes_result(current: Option<&str>) -> bool {
+    !current
+        .and_then(RunState::parse)
+        .is_some_and(RunState::is_terminal)
+}
+
+/// Where an event stands among the executions of its run.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Fence {
+    /// From the current execution, or from the dispatcher: it applies.
+    Current,
+    /// A new execution started the run (its `running` state): it becomes the current one, and
+    /// the event applies.
+    TakesOver(String),
+    /// From an execution a newer one superseded: it is kept as history and changes nothing.
+    Superseded,
+}
+
+/// The fencing rule of SPEC 11, both stores: an execution's `running` state makes it the
+/// run's current execution (unless the run is finished); any other event of an execution
+/// that is not the current one changes nothing.
+pub(crate) fn fence(event: &Event, state: Option<&str>, current: Option<&str>) -> Fence {
+    let Some(execution) = event.execution.map(|e| e.to_string()) else {
+        return Fence::Current;
+    };
+    let starts = matches!(
+        event.kind,
+        proto::EventKind::State {
+            state: RunState::Running,
+            ..
+        }
+    );
+    let finished = state
+        .and_then(RunState::parse)
+        .is_some_and(RunState::is_terminal);
+    match current {
+        Some(current) if current == execution => Fence::Current,
+        _ if starts && !finished => Fence::TakesOver(execution),
+        None => Fence::Current,
+        Some(_) => Fence::Superseded,
+    }
+}
+
+/// How long a submission key is remembered.
+pub const SUBMISSION_KEY_TTL: std::time::Duration = std::time::Duration::from_secs(24 * 3600);
+
+/// The oldest time (RFC 3339) a remembered submission key may have.
+pub(crate) fn key_cutoff() -> String {
+    proto::format_timestamp(std::time::SystemTime::now() - SUBMISSION_KEY_TTL)
+}
+
 /// Where runs and events are kept.
 pub trait RunStore: Send + Sync + 'static {
     /// Stores a newly frozen job in state `queued`.
-    fn insert_run(&self, job: &Job) -> impl Future<Output = Result<(), StoreError>> + Send;
+    fn insert_run(&self, job: &Job) -> impl Future<Output = Result<(), StoreError>> + Send {
+        async move { self.insert_run_once(job, None).await.map(|_| ()) }
+    }
+    /// Stores a newly frozen job in state `queued`, unless its submission `key` (an
+    /// `Idempotency-Key`, or a submission message's `message_id`) was seen in the last
+    /// [`SUBMISSION_KEY_TTL`]: then nothing is stored and the first run's id is returned.
+    fn insert_run_once(
+        &self,
+        job: &Job,
+        key: Option<&str>,
+    ) -> impl Future<Output = Result<Option<Uuid>, StoreError>> + Send;
+    /// The run a submission key names, when it was seen in the last [`SUBMISSION_KEY_TTL`].
+    fn run_of_key(
+        &self,
+        key: &str,
+    ) -> impl Future<Output = Result<Option<Uuid>, StoreError>> + Send;
     /// Stores an event and applies it to the run (state, cycles, result). Returns `false` when the
     /// event was already stored.
     fn record_event(&self, event: &Event) -> impl Future<Output = Result<bool, StoreError>> + Send;
@@ -121,6 +189,11 @@ pub trait RunStore: Send + Sync + 'static {
         &self,
         run_id: Uuid,
     ) -> impl Future<Output = Result<Option<RunRecord>, StoreError>> + Send;
+    /// Whether a user asked to cancel the run (a `cancel_requested` event is stored).
+    fn cancel_requested(
+        &self,
+        run_id: Uuid,
+    ) -> impl Future<Output = Result<bool, StoreError>> + Send;
     /// Notes that a run's job reached the jobs queue.
     fn mark_published(&self, run_id: Uuid) -> impl Future<Output = Result<(), StoreError>> + Send;
     /// Jobs accepted before `accepted_before` (RFC 3339) that were stored but never confirmed
@@ -217,14 +290,24 @@ macro_rules! delegate {
 }
 
 impl RunStore for Store {
-    async fn insert_run(&self, job: &Job) -> Result<(), StoreError> {
-        delegate!(self, s => s.insert_run(job).await)
+    async fn insert_run_once(
+        &self,
+        job: &Job,
+        key: Option<&str>,
+    ) -> Result<Option<Uuid>, StoreError> {
+        delegate!(self, s => s.insert_run_once(job, key).await)
+    }
+    async fn run_of_key(&self, key: &str) -> Result<Option<Uuid>, StoreError> {
+        delegate!(self, s => s.run_of_key(key).await)
     }
     async fn record_event(&self, event: &Event) -> Result<bool, StoreError> {
         delegate!(self, s => s.record_event(event).await)
     }
     async fn get_run(&self, run_id: Uuid) -> Result<Option<RunRecord>, StoreError> {
         delegate!(self, s => s.get_run(run_id).await)
+    }
+    async fn cancel_requested(&self, run_id: Uuid) -> Result<bool, StoreError> {
+        delegate!(self, s => s.cancel_requested(run_id).await)
     }
     async fn mark_published(&self, run_id: Uuid) -> Result<(), StoreError> {
         delegate!(self, s => s.mark_published(run_id).await)
@@ -263,5 +346,63 @@ fn accepted_reason(job: &Job) -> String {
         "accepted".to_string()
     } else {
         format!("accepted with {} warning(s)", job.warnings.len())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proto::EventKind;
+
+    /// Catches: events of a superseded execution that change the run, or a new execution that
+    /// cannot take over.
+    #[test]
+    fn a_newer_execution_fences_off_an_older_one() {
+        let run = Uuid::new_v4();
+        let (old, new) = (Uuid::new_v4(), Uuid::new_v4());
+        let running = |by: Uuid| {
+            Event::new(
+                run,
+                EventKind::State {
+                    state: RunState::Running,
+                    reason: String::new(),
+                },
+            )
+            .by(by)
+        };
+        let beat = |by: Uuid| Event::new(run, EventKind::Heartbeat { worker: "w".into() }).by(by);
+        let (old_id, new_id) = (old.to_string(), new.to_string());
+        // The first execution takes the run.
+        assert_eq!(
+            fence(&running(old), Some("queued"), None),
+            Fence::TakesOver(old_id.clone())
+        );
+        assert_eq!(
+            fence(&beat(old), Some("running"), Some(&old_id)),
+            Fence::Current
+        );
+        // A new one takes over; the old one's events change nothing from then on.
+        assert_eq!(
+            fence(&running(new), Some("running"), Some(&old_id)),
+            Fence::TakesOver(new_id.clone())
+        );
+        assert_eq!(
+            fence(&beat(old), Some("running"), Some(&new_id)),
+            Fence::Superseded
+        );
+        // A finished run takes no new execution; the dispatcher's own events always apply.
+        assert_eq!(
+            fence(&running(old), Some("delivered"), Some(&new_id)),
+            Fence::Superseded
+        );
+        let own = Event::new(
+            run,
+            EventKind::CancelRequested {
+                reason: String::new(),
+            },
+        );
+        assert_eq!(fence(&own, Some("running"), Some(&new_id)), Fence::Current);
+        // An execution's events before any running state (none normally) apply.
+        assert_eq!(fence(&beat(old), Some("queued"), None), Fence::Current);
     }
 }

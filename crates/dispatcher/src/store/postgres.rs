@@ -39,6 +39,7 @@ CREATE TABLE IF NOT EXISTS runs (
     created_at TEXT NOT NULL,
     updated_at TEXT NOT NULL
 );
+ALTER TABLE runs ADD COLUMN IF NOT EXISTS execution TEXT;
 CREATE INDEX IF NOT EXISTS runs_by_state ON runs(state);
 CREATE INDEX IF NOT EXISTS runs_by_ticket ON runs(ticket);
 CREATE TABLE IF NOT EXISTS events (
@@ -58,6 +59,12 @@ CREATE TABLE IF NOT EXISTS state_history (
     time TEXT NOT NULL
 );
 CREATE INDEX IF NOT EXISTS state_history_by_run ON state_history(run_id, id);
+CREATE TABLE IF NOT EXISTS submission_keys (
+    key TEXT PRIMARY KEY,
+    run_id TEXT NOT NULL,
+    created_at TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS submission_keys_by_age ON submission_keys(created_at);
 CREATE TABLE IF NOT EXISTS cycles (
     run_id TEXT NOT NULL REFERENCES runs(run_id),
     step TEXT NOT NULL,
@@ -163,13 +170,40 @@ impl PostgresStore {
 }
 
 impl RunStore for PostgresStore {
-    async fn insert_run(&self, job: &Job) -> Result<(), StoreError> {
+    async fn insert_run_once(
+        &self,
+        job: &Job,
+        key: Option<&str>,
+    ) -> Result<Option<Uuid>, StoreError> {
         let body = serde_json::to_string(job)?;
         let run_id = job.run_id.to_string();
         let reason = super::accepted_reason(job);
+        let cutoff = super::key_cutoff();
         self.bounded(async {
             let mut client = self.client().await?;
             let tx = client.transaction().await?;
+            if let Some(key) = key {
+                tx.execute(
+                    "DELETE FROM submission_keys WHERE created_at < $1",
+                    &[&cutoff],
+                )
+                .await?;
+                // A concurrent submission with the same key waits here for the first to commit.
+                let fresh = tx
+                    .execute(
+                        "INSERT INTO submission_keys (key, run_id, created_at) VALUES ($1, $2, $3)
+                         ON CONFLICT (key) DO NOTHING",
+                        &[&key, &run_id, &job.submitted_at],
+                    )
+                    .await?;
+                if fresh == 0 {
+                    let first: String = tx
+                        .query_one("SELECT run_id FROM submission_keys WHERE key = $1", &[&key])
+                        .await?
+                        .get(0);
+                    return Ok(Uuid::parse_str(&first).ok());
+                }
+            }
             let inserted = tx
                 .execute(
                     "INSERT INTO runs (run_id, ticket, state, job, created_at, updated_at)
@@ -185,7 +219,23 @@ impl RunStore for PostgresStore {
                 .await?;
             }
             tx.commit().await?;
-            Ok(())
+            Ok(None)
+        })
+        .await
+    }
+
+    async fn run_of_key(&self, key: &str) -> Result<Option<Uuid>, StoreError> {
+        let cutoff = super::key_cutoff();
+        self.bounded(async {
+            let row = self
+                .client()
+                .await?
+                .query_opt(
+                    "SELECT run_id FROM submission_keys WHERE key = $1 AND created_at >= $2",
+                    &[&key, &cutoff],
+                )
+                .await?;
+            Ok(row.and_then(|r| Uuid::parse_str(r.get::<_, &str>(0)).ok()))
         })
         .await
     }
@@ -208,13 +258,26 @@ impl RunStore for PostgresStore {
             if inserted == 0 {
                 return Ok(false);
             }
+            let row = tx
+                .query_opt("SELECT state, execution FROM runs WHERE run_id = $1 FOR UPDATE", &[&run_id])
+                .await?;
+            let current = row.as_ref().map(|row| row.get::<_, String>(0));
+            let execution = row.as_ref().and_then(|row| row.get::<_, Option<String>>(1));
+            match super::fence(event, current.as_deref(), execution.as_deref()) {
+                super::Fence::Superseded => {
+                    tx.commit().await?;
+                    return Ok(false);
+                }
+                super::Fence::TakesOver(execution) => {
+                    tx.execute("UPDATE runs SET execution = $2 WHERE run_id = $1", &[&run_id, &execution])
+                        .await?;
+                }
+                super::Fence::Current => {}
+            }
             match &event.kind {
-                EventKind::State { state, reason } => {
-                    let current = tx
-                        .query_opt("SELECT state FROM runs WHERE run_id = $1 FOR UPDATE", &[&run_id])
-                        .await?
-                        .map(|row| row.get::<_, String>(0));
-                    if super::takes_state(current.as_deref(), *state) {
+                EventKind::State { state, reason }
+                    if super::takes_state(current.as_deref(), *state) =>
+                {
                         tx.execute(
                             "UPDATE runs SET state = $2, updated_at = $3 WHERE run_id = $1",
                             &[&run_id, &state.as_str(), &event.time],
@@ -225,7 +288,6 @@ impl RunStore for PostgresStore {
                             &[&run_id, &state.as_str(), reason, &event.time],
                         )
                         .await?;
-                    }
                 }
                 EventKind::Cycle { cycle } => {
                     let cycle_number = i32::try_from(cycle.cycle).unwrap_or(i32::MAX);
@@ -237,11 +299,18 @@ impl RunStore for PostgresStore {
                     .await?;
                 }
                 EventKind::Result { result } => {
-                    tx.execute(
-                        "UPDATE runs SET result = $2, updated_at = $3 WHERE run_id = $1",
-                        &[&run_id, &serde_json::to_string(result)?, &event.time],
-                    )
-                    .await?;
+                    // A finished run's result is final: a late execution's result is history.
+                    let current = tx
+                        .query_opt("SELECT state FROM runs WHERE run_id = $1 FOR UPDATE", &[&run_id])
+                        .await?
+                        .map(|row| row.get::<_, String>(0));
+                    if super::takes_result(current.as_deref()) {
+                        tx.execute(
+                            "UPDATE runs SET result = $2, updated_at = $3 WHERE run_id = $1",
+                            &[&run_id, &serde_json::to_string(result)?, &event.time],
+                        )
+                        .await?;
+                    }
                 }
                 _ => {}
             }
@@ -292,6 +361,21 @@ impl RunStore for PostgresStore {
                 cycles,
             };
             row.into_record().map(Some)
+        })
+        .await
+    }
+
+    async fn cancel_requested(&self, run_id: Uuid) -> Result<bool, StoreError> {
+        self.bounded(async {
+            let row = self
+                .client()
+                .await?
+                .query_opt(
+                    "SELECT 1 FROM events WHERE run_id = $1 AND kind = 'cancel_requested' LIMIT 1",
+                    &[&run_id.to_string()],
+                )
+                .await?;
+            Ok(row.is_some())
         })
         .await
     }

@@ -26,6 +26,15 @@ impl SqliteStore {
             connection.pragma_update(None, "synchronous", "NORMAL")?;
             connection.pragma_update(None, "foreign_keys", "ON")?;
             connection.execute_batch(SCHEMA)?;
+            // Stores made before executions were fenced gain the column.
+            let fenced: i64 = connection.query_row(
+                "SELECT COUNT(*) FROM pragma_table_info('runs') WHERE name = 'execution'",
+                [],
+                |r| r.get(0),
+            )?;
+            if fenced == 0 {
+                connection.execute_batch("ALTER TABLE runs ADD COLUMN execution TEXT")?;
+            }
             Ok(connection)
         };
         let connection = open().map_err(|source| StoreError::Open {
@@ -62,7 +71,8 @@ CREATE TABLE IF NOT EXISTS runs (
     result TEXT,
     published INTEGER NOT NULL DEFAULT 0,
     created_at TEXT NOT NULL,
-    updated_at TEXT NOT NULL
+    updated_at TEXT NOT NULL,
+    execution TEXT
 );
 CREATE INDEX IF NOT EXISTS runs_by_state ON runs(state);
 CREATE TABLE IF NOT EXISTS events (
@@ -81,6 +91,12 @@ CREATE TABLE IF NOT EXISTS state_history (
     reason TEXT NOT NULL,
     time TEXT NOT NULL
 );
+CREATE TABLE IF NOT EXISTS submission_keys (
+    key TEXT PRIMARY KEY,
+    run_id TEXT NOT NULL,
+    created_at TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS submission_keys_by_age ON submission_keys(created_at);
 CREATE TABLE IF NOT EXISTS cycles (
     run_id TEXT NOT NULL REFERENCES runs(run_id),
     step TEXT NOT NULL,
@@ -92,7 +108,11 @@ CREATE TABLE IF NOT EXISTS cycles (
 ";
 
 impl RunStore for SqliteStore {
-    async fn insert_run(&self, job: &Job) -> Result<(), StoreError> {
+    async fn insert_run_once(
+        &self,
+        job: &Job,
+        key: Option<&str>,
+    ) -> Result<Option<Uuid>, StoreError> {
         let body = serde_json::to_string(job)?;
         let (run_id, ticket, time) = (
             job.run_id.to_string(),
@@ -100,8 +120,28 @@ impl RunStore for SqliteStore {
             job.submitted_at.clone(),
         );
         let reason = super::accepted_reason(job);
+        let key = key.map(str::to_string);
+        let cutoff = super::key_cutoff();
         self.with(move |c| {
             let tx = c.transaction()?;
+            if let Some(key) = &key {
+                tx.execute(
+                    "DELETE FROM submission_keys WHERE created_at < ?1",
+                    params![cutoff],
+                )?;
+                let fresh = tx.execute(
+                    "INSERT OR IGNORE INTO submission_keys (key, run_id, created_at) VALUES (?1, ?2, ?3)",
+                    params![key, run_id, time],
+                )?;
+                if fresh == 0 {
+                    let first: String = tx.query_row(
+                        "SELECT run_id FROM submission_keys WHERE key = ?1",
+                        params![key],
+                        |r| r.get(0),
+                    )?;
+                    return Ok(Uuid::parse_str(&first).ok());
+                }
+            }
             let inserted = tx.execute(
                 "INSERT OR IGNORE INTO runs (run_id, ticket, state, job, created_at, updated_at) VALUES (?1, ?2, 'queued', ?3, ?4, ?4)",
                 params![run_id, ticket, body, time],
@@ -113,7 +153,22 @@ impl RunStore for SqliteStore {
                 )?;
             }
             tx.commit()?;
-            Ok(())
+            Ok(None)
+        })
+        .await
+    }
+
+    async fn run_of_key(&self, key: &str) -> Result<Option<Uuid>, StoreError> {
+        let (key, cutoff) = (key.to_string(), super::key_cutoff());
+        self.with(move |c| {
+            let found: Option<String> = c
+                .query_row(
+                    "SELECT run_id FROM submission_keys WHERE key = ?1 AND created_at >= ?2",
+                    params![key, cutoff],
+                    |r| r.get(0),
+                )
+                .optional()?;
+            Ok(found.and_then(|id| Uuid::parse_str(&id).ok()))
         })
         .await
     }
@@ -130,11 +185,24 @@ impl RunStore for SqliteStore {
             if inserted == 0 {
                 return Ok(false);
             }
+            let (current, execution): (Option<String>, Option<String>) = tx
+                .query_row("SELECT state, execution FROM runs WHERE run_id = ?1", params![run_id], |r| Ok((r.get(0)?, r.get(1)?)))
+                .optional()?
+                .unwrap_or((None, None));
+            match super::fence(&event, current.as_deref(), execution.as_deref()) {
+                super::Fence::Superseded => {
+                    tx.commit()?;
+                    return Ok(false);
+                }
+                super::Fence::TakesOver(execution) => {
+                    tx.execute("UPDATE runs SET execution = ?2 WHERE run_id = ?1", params![run_id, execution])?;
+                }
+                super::Fence::Current => {}
+            }
             match &event.kind {
-                EventKind::State { state, reason } => {
-                    let current: Option<String> =
-                        tx.query_row("SELECT state FROM runs WHERE run_id = ?1", params![run_id], |r| r.get(0)).optional()?;
-                    if super::takes_state(current.as_deref(), *state) {
+                EventKind::State { state, reason }
+                    if super::takes_state(current.as_deref(), *state) =>
+                {
                         tx.execute(
                             "UPDATE runs SET state = ?2, updated_at = ?3 WHERE run_id = ?1",
                             params![run_id, state.as_str(), event.time],
@@ -143,7 +211,6 @@ impl RunStore for SqliteStore {
                             "INSERT INTO state_history (run_id, state, reason, time) VALUES (?1, ?2, ?3, ?4)",
                             params![run_id, state.as_str(), reason, event.time],
                         )?;
-                    }
                 }
                 EventKind::Cycle { cycle } => {
                     tx.execute(
@@ -153,10 +220,15 @@ impl RunStore for SqliteStore {
                     )?;
                 }
                 EventKind::Result { result } => {
-                    tx.execute(
-                        "UPDATE runs SET result = ?2, updated_at = ?3 WHERE run_id = ?1",
-                        params![run_id, serde_json::to_string(result)?, event.time],
-                    )?;
+                    // A finished run's result is final: a late execution's result is history.
+                    let current: Option<String> =
+                        tx.query_row("SELECT state FROM runs WHERE run_id = ?1", params![run_id], |r| r.get(0)).optional()?;
+                    if super::takes_result(current.as_deref()) {
+                        tx.execute(
+                            "UPDATE runs SET result = ?2, updated_at = ?3 WHERE run_id = ?1",
+                            params![run_id, serde_json::to_string(result)?, event.time],
+                        )?;
+                    }
                 }
                 _ => {}
             }
@@ -198,6 +270,20 @@ impl RunStore for SqliteStore {
                 cycles,
             };
             row.into_record().map(Some)
+        })
+        .await
+    }
+
+    async fn cancel_requested(&self, run_id: Uuid) -> Result<bool, StoreError> {
+        self.with(move |c| {
+            let found: Option<i64> = c
+                .query_row(
+                    "SELECT 1 FROM events WHERE run_id = ?1 AND kind = 'cancel_requested' LIMIT 1",
+                    params![run_id.to_string()],
+                    |r| r.get(0),
+                )
+                .optional()?;
+            Ok(found.is_some())
         })
         .await
     }

@@ -52,13 +52,13 @@ impl Bench {
         git(&seed, &["add", "."]);
         git(&seed, &["commit", "-q", "-m", "seed"]);
         git(dir.path(), &["clone", "-q", "--bare", "seed", "origin.git"]);
-        // A server-side hook logs every ref update, so a second push is counted even when it
-        // rewrites the branch with the same commit.
-        let hook = dir.path().join("origin.git/hooks/update");
+        // A server-side hook logs every ref update the origin made, so a second push is
+        // counted even when it rewrites the branch.
+        let hook = dir.path().join("origin.git/hooks/post-receive");
         let log = dir.path().join("pushes.log");
         std::fs::write(
             &hook,
-            format!("#!/bin/sh\necho \"$1 $2 $3\" >> '{}'\n", log.display()),
+            format!("#!/bin/sh\nwhile read old new reference; do echo \"$reference $old $new\" >> '{}'; done\n", log.display()),
         )
         .unwrap();
         std::process::Command::new("chmod")
@@ -613,7 +613,11 @@ async fn a_second_execution_of_a_delivered_run_runs_nothing_and_pushes_nothing()
     second.assert_state(RunState::Delivered);
     second.assert_reason(&["an earlier execution of this run delivered"]);
     assert_eq!(second.result.commit, first.result.commit);
-    assert!(second.runtime.stages().is_empty(), "{:?}", second.runtime.stages());
+    assert!(
+        second.runtime.stages().is_empty(),
+        "{:?}",
+        second.runtime.stages()
+    );
     assert_eq!(bench.pushes().len(), 1, "{:?}", bench.pushes());
 }
 
@@ -647,10 +651,16 @@ async fn a_newer_run_of_the_ticket_replaces_the_branch_of_a_finished_one() {
     let runtime = || FakeRuntime::default().with(Stage::Implement, [nonce()]);
     let older = bench.job(None, &[], 0);
     let newer = bench.job(None, &[], 0);
-    bench.run(runtime(), &older).await.assert_state(RunState::Delivered);
+    bench
+        .run(runtime(), &older)
+        .await
+        .assert_state(RunState::Delivered);
     let outcome = bench.run(runtime(), &newer).await;
     outcome.assert_state(RunState::Delivered);
     assert_eq!(bench.pushes().len(), 2, "{:?}", bench.pushes());
     let message = git(&bench.origin(), &["log", "-1", "--format=%B", BRANCH]);
-    assert!(message.contains(&format!("Forgepool-Run: {}", newer.run_id)), "{message}");
+    assert!(
+        message.contains(&format!("Forgepool-Run: {}", newer.run_id)),
+        "{message}"
+    );
 }
