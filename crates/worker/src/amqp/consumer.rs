@@ -16,7 +16,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{info, info_span, warn, Instrument};
 
-use super::lease::{InFlight, Leases, SWEEP_INTERVAL};
+use super::lease::{Claim, InFlight, Leases, SWEEP_INTERVAL};
 use super::ledger::AmqpLedger;
 use super::sink::{AmqpSink, ObservedSink};
 use crate::config::WorkerConfig;
@@ -219,7 +219,7 @@ impl<R: ContainerRuntime> Jobs<R> {
         }
         // Claim the run in this process first: the lease is exclusive per connection, so it
         // cannot tell two deliveries to this same worker apart.
-        let Some(cancel) = self.in_flight.claim(run_id).await else {
+        let Some(claim) = self.in_flight.claim(run_id, &self.interrupt).await else {
             // This worker runs it already (the broker redelivered it after a lost connection).
             return (self.park(delivery).await, false);
         };
@@ -237,7 +237,7 @@ impl<R: ContainerRuntime> Jobs<R> {
                 return (Disposition::Requeue, false);
             }
         }
-        (self.execute(job, cancel).await, true)
+        (self.execute(job, claim).await, true)
     }
 
     /// Puts a job whose run is held elsewhere into the wait queue, signature and all.
@@ -260,12 +260,13 @@ impl<R: ContainerRuntime> Jobs<R> {
 
     /// Executes a leased run with heartbeats beside it; a finished run is marked done before
     /// its job is acknowledged.
-    async fn execute(&self, job: &Job, cancel: CancellationToken) -> Disposition {
+    async fn execute(&self, job: &Job, claim: Claim) -> Disposition {
         let sink = ObservedSink::new(&self.sink, &self.metrics, job);
         self.metrics.runs_in_progress().inc();
-        let execution =
-            self.engine
-                .execute(job, &sink, &self.ledger, cancel, self.interrupt.clone());
+        // A lost claim, like a drain, stops the run without its final events.
+        let execution = self
+            .engine
+            .execute(job, &sink, &self.ledger, claim.cancel, claim.lost);
         // Heartbeats go out beside the run, never in its way.
         let heartbeats =
             self.sink

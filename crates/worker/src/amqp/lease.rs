@@ -26,20 +26,34 @@ use uuid::Uuid;
 
 use crate::runtime::ContainerRuntime;
 
-/// The runs this worker executes, each with the token that cancels it.
+/// A run this worker executes: the token a user's cancel fires, and the one fired when the
+/// worker loses its claim on the run (the run stops and publishes nothing more).
+#[derive(Debug, Clone)]
+pub struct Claim {
+    /// Fired by a cancel request.
+    pub cancel: CancellationToken,
+    /// Fired when the claim is lost; a child of the worker's interrupt.
+    pub lost: CancellationToken,
+}
+
+/// The runs this worker executes.
 #[derive(Debug, Default)]
-pub struct InFlight(Mutex<HashMap<Uuid, CancellationToken>>);
+pub struct InFlight(Mutex<HashMap<Uuid, Claim>>);
 
 impl InFlight {
-    /// Claims `run_id` in this process: its cancel token, or `None` when this process runs it
-    /// already (the lease is exclusive per connection, so it cannot tell two deliveries to this
-    /// same worker apart).
-    pub async fn claim(&self, run_id: Uuid) -> Option<CancellationToken> {
+    /// Claims `run_id` in this process, under the worker's `interrupt`: its tokens, or `None`
+    /// when this process runs it already (the lease is exclusive per connection, so it cannot
+    /// tell two deliveries to this same worker apart).
+    pub async fn claim(&self, run_id: Uuid, interrupt: &CancellationToken) -> Option<Claim> {
         let mut runs = self.0.lock().await;
         match runs.entry(run_id) {
             std::collections::hash_map::Entry::Occupied(_) => None,
             std::collections::hash_map::Entry::Vacant(slot) => {
-                Some(slot.insert(CancellationToken::new()).clone())
+                let claim = Claim {
+                    cancel: CancellationToken::new(),
+                    lost: interrupt.child_token(),
+                };
+                Some(slot.insert(claim).clone())
             }
         }
     }
@@ -57,11 +71,28 @@ impl InFlight {
     /// Cancels `run_id` if this process runs it; returns whether it did.
     pub async fn cancel(&self, run_id: Uuid) -> bool {
         match self.0.lock().await.get(&run_id) {
-            Some(token) => {
-                token.cancel();
+            Some(claim) => {
+                claim.cancel.cancel();
                 true
             }
             None => false,
+        }
+    }
+
+    /// Gives up `run_id` (another worker holds it now): its containers stop at once and it
+    /// publishes nothing more.
+    pub async fn abandon(&self, run_id: Uuid) {
+        if let Some(claim) = self.0.lock().await.get(&run_id) {
+            warn!(%run_id, "the claim on the run is lost; stopping it");
+            claim.lost.cancel();
+        }
+    }
+
+    /// Gives up every run (the broker has been out of reach too long to hold any claim).
+    pub async fn abandon_all(&self) {
+        for (run_id, claim) in self.0.lock().await.iter() {
+            warn!(%run_id, "the claim on the run is lost; stopping it");
+            claim.lost.cancel();
         }
     }
 
@@ -295,8 +326,15 @@ impl Leases {
                 }
                 Err(error) => Err(error),
             };
-            if let Err(error) = taken {
-                warn!(%run_id, %error, "cannot take the lease of a run in flight again");
+            match taken {
+                Ok(()) => {}
+                // Another worker holds the lease now: this execution is superseded.
+                Err(lapin::Error::ProtocolError(error)) if error.get_id() == 405 => {
+                    self.in_flight.abandon(run_id).await;
+                }
+                Err(error) => {
+                    warn!(%run_id, %error, "cannot take the lease of a run in flight again");
+                }
             }
         }
     }
@@ -308,6 +346,13 @@ impl Leases {
 pub const SWEEP_INTERVAL: Duration = Duration::from_secs(5);
 const PRESENCE_GRACE: Duration = Duration::from_secs(30);
 
+/// How long a worker keeps running its runs while it cannot reach the broker to hold their
+/// leases. Another worker can take a run only after the broker drops this worker's
+/// connection (a missed heartbeat, 60 s by default) plus `REDELIVERY_GRACE` (10 s); a
+/// partition is noticed within one sweep and one bounded broker call (about 35 s), so runs
+/// stop before anyone else starts them. A broker restart shorter than this costs nothing.
+pub const CLAIM_GRACE: Duration = Duration::from_secs(30);
+
 /// Every sweep: keeps this worker's presence declared (after a broker restart too), removes
 /// its overdue containers, and removes the containers of instances of the same cluster whose
 /// presence has been missing for [`PRESENCE_GRACE`] while this worker's own was steady.
@@ -315,6 +360,7 @@ pub async fn sweep<R: ContainerRuntime>(leases: &Leases, runtime: &R, shutdown: 
     let mut missing_since: HashMap<String, Instant> = HashMap::new();
     let mut steady_since = Instant::now();
     let mut generation = leases.generation();
+    let mut held_at = Instant::now();
     loop {
         tokio::select! {
             () = tokio::time::sleep(SWEEP_INTERVAL) => {},
@@ -325,8 +371,12 @@ pub async fn sweep<R: ContainerRuntime>(leases: &Leases, runtime: &R, shutdown: 
         if let Err(error) = leases.refresh().await {
             debug!(%error, "cannot declare presence; no sweep this time");
             missing_since.clear();
+            if claim_lost(held_at, Instant::now()) {
+                leases.in_flight.abandon_all().await;
+            }
             continue;
         }
+        held_at = Instant::now();
         if leases.generation() != generation {
             generation = leases.generation();
             // Everyone else may be reconnecting too: start counting again.
@@ -357,5 +407,53 @@ pub async fn sweep<R: ContainerRuntime>(leases: &Leases, runtime: &R, shutdown: 
                 Err(_) => {}
             }
         }
+    }
+}
+
+/// Whether the claims on this worker's runs are lost: the lease connection was last known to
+/// hold them at `held_at`, longer than [`CLAIM_GRACE`] before `now`.
+pub fn claim_lost(held_at: Instant, now: Instant) -> bool {
+    now.saturating_duration_since(held_at) > CLAIM_GRACE
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Catches: a worker cut off from the broker that keeps running (and later publishing)
+    /// runs another worker may have taken, or one that gives them up at the first hiccup.
+    #[test]
+    fn claims_are_lost_after_the_grace_and_not_before() {
+        let held = Instant::now();
+        assert!(!claim_lost(held, held + Duration::from_secs(10)));
+        assert!(!claim_lost(held, held + CLAIM_GRACE));
+        assert!(claim_lost(
+            held,
+            held + CLAIM_GRACE + Duration::from_secs(1)
+        ));
+    }
+
+    /// Catches: a lost claim that does not stop the run, or that stops a run of another
+    /// worker process.
+    #[tokio::test]
+    async fn abandoning_a_run_fires_its_lost_token_only() {
+        let in_flight = InFlight::default();
+        let interrupt = CancellationToken::new();
+        let (one, two) = (Uuid::new_v4(), Uuid::new_v4());
+        let first = in_flight.claim(one, &interrupt).await.expect("claimed");
+        let second = in_flight.claim(two, &interrupt).await.expect("claimed");
+        assert!(
+            in_flight.claim(one, &interrupt).await.is_none(),
+            "claimed once"
+        );
+        in_flight.abandon(one).await;
+        assert!(first.lost.is_cancelled() && !first.cancel.is_cancelled());
+        assert!(!second.lost.is_cancelled());
+        in_flight.abandon_all().await;
+        assert!(second.lost.is_cancelled());
+        // The worker's interrupt (a drain) reaches every claim.
+        let third = in_flight.claim(Uuid::new_v4(), &interrupt).await.unwrap();
+        interrupt.cancel();
+        assert!(third.lost.is_cancelled());
     }
 }

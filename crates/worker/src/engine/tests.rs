@@ -664,3 +664,42 @@ async fn a_newer_run_of_the_ticket_replaces_the_branch_of_a_finished_one() {
         "{message}"
     );
 }
+
+/// Catches: a run whose worker lost its claim (or is draining) that goes on, or publishes an
+/// ending another execution would contradict.
+#[tokio::test(start_paused = true)]
+async fn a_lost_claim_stops_the_stage_and_publishes_no_ending() {
+    let bench = Bench::new();
+    let job = bench.job(None, &[], 0);
+    let runtime = std::sync::Arc::new(FakeRuntime::default().with(Stage::Implement, [Act::Hang]));
+    let mut config = EngineConfig::for_process(bench.dir.path().join("runs"));
+    config.can_chown = false;
+    let engine = Engine::new(std::sync::Arc::clone(&runtime), config);
+    let (events, lost) = (Events::default(), CancellationToken::new());
+    let losing = {
+        let lost = lost.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(std::time::Duration::from_secs(60)).await;
+            lost.cancel();
+        })
+    };
+    let ledger = MemoryLedger::default();
+    let ended = engine
+        .execute(&job, &events, &ledger, CancellationToken::new(), lost)
+        .await
+        .expect("events are published");
+    losing.await.unwrap();
+    assert!(ended.is_none(), "the job is handed back, not ended");
+    let events = events.0.into_inner().unwrap();
+    let endings: Vec<_> = events
+        .iter()
+        .filter(|e| match &e.kind {
+            EventKind::Result { .. } => true,
+            EventKind::State { state, .. } => *state != RunState::Running,
+            _ => false,
+        })
+        .collect();
+    assert!(endings.is_empty(), "{endings:?}");
+    assert_eq!(runtime.stages(), ["implement"]);
+    assert!(bench.delivered("feature.txt").is_none());
+}
