@@ -75,7 +75,19 @@ impl Failure {
 
 impl IntoResponse for Failure {
     fn into_response(self) -> Response {
-        (self.0, Json(ApiError { error: self.1 })).into_response()
+        let unread = matches!(
+            self.0,
+            StatusCode::PAYLOAD_TOO_LARGE | StatusCode::REQUEST_TIMEOUT
+        );
+        let mut response = (self.0, Json(ApiError { error: self.1 })).into_response();
+        if unread {
+            // The body was not read to its end: the connection cannot carry another request,
+            // and the client must not try.
+            response
+                .headers_mut()
+                .insert(header::CONNECTION, header::HeaderValue::from_static("close"));
+        }
+        response
     }
 }
 
