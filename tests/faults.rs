@@ -143,6 +143,63 @@ async fn sigterm_drains_a_worker_and_hands_its_run_back() {
     cluster.delete_queues().await;
 }
 
+/// Catches: hand-overs that count toward the poison limit (the broker would dead-letter the job
+/// after five and fail the run), or that repeat completed stages.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_survives_ten_hand_overs_and_is_delivered_once() {
+    // Round 1 is implemented and reviewed (rejected) quickly; round 2 sleeps, and each worker
+    // is drained while it sleeps.
+    let fixture = Fixture::new(Some(REVIEW), &["sleep-from", "2", "30"], &["rules"]);
+    let agents = std::fs::read_to_string(&fixture.agents).unwrap().replacen(
+        "env = [\"AGENT_SECRET\"]",
+        "env = [\"AGENT_SECRET\", \"SLEEP_DONE\"]",
+        1,
+    );
+    std::fs::write(&fixture.agents, agents).unwrap();
+    let mut cluster = Cluster::start(fixture, 0, 1, None).await;
+    let id = cluster.submit("HAND-1").await;
+    for n in 0..10 {
+        let worker = cluster.start_worker(&format!("w{n}"), 1);
+        let started = std::time::Instant::now();
+        // Wait for round 2's implementer of this execution.
+        loop {
+            let stream = cluster
+                .event_stream_until(&id, Duration::from_millis(500))
+                .await;
+            let sleeping = stream.matches("\"type\":\"stage_started\"").count();
+            if sleeping > n + 2 {
+                break;
+            }
+            assert!(
+                started.elapsed() < Duration::from_secs(60),
+                "execution {n} did not start round 2\n{}",
+                cluster.logs()
+            );
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        let code = cluster.workers[worker].terminate(Duration::from_secs(60));
+        assert_eq!(code, Some(0), "drain {n}\n{}", cluster.logs());
+    }
+    // The last worker lets round 2 finish.
+    cluster.start_worker_with("last", 1, &[("SLEEP_DONE", "yes")]);
+    let views = cluster
+        .wait_terminal(std::slice::from_ref(&id), Duration::from_secs(120))
+        .await;
+    assert_eq!(views[0]["state"], "delivered", "{}", cluster.logs());
+    assert_eq!(cluster.pushes("forge/hand-1"), 1, "delivered once");
+    assert_eq!(views[0]["implementation_rounds"], 2, "no round repeated");
+    let stream = cluster.event_stream(&id).await;
+    let completed_round_one = stream
+        .lines()
+        .filter(|l| l.contains("\"type\":\"stage_finished\"") && l.contains("\"round\":1,"))
+        .count();
+    assert_eq!(
+        completed_round_one, 2,
+        "round 1's implementer and review ran once each"
+    );
+    cluster.delete_queues().await;
+}
+
 /// Runs `f` when dropped, so a failed assertion still restores the broker's setting.
 fn scopeguard<F: FnOnce()>(f: F) -> impl Drop {
     struct Guard<F: FnOnce()>(Option<F>);

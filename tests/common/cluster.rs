@@ -388,6 +388,20 @@ impl Cluster {
             .unwrap()
     }
 
+    /// What a run's event stream sends within `limit` (a live run's stream does not end).
+    pub async fn event_stream_until(&self, run_id: &str, limit: Duration) -> String {
+        let deadline = tokio::time::Instant::now() + limit;
+        let request = self.request(reqwest::Method::GET, &format!("/v1/runs/{run_id}/events"));
+        let Ok(Ok(mut response)) = tokio::time::timeout_at(deadline, request.send()).await else {
+            return String::new();
+        };
+        let mut text = Vec::new();
+        while let Ok(Ok(Some(chunk))) = tokio::time::timeout_at(deadline, response.chunk()).await {
+            text.extend_from_slice(&chunk);
+        }
+        String::from_utf8_lossy(&text).to_string()
+    }
+
     /// Keeps what explains a stuck run, outside the fixture (which is deleted): every service
     /// log in full, the run views, and each live service's thread backtraces (with gdb).
     /// Returns the folder, `target/tmp/evidence/{prefix}`, and a short summary of the threads:

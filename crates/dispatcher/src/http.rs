@@ -83,9 +83,10 @@ impl IntoResponse for Failure {
         if unread {
             // The body was not read to its end: the connection cannot carry another request,
             // and the client must not try.
-            response
-                .headers_mut()
-                .insert(header::CONNECTION, header::HeaderValue::from_static("close"));
+            response.headers_mut().insert(
+                header::CONNECTION,
+                header::HeaderValue::from_static("close"),
+            );
         }
         response
     }

@@ -193,6 +193,19 @@ pub struct Finding {
     pub evidence: String,
 }
 
+/// A running run's progress, kept on the broker after each completed stage: the checkpoint a
+/// later execution of the run (after a hand-over or a lost worker) continues from.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Progress {
+    /// Always [`crate::SCHEMA_VERSION`] when written; readers refuse other versions.
+    pub schema_version: u32,
+    /// The run.
+    pub run_id: uuid::Uuid,
+    /// Where it stands: the phase to run next, and the source so far.
+    pub checkpoint: Checkpoint,
+}
+
 /// The receipt of a final review: the validated report, kept with the tree it reviewed, in the
 /// final review ledger on the broker.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -22,7 +22,7 @@ pub use api::{
 };
 pub use checkpoint::{
     Checkpoint, FailureSignature, FinalReport, Finding, Limits, LoopState, MachineState, Phase,
-    ReviewReceipt, RoundReason,
+    Progress, ReviewReceipt, RoundReason,
 };
 pub use event::{
     latest_checkpoint, resumed_event, CheckResult, CycleOrigin, CycleRecord, Event, EventKind,

@@ -164,6 +164,10 @@ impl<R: ContainerRuntime> Engine<R> {
                 info!("run interrupted; handing it back");
                 return Ok(None);
             };
+            // The run ended or paused (with a checkpoint of its own): its progress is done with.
+            if let Err(error) = ledger.clear_progress(&job.run_id.to_string()).await {
+                warn!(%error, "cannot forget the run's progress");
+            }
             let result = run.result(state, &reason);
             publish(
                 sink,
@@ -213,19 +217,9 @@ impl<R: ContainerRuntime> Engine<R> {
         }
         let cancel_user = cancel;
         let cancel = stop;
-        let mut machine = match run.job.resume.clone() {
-            None => RunMachine::new(run.limits()),
-            Some(checkpoint) => match run.restore(&checkpoint).await {
-                Ok(restored) => {
-                    info!(sequence = checkpoint.sequence, "resuming from a checkpoint");
-                    restored
-                }
-                Err(error) => {
-                    let sequence = checkpoint.sequence;
-                    let reason = format!("cannot resume from checkpoint {sequence}: {error}");
-                    return Ok(Some((RunState::Failed, reason)));
-                }
-            },
+        let mut machine = match self.start_from(run, ledger).await {
+            Ok(machine) => machine,
+            Err(reason) => return Ok(Some((RunState::Failed, reason))),
         };
         loop {
             if let Some((state, reason)) = machine.finished() {
@@ -255,6 +249,7 @@ impl<R: ContainerRuntime> Engine<R> {
             };
             run.review_exhausted = machine.review_exhausted;
             run.implementation_rounds = machine.implementation_rounds;
+            self.keep_progress(run, ledger, &machine).await;
         }
     }
 
@@ -270,6 +265,9 @@ impl<R: ContainerRuntime> Engine<R> {
     ) -> Result<Input, PublishEvent> {
         match machine.phase.clone() {
             Phase::Implement { round, reason } => {
+                // The container made ahead is round 1's: a run continuing from saved progress
+                // starts elsewhere, and it is dropped (and removed).
+                let ahead = ahead.filter(|_| round == 1 && reason == RoundReason::Initial);
                 let cycles_used = machine.cycles_used;
                 self.implement(run, sink, cancel, round, &reason, cycles_used, ahead)
                     .await
@@ -336,6 +334,66 @@ impl<R: ContainerRuntime> Engine<R> {
                 tokio::time::sleep(Duration::from_secs(5)).await;
                 Some(None)
             }
+        }
+    }
+
+    /// Where the run starts: the checkpoint of a resume, else the progress an earlier
+    /// execution kept (after a hand-over or a lost worker: completed stages are not run
+    /// again, and the budget counts across executions), else round 1. `Err` is why it
+    /// cannot.
+    async fn start_from<L: ReviewLedger>(
+        &self,
+        run: &mut RunContext<'_>,
+        ledger: &L,
+    ) -> Result<RunMachine, String> {
+        let (checkpoint, what) = match run.job.resume.clone() {
+            Some(checkpoint) => (checkpoint, "checkpoint"),
+            None => match ledger.progress(&run.job.run_id.to_string()).await {
+                Ok(Some(progress)) => (progress, "progress"),
+                Ok(None) => return Ok(RunMachine::new(run.limits())),
+                Err(error) => {
+                    warn!(%error, "cannot read the run's progress; starting from round 1");
+                    return Ok(RunMachine::new(run.limits()));
+                }
+            },
+        };
+        match run.restore(&checkpoint).await {
+            Ok(machine) => {
+                info!(
+                    sequence = checkpoint.sequence,
+                    what,
+                    phase = machine.phase.name(),
+                    "continuing from saved progress"
+                );
+                Ok(machine)
+            }
+            Err(error) => Err(format!(
+                "cannot resume from {what} {}: {error}",
+                checkpoint.sequence
+            )),
+        }
+    }
+
+    /// After a completed stage, keeps where the run stands, so that a later execution
+    /// continues from here. A failure only costs that execution the stages since the last.
+    async fn keep_progress<L: ReviewLedger>(
+        &self,
+        run: &RunContext<'_>,
+        ledger: &L,
+        machine: &RunMachine,
+    ) {
+        if machine.finished().is_some() || matches!(machine.phase, Phase::Paused { .. }) {
+            return;
+        }
+        let kept = match run.checkpoint(machine, machine.phase.clone()).await {
+            Ok(checkpoint) => ledger
+                .keep_progress(&run.job.run_id.to_string(), &checkpoint)
+                .await
+                .map_err(|e| e.to_string()),
+            Err(error) => Err(error),
+        };
+        if let Err(error) = kept {
+            warn!(%error, "cannot keep the run's progress");
         }
     }
 

@@ -14,6 +14,8 @@ use std::collections::HashMap;
 use std::future::Future;
 use std::sync::Mutex;
 
+use proto::Checkpoint;
+
 /// A failed ledger operation.
 #[derive(Debug, thiserror::Error)]
 #[error("final review ledger: {0}")]
@@ -66,12 +68,26 @@ pub trait ReviewLedger: Send + Sync {
     ) -> impl Future<Output = Result<(), LedgerError>> + Send;
     /// Clears the intent: the review ended with a known outcome and no report to keep.
     fn clear(&self, run_id: &str) -> impl Future<Output = Result<(), LedgerError>> + Send;
+    /// The progress an earlier execution of the run kept, if any.
+    fn progress(
+        &self,
+        run_id: &str,
+    ) -> impl Future<Output = Result<Option<Checkpoint>, LedgerError>> + Send;
+    /// Keeps `checkpoint` as the run's progress, replacing the one before.
+    fn keep_progress(
+        &self,
+        run_id: &str,
+        checkpoint: &Checkpoint,
+    ) -> impl Future<Output = Result<(), LedgerError>> + Send;
+    /// Forgets the run's progress: it ended, or paused with a checkpoint of its own.
+    fn clear_progress(&self, run_id: &str) -> impl Future<Output = Result<(), LedgerError>> + Send;
 }
 
 /// An in-process ledger.
 #[derive(Debug, Default)]
 pub struct MemoryLedger {
     entries: Mutex<HashMap<String, Entry>>,
+    progress: Mutex<HashMap<String, Checkpoint>>,
 }
 
 impl MemoryLedger {
@@ -111,6 +127,30 @@ impl ReviewLedger for MemoryLedger {
                 entry.intent = None;
             }
         })
+    }
+
+    async fn progress(&self, run_id: &str) -> Result<Option<Checkpoint>, LedgerError> {
+        Ok(self.kept()?.get(run_id).cloned())
+    }
+
+    async fn keep_progress(
+        &self,
+        run_id: &str,
+        checkpoint: &Checkpoint,
+    ) -> Result<(), LedgerError> {
+        self.kept()?.insert(run_id.to_string(), checkpoint.clone());
+        Ok(())
+    }
+
+    async fn clear_progress(&self, run_id: &str) -> Result<(), LedgerError> {
+        self.kept()?.remove(run_id);
+        Ok(())
+    }
+}
+
+impl MemoryLedger {
+    fn kept(&self) -> Result<std::sync::MutexGuard<'_, HashMap<String, Checkpoint>>, LedgerError> {
+        self.progress.lock().map_err(|e| LedgerError(e.to_string()))
     }
 }
 

@@ -10,6 +10,8 @@
 #   sleep N     sleep N seconds, then change
 #   pause-at N  like change, but from round N on exit 75 (provider paused) unless
 #               $PROVIDER_READY is set: the provider is back once the test sets it
+#   sleep-from N S  like change, but from round N on it first sleeps S seconds unless
+#               $SLEEP_DONE is set (a test drains its workers meanwhile)
 #   attack KIND HOST_PATH [HOST_PATH2]
 #               changes the source like `change`, then tries to reach the worker's host
 #               (the tests look for the evidence there; nothing must appear):
@@ -35,6 +37,12 @@ if [ "$mode" = pause-at ]; then
     echo "partial work that must not be kept" > partial.txt
     echo "429 rate limited by the provider" >&2
     exit 75
+  fi
+  mode=change
+fi
+if [ "$mode" = sleep-from ]; then
+  if [ "$FORGE_ROUND" -ge "${2:-1}" ] && [ -z "${SLEEP_DONE:-}" ]; then
+    sleep "${3:-30}"
   fi
   mode=change
 fi

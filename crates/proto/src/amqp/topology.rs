@@ -100,6 +100,11 @@ impl Topology {
         format!("{}.review.receipt.{run_id}", self.prefix)
     }
 
+    /// A running run's progress: a queue holding its latest checkpoint.
+    pub fn progress(&self, run_id: &str) -> String {
+        format!("{}.progress.{run_id}", self.prefix)
+    }
+
     /// The queue whose existence says a run finished and its final events were confirmed.
     pub fn done(&self, run_id: &str) -> String {
         format!("{}.done.{run_id}", self.prefix)

@@ -237,22 +237,36 @@ impl<R: ContainerRuntime> Jobs<R> {
                 return (Disposition::Requeue, false);
             }
         }
-        (self.execute(job, claim).await, true)
+        let disposition = self.execute(job, claim).await;
+        if disposition == Disposition::Requeue && self.interrupt.is_cancelled() {
+            // A drain hands the run over: a fresh copy of the job goes back, so the hand-over
+            // does not count toward the poison limit, and the next execution continues from
+            // the progress kept on the broker.
+            return (self.hand_over(delivery).await, true);
+        }
+        (disposition, true)
+    }
+
+    /// Publishes a fresh copy of the job, signature and all, to the jobs queue; the delivery is
+    /// then acknowledged (or handed back when the copy could not be published).
+    async fn hand_over(&self, delivery: &Delivery) -> Disposition {
+        self.republish(delivery, &self.topology.jobs()).await
     }
 
     /// Puts a job whose run is held elsewhere into the wait queue, signature and all.
     async fn park(&self, delivery: &Delivery) -> Disposition {
+        self.republish(delivery, &self.topology.jobs_wait()).await
+    }
+
+    /// Publishes the delivered job again to `queue`; `Ack` once the broker confirmed it.
+    async fn republish(&self, delivery: &Delivery, queue: &str) -> Disposition {
         let signature = amqp::header_text(&delivery.properties, proto::SIGNATURE_HEADER);
-        let parked = self
+        let headers = signature.map(amqp::signature_headers);
+        match self
             .publisher
-            .publish(
-                "",
-                &self.topology.jobs_wait(),
-                &delivery.data,
-                signature.map(amqp::signature_headers),
-            )
-            .await;
-        match parked {
+            .publish("", queue, &delivery.data, headers)
+            .await
+        {
             Ok(()) => Disposition::Ack,
             Err(_) => Disposition::Requeue,
         }

@@ -6,8 +6,12 @@ use lapin::options::{QueueDeclareOptions, QueueDeleteOptions};
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{Channel, Connection};
 use proto::amqp::{self, Publisher, Topology};
+use proto::{Checkpoint, Progress};
 
 use crate::ledger::{Entry, LedgerError, Receipt, ReviewLedger};
+
+/// The largest progress message read back: a checkpoint's patch and the loop's state.
+const MAX_PROGRESS_BYTES: usize = proto::MAX_JOB_BYTES;
 
 /// The largest receipt read back (a report is at most 256 KiB).
 const MAX_RECEIPT_BYTES: usize = 1024 * 1024;
@@ -196,6 +200,59 @@ impl ReviewLedger for AmqpLedger {
             let connection = self.connect().await?;
             let deleted = self
                 .delete(&connection, &self.topology.review_intent(run_id))
+                .await;
+            let _ = connection.close(200, "bye").await;
+            deleted
+        })
+        .await
+    }
+
+    async fn progress(&self, run_id: &str) -> Result<Option<Checkpoint>, LedgerError> {
+        let body = self
+            .session(async {
+                let connection = self.connect().await?;
+                let body = self
+                    .peek(&connection, &self.topology.progress(run_id))
+                    .await;
+                let _ = connection.close(200, "bye").await;
+                body
+            })
+            .await?;
+        // An unreadable progress message (another version) is no progress: the run starts over.
+        Ok(body
+            .and_then(|body| proto::decode_message::<Progress>(&body, MAX_PROGRESS_BYTES).ok())
+            .filter(|progress| progress.run_id.to_string() == run_id)
+            .map(|progress| progress.checkpoint))
+    }
+
+    async fn keep_progress(
+        &self,
+        run_id: &str,
+        checkpoint: &Checkpoint,
+    ) -> Result<(), LedgerError> {
+        let run = uuid::Uuid::parse_str(run_id).map_err(|e| LedgerError(e.to_string()))?;
+        let progress = Progress {
+            schema_version: proto::SCHEMA_VERSION,
+            run_id: run,
+            checkpoint: checkpoint.clone(),
+        };
+        let body = serde_json::to_vec(&progress).map_err(|e| LedgerError(e.to_string()))?;
+        self.session(async {
+            let connection = self.connect().await?;
+            let kept = self
+                .keep(&connection, &self.topology.progress(run_id), &body)
+                .await;
+            let _ = connection.close(200, "bye").await;
+            kept
+        })
+        .await
+    }
+
+    async fn clear_progress(&self, run_id: &str) -> Result<(), LedgerError> {
+        self.session(async {
+            let connection = self.connect().await?;
+            let deleted = self
+                .delete(&connection, &self.topology.progress(run_id))
                 .await;
             let _ = connection.close(200, "bye").await;
             deleted

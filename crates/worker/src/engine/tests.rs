@@ -10,7 +10,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::{Engine, EngineConfig, EXIT_PAUSED};
 use crate::fake::{Act, FakeRuntime};
-use crate::ledger::MemoryLedger;
+use crate::ledger::{MemoryLedger, ReviewLedger};
 use crate::sink::{EventSink, PublishEvent};
 
 const BRANCH: &str = "forge/shop-1";
@@ -29,6 +29,8 @@ impl EventSink for Events {
 /// A bare origin repository with one commit on `main`, and a workspace root.
 struct Bench {
     dir: tempfile::TempDir,
+    /// The ledger every execution of the bench's runs shares, as workers share the broker's.
+    ledger: MemoryLedger,
 }
 
 fn git(dir: &Path, args: &[&str]) -> String {
@@ -65,7 +67,10 @@ impl Bench {
             .args(["755", &hook.display().to_string()])
             .status()
             .unwrap();
-        Bench { dir }
+        Bench {
+            dir,
+            ledger: MemoryLedger::default(),
+        }
     }
 
     /// Every ref update the origin took: `ref old new`.
@@ -155,9 +160,8 @@ impl Bench {
         config.can_chown = false;
         let engine = Engine::new(std::sync::Arc::clone(&runtime), config);
         let events = Events::default();
-        let ledger = MemoryLedger::default();
         let result = engine
-            .execute(job, &events, &ledger, cancel, CancellationToken::new())
+            .execute(job, &events, &self.ledger, cancel, CancellationToken::new())
             .await
             .expect("events are published")
             .expect("the run is not interrupted");
@@ -702,4 +706,79 @@ async fn a_lost_claim_stops_the_stage_and_publishes_no_ending() {
     assert!(endings.is_empty(), "{endings:?}");
     assert_eq!(runtime.stages(), ["implement"]);
     assert!(bench.delivered("feature.txt").is_none());
+}
+
+/// Catches: a run handed to another execution (a drain, a lost worker) that starts over from
+/// round 1, repeating completed stages and spending its budget again.
+#[tokio::test(start_paused = true)]
+async fn a_handed_over_run_continues_after_its_last_completed_stage() {
+    let bench = Bench::new();
+    let job = bench.job(Some((3, true)), &[], 0);
+    // The first execution implements, is rejected, and is stopped during round 2.
+    let runtime = std::sync::Arc::new(
+        FakeRuntime::default()
+            .with(Stage::Implement, [implements(1), Act::Hang])
+            .with(Stage::Review, [Act::prints("REJECTED\nadd tests")]),
+    );
+    let mut config = EngineConfig::for_process(bench.dir.path().join("worker-1"));
+    config.can_chown = false;
+    let engine = Engine::new(std::sync::Arc::clone(&runtime), config);
+    let (events, drained) = (Events::default(), CancellationToken::new());
+    let draining = {
+        let drained = drained.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(std::time::Duration::from_secs(60)).await;
+            drained.cancel();
+        })
+    };
+    let first = engine
+        .execute(
+            &job,
+            &events,
+            &bench.ledger,
+            CancellationToken::new(),
+            drained,
+        )
+        .await
+        .expect("events are published");
+    draining.await.unwrap();
+    assert!(first.is_none(), "handed back");
+    assert_eq!(runtime.stages(), ["implement", "review", "implement"]);
+
+    // The next execution starts with round 2: round 1 and its review are not repeated.
+    let second = bench
+        .run_on(
+            "worker-2",
+            FakeRuntime::default()
+                .with(Stage::Implement, [implements(2)])
+                .with(Stage::Review, [Act::prints("APPROVED")]),
+            &job,
+        )
+        .await;
+    second.assert_state(RunState::Delivered);
+    assert_eq!(second.runtime.stages(), ["implement", "review"]);
+    let prompts = second.runtime.prompts();
+    assert!(
+        prompts[0].contains("## Reviewer Feedback\n\nadd tests"),
+        "round 2 has round 1's feedback: {}",
+        prompts[0]
+    );
+    assert_eq!(
+        second.cycles().iter().map(|c| c.cycle).collect::<Vec<_>>(),
+        [2]
+    );
+    assert_eq!(
+        second.result.implementation_rounds, 2,
+        "the budget counts across executions"
+    );
+    assert_eq!(bench.pushes().len(), 1);
+    assert!(
+        bench
+            .ledger
+            .progress(&job.run_id.to_string())
+            .await
+            .unwrap()
+            .is_none(),
+        "a finished run's progress is forgotten"
+    );
 }
