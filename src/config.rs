@@ -123,6 +123,8 @@ pub const ENV_AMQP_URL: &str = "FORGEPOOL_AMQP_URL";
 pub const ENV_AMQP_PREFIX: &str = "FORGEPOOL_AMQP_PREFIX";
 /// The dispatcher's HTTP address.
 pub const ENV_LISTEN: &str = "FORGEPOOL_LISTEN";
+/// How long a running run may go unheard before the dispatcher queues it again.
+pub const ENV_SILENT_RUN_SECONDS: &str = "FORGEPOOL_SILENT_RUN_SECONDS";
 /// The API bearer token.
 pub const ENV_API_TOKEN: &str = "FORGEPOOL_API_TOKEN";
 /// Where clients find the dispatcher.
@@ -170,6 +172,10 @@ pub struct DispatcherArgs {
     /// The bearer token clients must send; unset means no authentication (loopback only).
     #[arg(long = "api-token", env = ENV_API_TOKEN, hide_env_values = true)]
     pub api_token: Option<String>,
+    /// How long a running run may go unheard (no heartbeat, state or stage) before its job is
+    /// queued again, to continue from its last completed stage.
+    #[arg(long = "silent-run-seconds", env = ENV_SILENT_RUN_SECONDS, default_value = "300", value_parser = clap::value_parser!(u64).range(30..))]
+    pub silent_run_seconds: u64,
     #[command(flatten)]
     pub job_key: JobKeyArgs,
     #[command(flatten)]

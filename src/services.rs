@@ -63,6 +63,7 @@ pub async fn dispatcher(args: DispatcherArgs) -> i32 {
         api_token: args.api_token,
         job_key,
         allowed_schemes: args.stages.allowed_schemes.0,
+        silent_after: Duration::from_secs(args.silent_run_seconds),
     };
     let shutdown = shutdown_on_signal();
     // The line tests and scripts wait for: printed once the broker topology exists.

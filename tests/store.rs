@@ -239,6 +239,34 @@ async fn store_contract(url: &str) {
         RunState::Blocked
     );
 
+    // Silent runs: a running run is silent once nothing was heard of it since the cutoff.
+    let soon =
+        proto::format_timestamp(std::time::SystemTime::now() + std::time::Duration::from_secs(60));
+    let past =
+        proto::format_timestamp(std::time::SystemTime::now() - std::time::Duration::from_secs(60));
+    let watched = job(
+        "SHOP-6",
+        &proto::format_timestamp(std::time::SystemTime::now()),
+    );
+    store.insert_run(&watched).await.unwrap();
+    let silent_ids = |jobs: Vec<Job>| jobs.iter().map(|j| j.run_id).collect::<Vec<_>>();
+    assert!(
+        !silent_ids(store.silent_runs(soon.clone()).await.unwrap()).contains(&watched.run_id),
+        "a queued run is never silent"
+    );
+    store
+        .record_event(&state(watched.run_id, RunState::Running, "go"))
+        .await
+        .unwrap();
+    assert!(
+        silent_ids(store.silent_runs(soon).await.unwrap()).contains(&watched.run_id),
+        "unheard of since the cutoff"
+    );
+    assert!(
+        !silent_ids(store.silent_runs(past).await.unwrap()).contains(&watched.run_id),
+        "heard of after the cutoff"
+    );
+
     // A submission key seen in the last day returns the first run, and stores nothing.
     let now = proto::format_timestamp(std::time::SystemTime::now());
     let keyed = job("SHOP-3", &now);

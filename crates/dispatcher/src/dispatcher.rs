@@ -242,6 +242,33 @@ impl Dispatcher {
         Ok(cancelled)
     }
 
+    /// Queues a silent run again: its state goes back to `queued` with the reason, and its job
+    /// is published (by the republisher, if not now).
+    pub(crate) async fn requeue_silent(
+        &self,
+        job: &Job,
+        silent_after: Duration,
+    ) -> Result<(), StoreError> {
+        let reason = format!(
+            "nothing was heard from its worker for {} s; queued again to continue from its last completed stage",
+            silent_after.as_secs()
+        );
+        warn!(run_id = %job.run_id, "{reason}");
+        self.store.mark_unpublished(job.run_id).await?;
+        let queued = Event::new(
+            job.run_id,
+            EventKind::State {
+                state: RunState::Queued,
+                reason,
+            },
+        );
+        self.store_event(job, &queued).await?;
+        if let Err(error) = self.publish_job(job).await {
+            warn!(run_id = %job.run_id, %error, "the silent run's job will be published later");
+        }
+        Ok(())
+    }
+
     /// Tells the worker that reports a run to cancel it again, when the run was cancelled
     /// (or asked to be) after the worker took it: its first report, a heartbeat after a
     /// reconnection, or the next worker's.

@@ -46,6 +46,9 @@ pub struct DispatcherConfig {
     pub job_key: proto::JobKey,
     /// The repository URL schemes accepted at submission.
     pub allowed_schemes: Vec<String>,
+    /// How long a running run may go unheard before its job is queued again
+    /// (`FORGEPOOL_SILENT_RUN_SECONDS`).
+    pub silent_after: Duration,
 }
 
 /// A failure that stops the dispatcher.
@@ -72,6 +75,7 @@ pub async fn run(
     ready: impl FnOnce(std::net::SocketAddr),
 ) -> Result<(), DispatcherError> {
     let store = Store::open(&config.database_url).await?;
+    let config_silent_after = config.silent_after;
     info!(store = store.kind(), "run store open");
     let topology = Topology::new(&config.prefix);
     let publisher = Publisher::new(&config.amqp_url, "forgepool-dispatcher-publish")?;
@@ -125,6 +129,11 @@ pub async fn run(
         shutdown.clone(),
     ));
     tasks.spawn(refresh_gauges(Arc::clone(&dispatcher), shutdown.clone()));
+    tasks.spawn(requeue_silent_runs(
+        Arc::clone(&dispatcher),
+        config_silent_after,
+        shutdown.clone(),
+    ));
     tasks.close();
 
     info!(%address, "dispatcher listening");
@@ -219,6 +228,39 @@ async fn republish(
         tokio::select! {
             () = tokio::time::sleep(REPUBLISH_INTERVAL) => {},
             () = shutdown.cancelled() => return,
+        }
+    }
+}
+
+/// How often the dispatcher looks for silent runs.
+const SILENT_CHECK: Duration = Duration::from_secs(15);
+
+/// Queues again the job of every running run nothing was heard of for `silent_after` (its
+/// worker vanished, and its job may be gone with it): the run is `queued` again, with the
+/// reason, and the next worker continues from its last completed stage. A run whose job is
+/// still held somewhere is settled by the lease, the done marker and the branch.
+async fn requeue_silent_runs(
+    dispatcher: Arc<Dispatcher>,
+    silent_after: Duration,
+    shutdown: CancellationToken,
+) {
+    loop {
+        tokio::select! {
+            () = tokio::time::sleep(SILENT_CHECK) => {},
+            () = shutdown.cancelled() => return,
+        }
+        let before = proto::format_timestamp(std::time::SystemTime::now() - silent_after);
+        let silent = match dispatcher.store.silent_runs(before).await {
+            Ok(silent) => silent,
+            Err(error) => {
+                warn!(%error, "cannot look for silent runs");
+                continue;
+            }
+        };
+        for job in silent {
+            if let Err(error) = dispatcher.requeue_silent(&job, silent_after).await {
+                warn!(run_id = %job.run_id, %error, "cannot queue a silent run again");
+            }
         }
     }
 }

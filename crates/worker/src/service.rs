@@ -105,6 +105,7 @@ pub async fn run<R: ContainerRuntime>(
     let _ = tokio::time::timeout(Duration::from_secs(5), background.wait()).await;
     // Goodbyes to the broker, rather than sockets dropped with the runtime.
     jobs.leases.close().await;
+    jobs.ledger.close().await;
     jobs.publisher.close().await;
     info!("worker stopped");
     Ok(())

@@ -154,6 +154,18 @@ pub(crate) fn fence(event: &Event, state: Option<&str>, current: Option<&str>) -
     }
 }
 
+/// Whether an event says the run's worker is alive: a heartbeat, a state, a stage starting or
+/// ending (log lines and cycle files come only with those).
+pub(crate) fn shows_life(kind: &proto::EventKind) -> bool {
+    matches!(
+        kind,
+        proto::EventKind::Heartbeat { .. }
+            | proto::EventKind::State { .. }
+            | proto::EventKind::StageStarted { .. }
+            | proto::EventKind::StageFinished { .. }
+    )
+}
+
 /// How long a submission key is remembered.
 pub const SUBMISSION_KEY_TTL: std::time::Duration = std::time::Duration::from_secs(24 * 3600);
 
@@ -189,6 +201,16 @@ pub trait RunStore: Send + Sync + 'static {
         &self,
         run_id: Uuid,
     ) -> impl Future<Output = Result<Option<RunRecord>, StoreError>> + Send;
+    /// Running runs of which nothing was heard (a heartbeat, a state, a stage starting or
+    /// ending) since `before` (RFC 3339, the dispatcher's clock).
+    fn silent_runs(
+        &self,
+        before: String,
+    ) -> impl Future<Output = Result<Vec<Job>, StoreError>> + Send;
+    /// Notes that a run's job must be published again (the republisher does it if the
+    /// dispatcher cannot now).
+    fn mark_unpublished(&self, run_id: Uuid)
+        -> impl Future<Output = Result<(), StoreError>> + Send;
     /// Whether a user asked to cancel the run (a `cancel_requested` event is stored).
     fn cancel_requested(
         &self,
@@ -308,6 +330,12 @@ impl RunStore for Store {
     }
     async fn cancel_requested(&self, run_id: Uuid) -> Result<bool, StoreError> {
         delegate!(self, s => s.cancel_requested(run_id).await)
+    }
+    async fn silent_runs(&self, before: String) -> Result<Vec<Job>, StoreError> {
+        delegate!(self, s => s.silent_runs(before).await)
+    }
+    async fn mark_unpublished(&self, run_id: Uuid) -> Result<(), StoreError> {
+        delegate!(self, s => s.mark_unpublished(run_id).await)
     }
     async fn mark_published(&self, run_id: Uuid) -> Result<(), StoreError> {
         delegate!(self, s => s.mark_published(run_id).await)

@@ -40,6 +40,7 @@ CREATE TABLE IF NOT EXISTS runs (
     updated_at TEXT NOT NULL
 );
 ALTER TABLE runs ADD COLUMN IF NOT EXISTS execution TEXT;
+ALTER TABLE runs ADD COLUMN IF NOT EXISTS last_seen TEXT;
 CREATE INDEX IF NOT EXISTS runs_by_state ON runs(state);
 CREATE INDEX IF NOT EXISTS runs_by_ticket ON runs(ticket);
 CREATE TABLE IF NOT EXISTS events (
@@ -274,6 +275,13 @@ impl RunStore for PostgresStore {
                 }
                 super::Fence::Current => {}
             }
+            if super::shows_life(&event.kind) {
+                tx.execute(
+                    "UPDATE runs SET last_seen = $2 WHERE run_id = $1",
+                    &[&run_id, &proto::timestamp_now()],
+                )
+                .await?;
+            }
             match &event.kind {
                 EventKind::State { state, reason }
                     if super::takes_state(current.as_deref(), *state) =>
@@ -361,6 +369,36 @@ impl RunStore for PostgresStore {
                 cycles,
             };
             row.into_record().map(Some)
+        })
+        .await
+    }
+
+    async fn silent_runs(&self, before: String) -> Result<Vec<Job>, StoreError> {
+        self.bounded(async {
+            self.client()
+                .await?
+                .query(
+                    "SELECT job FROM runs WHERE state = 'running' AND COALESCE(last_seen, updated_at) < $1",
+                    &[&before],
+                )
+                .await?
+                .iter()
+                .map(|r| Ok(serde_json::from_str(r.get::<_, &str>(0))?))
+                .collect()
+        })
+        .await
+    }
+
+    async fn mark_unpublished(&self, run_id: Uuid) -> Result<(), StoreError> {
+        self.bounded(async {
+            self.client()
+                .await?
+                .execute(
+                    "UPDATE runs SET published = FALSE WHERE run_id = $1",
+                    &[&run_id.to_string()],
+                )
+                .await?;
+            Ok(())
         })
         .await
     }

@@ -35,6 +35,14 @@ impl SqliteStore {
             if fenced == 0 {
                 connection.execute_batch("ALTER TABLE runs ADD COLUMN execution TEXT")?;
             }
+            let watched: i64 = connection.query_row(
+                "SELECT COUNT(*) FROM pragma_table_info('runs') WHERE name = 'last_seen'",
+                [],
+                |r| r.get(0),
+            )?;
+            if watched == 0 {
+                connection.execute_batch("ALTER TABLE runs ADD COLUMN last_seen TEXT")?;
+            }
             Ok(connection)
         };
         let connection = open().map_err(|source| StoreError::Open {
@@ -72,7 +80,8 @@ CREATE TABLE IF NOT EXISTS runs (
     published INTEGER NOT NULL DEFAULT 0,
     created_at TEXT NOT NULL,
     updated_at TEXT NOT NULL,
-    execution TEXT
+    execution TEXT,
+    last_seen TEXT
 );
 CREATE INDEX IF NOT EXISTS runs_by_state ON runs(state);
 CREATE TABLE IF NOT EXISTS events (
@@ -199,6 +208,9 @@ impl RunStore for SqliteStore {
                 }
                 super::Fence::Current => {}
             }
+            if super::shows_life(&event.kind) {
+                tx.execute("UPDATE runs SET last_seen = ?2 WHERE run_id = ?1", params![run_id, proto::timestamp_now()])?;
+            }
             match &event.kind {
                 EventKind::State { state, reason }
                     if super::takes_state(current.as_deref(), *state) =>
@@ -270,6 +282,32 @@ impl RunStore for SqliteStore {
                 cycles,
             };
             row.into_record().map(Some)
+        })
+        .await
+    }
+
+    async fn silent_runs(&self, before: String) -> Result<Vec<Job>, StoreError> {
+        self.with(move |c| {
+            let mut statement = c.prepare(
+                "SELECT job FROM runs WHERE state = 'running' AND COALESCE(last_seen, updated_at) < ?1",
+            )?;
+            let jobs = statement
+                .query_map(params![before], |r| r.get::<_, String>(0))?
+                .collect::<Result<Vec<_>, _>>()?;
+            jobs.iter()
+                .map(|job| Ok(serde_json::from_str(job)?))
+                .collect()
+        })
+        .await
+    }
+
+    async fn mark_unpublished(&self, run_id: Uuid) -> Result<(), StoreError> {
+        self.with(move |c| {
+            c.execute(
+                "UPDATE runs SET published = 0 WHERE run_id = ?1",
+                params![run_id.to_string()],
+            )?;
+            Ok(())
         })
         .await
     }

@@ -27,6 +27,9 @@ pub struct AmqpLedger {
     amqp_url: String,
     topology: Topology,
     publisher: Arc<Publisher>,
+    /// One connection, kept across operations (the run's progress is kept after every
+    /// stage) and opened again after a failure.
+    connection: Arc<tokio::sync::Mutex<Option<Arc<Connection>>>>,
 }
 
 impl AmqpLedger {
@@ -36,6 +39,7 @@ impl AmqpLedger {
             amqp_url: amqp_url.to_string(),
             topology,
             publisher,
+            connection: Arc::default(),
         }
     }
 
@@ -43,9 +47,14 @@ impl AmqpLedger {
         &self,
         work: impl std::future::Future<Output = Result<T, LedgerError>>,
     ) -> Result<T, LedgerError> {
-        tokio::time::timeout(amqp::SESSION_TIMEOUT, work)
+        let done = tokio::time::timeout(amqp::SESSION_TIMEOUT, work)
             .await
-            .unwrap_or_else(|_| Err(LedgerError("the broker did not answer in time".into())))
+            .unwrap_or_else(|_| Err(LedgerError("the broker did not answer in time".into())));
+        if done.is_err() {
+            // The next operation opens a new connection.
+            *self.connection.lock().await = None;
+        }
+        done
     }
 
     async fn channel(&self, connection: &Connection) -> Result<Channel, LedgerError> {
@@ -135,10 +144,24 @@ impl AmqpLedger {
         }
     }
 
-    async fn connect(&self) -> Result<Connection, LedgerError> {
-        amqp::connect(&self.amqp_url, "forgepool-worker-ledger")
+    async fn connect(&self) -> Result<Arc<Connection>, LedgerError> {
+        let mut slot = self.connection.lock().await;
+        if let Some(connection) = slot.as_ref().filter(|c| c.status().connected()) {
+            return Ok(Arc::clone(connection));
+        }
+        let connection = amqp::connect(&self.amqp_url, "forgepool-worker-ledger")
             .await
-            .map_err(|e| LedgerError(e.to_string()))
+            .map_err(|e| LedgerError(e.to_string()))?;
+        let connection = Arc::new(connection);
+        *slot = Some(Arc::clone(&connection));
+        Ok(connection)
+    }
+
+    /// Closes the kept connection with a goodbye (at shutdown).
+    pub async fn close(&self) {
+        if let Some(connection) = self.connection.lock().await.take() {
+            let _ = tokio::time::timeout(amqp::SETTLE_TIMEOUT, connection.close(200, "bye")).await;
+        }
     }
 }
 
@@ -152,7 +175,6 @@ impl ReviewLedger for AmqpLedger {
             let receipt = self
                 .peek(&connection, &self.topology.review_receipt(run_id))
                 .await?;
-            let _ = connection.close(200, "bye").await;
             Ok(Entry {
                 intent: intent.map(|tree| String::from_utf8_lossy(&tree).to_string()),
                 receipt: receipt
@@ -172,7 +194,6 @@ impl ReviewLedger for AmqpLedger {
                     tree.as_bytes(),
                 )
                 .await;
-            let _ = connection.close(200, "bye").await;
             kept
         })
         .await
@@ -189,7 +210,6 @@ impl ReviewLedger for AmqpLedger {
                     .await
             }
             .await;
-            let _ = connection.close(200, "bye").await;
             kept
         })
         .await
@@ -201,7 +221,6 @@ impl ReviewLedger for AmqpLedger {
             let deleted = self
                 .delete(&connection, &self.topology.review_intent(run_id))
                 .await;
-            let _ = connection.close(200, "bye").await;
             deleted
         })
         .await
@@ -214,7 +233,6 @@ impl ReviewLedger for AmqpLedger {
                 let body = self
                     .peek(&connection, &self.topology.progress(run_id))
                     .await;
-                let _ = connection.close(200, "bye").await;
                 body
             })
             .await?;
@@ -242,7 +260,6 @@ impl ReviewLedger for AmqpLedger {
             let kept = self
                 .keep(&connection, &self.topology.progress(run_id), &body)
                 .await;
-            let _ = connection.close(200, "bye").await;
             kept
         })
         .await
@@ -254,7 +271,6 @@ impl ReviewLedger for AmqpLedger {
             let deleted = self
                 .delete(&connection, &self.topology.progress(run_id))
                 .await;
-            let _ = connection.close(200, "bye").await;
             deleted
         })
         .await
