@@ -164,19 +164,24 @@ impl<R: ContainerRuntime> Engine<R> {
                 info!("run interrupted; handing it back");
                 return Ok(None);
             };
-            // The run ended or paused (with a checkpoint of its own): its progress is done with.
-            if let Err(error) = ledger.clear_progress(&job.run_id.to_string()).await {
+            let result = run.result(state, &reason);
+            // The run ended or paused (with a checkpoint of its own): its progress is done
+            // with, and is forgotten while the result is published.
+            let run_key = job.run_id.to_string();
+            let (cleared, published) = tokio::join!(
+                ledger.clear_progress(&run_key),
+                publish(
+                    sink,
+                    job.run_id,
+                    EventKind::Result {
+                        result: result.clone(),
+                    },
+                )
+            );
+            if let Err(error) = cleared {
                 warn!(%error, "cannot forget the run's progress");
             }
-            let result = run.result(state, &reason);
-            publish(
-                sink,
-                job.run_id,
-                EventKind::Result {
-                    result: result.clone(),
-                },
-            )
-            .await?;
+            published?;
             publish(sink, job.run_id, EventKind::State { state, reason }).await?;
             info!(state = %result.state, rounds = result.implementation_rounds, "run ended");
             Ok(Some(result))
@@ -221,6 +226,8 @@ impl<R: ContainerRuntime> Engine<R> {
             Ok(machine) => machine,
             Err(reason) => return Ok(Some((RunState::Failed, reason))),
         };
+        let run_id = run.job.run_id;
+        let mut progress = None;
         loop {
             if let Some((state, reason)) = machine.finished() {
                 return Ok(Some((state, reason.to_string())));
@@ -237,8 +244,12 @@ impl<R: ContainerRuntime> Engine<R> {
                 return Ok(Some((RunState::Paused, reason)));
             } else {
                 let stage = ahead.take();
-                self.phase_input(run, sink, ledger, cancel, &machine, stage)
-                    .await?
+                // The progress of the stage before is kept while this phase runs.
+                let (input, ()) = tokio::join!(
+                    self.phase_input(run, sink, ledger, cancel, &machine, stage),
+                    keep_progress(ledger, run_id, progress.take()),
+                );
+                input?
             };
             if interrupt.is_cancelled() {
                 return Ok(None);
@@ -249,7 +260,7 @@ impl<R: ContainerRuntime> Engine<R> {
             };
             run.review_exhausted = machine.review_exhausted;
             run.implementation_rounds = machine.implementation_rounds;
-            self.keep_progress(run, ledger, &machine).await;
+            progress = self.progress(run, &machine).await;
         }
     }
 
@@ -279,7 +290,7 @@ impl<R: ContainerRuntime> Engine<R> {
             Phase::FinalReview { tree } => {
                 self.final_review(run, sink, ledger, cancel, &tree).await
             }
-            Phase::Deliver { tree } => Ok(self.deliver(run, &tree).await),
+            Phase::Deliver { tree } => Ok(self.deliver(run, ledger, &tree).await),
             Phase::Paused { .. } | Phase::Finished { .. } => {
                 unreachable!("the loop ends the run in these phases")
             }
@@ -374,27 +385,17 @@ impl<R: ContainerRuntime> Engine<R> {
         }
     }
 
-    /// After a completed stage, keeps where the run stands, so that a later execution
-    /// continues from here. A failure only costs that execution the stages since the last.
-    async fn keep_progress<L: ReviewLedger>(
-        &self,
-        run: &RunContext<'_>,
-        ledger: &L,
-        machine: &RunMachine,
-    ) {
+    /// After a completed stage, where the run stands, for a later execution to continue from
+    /// (kept while the next phase runs). `None` at the end, at a pause, or when it cannot be
+    /// made (that only costs a later execution the stages since the last).
+    async fn progress(&self, run: &RunContext<'_>, machine: &RunMachine) -> Option<Checkpoint> {
         if machine.finished().is_some() || matches!(machine.phase, Phase::Paused { .. }) {
-            return;
+            return None;
         }
-        let kept = match run.checkpoint(machine, machine.phase.clone()).await {
-            Ok(checkpoint) => ledger
-                .keep_progress(&run.job.run_id.to_string(), &checkpoint)
-                .await
-                .map_err(|e| e.to_string()),
-            Err(error) => Err(error),
-        };
-        if let Err(error) = kept {
-            warn!(%error, "cannot keep the run's progress");
-        }
+        run.checkpoint(machine, machine.phase.clone())
+            .await
+            .map_err(|error| warn!(%error, "cannot save the run's progress"))
+            .ok()
     }
 
     /// The run's refusals and the final review ledger, then its workspace (with a fresh run's
@@ -524,6 +525,16 @@ impl<R: ContainerRuntime> Engine<R> {
             .await
             .ok()?;
         Some(Ahead { prepared, created })
+    }
+}
+
+/// Keeps a run's `progress` in the ledger, if there is any.
+async fn keep_progress<L: ReviewLedger>(ledger: &L, run_id: Uuid, progress: Option<Checkpoint>) {
+    let Some(checkpoint) = progress else {
+        return;
+    };
+    if let Err(error) = ledger.keep_progress(&run_id.to_string(), &checkpoint).await {
+        warn!(%error, "cannot keep the run's progress");
     }
 }
 

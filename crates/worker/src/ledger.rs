@@ -81,6 +81,12 @@ pub trait ReviewLedger: Send + Sync {
     ) -> impl Future<Output = Result<(), LedgerError>> + Send;
     /// Forgets the run's progress: it ended, or paused with a checkpoint of its own.
     fn clear_progress(&self, run_id: &str) -> impl Future<Output = Result<(), LedgerError>> + Send;
+    /// Whether another run has not finished: a worker executes it, or it keeps progress (it
+    /// may have pushed, and its final events are not in yet).
+    fn run_unfinished(
+        &self,
+        run_id: &str,
+    ) -> impl Future<Output = Result<bool, LedgerError>> + Send;
 }
 
 /// An in-process ledger.
@@ -145,6 +151,10 @@ impl ReviewLedger for MemoryLedger {
     async fn clear_progress(&self, run_id: &str) -> Result<(), LedgerError> {
         self.kept()?.remove(run_id);
         Ok(())
+    }
+
+    async fn run_unfinished(&self, run_id: &str) -> Result<bool, LedgerError> {
+        Ok(self.kept()?.contains_key(run_id))
     }
 }
 

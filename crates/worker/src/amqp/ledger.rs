@@ -100,6 +100,28 @@ impl AmqpLedger {
         Ok(body)
     }
 
+    /// Whether `queue` exists: a passive declare on a channel of its own (a missing queue
+    /// closes only that channel; another connection's exclusive queue answers "locked").
+    async fn exists(&self, connection: &Connection, queue: &str) -> Result<bool, LedgerError> {
+        let channel = self.channel(connection).await?;
+        let passive = QueueDeclareOptions {
+            passive: true,
+            ..Default::default()
+        };
+        match channel
+            .queue_declare(queue, passive, FieldTable::default())
+            .await
+        {
+            Ok(_) => {
+                let _ = channel.close(200, "checked").await;
+                Ok(true)
+            }
+            Err(lapin::Error::ProtocolError(error)) if error.get_id() == 404 => Ok(false),
+            Err(lapin::Error::ProtocolError(error)) if error.get_id() == 405 => Ok(true),
+            Err(error) => Err(LedgerError(error.to_string())),
+        }
+    }
+
     /// Replaces what `queue` holds with `body`, confirmed by the broker.
     async fn keep(
         &self,
@@ -272,6 +294,20 @@ impl ReviewLedger for AmqpLedger {
                 .delete(&connection, &self.topology.progress(run_id))
                 .await;
             deleted
+        })
+        .await
+    }
+
+    async fn run_unfinished(&self, run_id: &str) -> Result<bool, LedgerError> {
+        self.session(async {
+            let connection = self.connect().await?;
+            let leased = self
+                .exists(&connection, &self.topology.lease(run_id))
+                .await?;
+            let progressing = self
+                .exists(&connection, &self.topology.progress(run_id))
+                .await?;
+            Ok(leased || progressing)
         })
         .await
     }

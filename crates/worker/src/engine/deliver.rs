@@ -3,7 +3,12 @@
 use super::*;
 
 impl<R: ContainerRuntime> Engine<R> {
-    pub(super) async fn deliver(&self, run: &mut RunContext<'_>, tree: &str) -> Input {
+    pub(super) async fn deliver<L: ReviewLedger>(
+        &self,
+        run: &mut RunContext<'_>,
+        ledger: &L,
+        tree: &str,
+    ) -> Input {
         let job = run.job;
         let current = match git::snapshot_tree(&run.repo).await {
             Ok(current) => current,
@@ -20,14 +25,10 @@ impl<R: ContainerRuntime> Engine<R> {
         }
         let branch = delivery_branch(job);
         // The remote branch is the commit point: an earlier execution of this run that pushed
-        // has delivered it.
-        let seen = match git::remote_delivery(&run.repo, &job.repository.url, &branch).await {
+        // has delivered it, and another run's delivery that has not finished is waited for.
+        let seen = match self.branch_to_replace(run, ledger, &branch).await {
             Ok(seen) => seen,
-            Err(error) => {
-                return Input::DeliveryFailed {
-                    reason: format!("cannot read {branch} before pushing: {error}"),
-                }
-            }
+            Err(reason) => return Input::DeliveryFailed { reason },
         };
         if let Some((commit, Some(owner))) = &seen {
             if *owner == job.run_id.to_string() {
@@ -72,6 +73,49 @@ impl<R: ContainerRuntime> Engine<R> {
         info!(%branch, %commit, "delivered");
         run.delivered = Some((branch, commit, tree.to_string()));
         Input::Delivered
+    }
+}
+
+/// How long a delivery waits for another run whose unfinished delivery holds the branch.
+const UNFINISHED_PATIENCE: Duration = Duration::from_secs(600);
+
+impl<R: ContainerRuntime> Engine<R> {
+    /// What the branch holds, once it may be replaced: its commit and the run that commit
+    /// names. A commit of another run that has not finished (it is executing, or keeps
+    /// progress: it pushed and its final events are not in yet) is never overwritten: the
+    /// delivery waits for that run for up to [`UNFINISHED_PATIENCE`], then fails saying so.
+    async fn branch_to_replace<L: ReviewLedger>(
+        &self,
+        run: &RunContext<'_>,
+        ledger: &L,
+        branch: &str,
+    ) -> Result<Option<(String, Option<String>)>, String> {
+        let job = run.job;
+        let started = tokio::time::Instant::now();
+        loop {
+            let seen = git::remote_delivery(&run.repo, &job.repository.url, branch)
+                .await
+                .map_err(|error| format!("cannot read {branch} before pushing: {error}"))?;
+            let other = match &seen {
+                Some((_, Some(owner))) if *owner != job.run_id.to_string() => owner.clone(),
+                _ => return Ok(seen),
+            };
+            let unfinished = ledger.run_unfinished(&other).await.unwrap_or_else(|error| {
+                warn!(%error, run = %other, "cannot tell whether the branch's run finished");
+                true
+            });
+            if !unfinished {
+                return Ok(seen);
+            }
+            if started.elapsed() >= UNFINISHED_PATIENCE {
+                return Err(format!(
+                    "{branch} holds the delivery of run {other}, which has not finished after {} s; it is never overwritten. Submit again once it ends",
+                    UNFINISHED_PATIENCE.as_secs()
+                ));
+            }
+            info!(%branch, run = %other, "waiting for the run whose delivery holds the branch");
+            tokio::time::sleep(Duration::from_secs(5)).await;
+        }
     }
 }
 

@@ -782,3 +782,48 @@ async fn a_handed_over_run_continues_after_its_last_completed_stage() {
         "a finished run's progress is forgotten"
     );
 }
+
+/// Catches: a run that overwrites the branch while it holds the delivery of another run that
+/// has not finished (it pushed, and its final events are not in yet).
+#[tokio::test(start_paused = true)]
+async fn the_unfinished_delivery_of_another_run_is_never_overwritten() {
+    let bench = Bench::new();
+    let runtime = || FakeRuntime::default().with(Stage::Implement, [nonce()]);
+    let older = bench.job(None, &[], 0);
+    bench
+        .run(runtime(), &older)
+        .await
+        .assert_state(RunState::Delivered);
+    // The older run looks unfinished again: it keeps progress (as between its push and its
+    // final events).
+    let state: proto::LoopState = serde_json::from_value(serde_json::json!({
+        "machine": {"phase": {"Deliver": {"tree": "t"}},
+            "limits": {"max_cycles": 0, "block_on_failure": false, "repair_budget": 0, "final_review": false},
+            "implementation_rounds": 1, "repairs_used": 0, "cycles_used": 0,
+            "review_exhausted": false, "last_failure": null},
+        "history": [], "rounds": [], "checks": [], "cycles": [], "stage_count": 1
+    }))
+    .unwrap();
+    let progress = proto::Checkpoint {
+        sequence: 1,
+        base: "b".into(),
+        tree: "t".into(),
+        patch: String::new(),
+        state,
+    };
+    bench
+        .ledger
+        .keep_progress(&older.run_id.to_string(), &progress)
+        .await
+        .unwrap();
+    let newer = bench.job(None, &[], 0);
+    let outcome = bench.run(runtime(), &newer).await;
+    outcome.assert_state(RunState::Failed);
+    outcome.assert_reason(&[&older.run_id.to_string(), "never overwritten"]);
+    assert_eq!(bench.pushes().len(), 1, "{:?}", bench.pushes());
+    let message = git(&bench.origin(), &["log", "-1", "--format=%B", BRANCH]);
+    assert!(
+        message.contains(&format!("Forgepool-Run: {}", older.run_id)),
+        "{message}"
+    );
+}
