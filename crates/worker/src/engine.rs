@@ -132,6 +132,33 @@ impl<R: ContainerRuntime> Engine<R> {
         cancel: CancellationToken,
         interrupt: CancellationToken,
     ) -> Result<Option<RunResult>, PublishEvent> {
+        self.attempt(job, sink, ledger, (cancel, interrupt), false)
+            .await
+    }
+
+    /// Like [`Engine::execute`], for a job an earlier execution may have run (the broker
+    /// delivered it again): the delivery branch is read before anything runs, since that
+    /// execution may have pushed.
+    pub async fn execute_again<S: EventSink, L: ReviewLedger>(
+        &self,
+        job: &Job,
+        sink: &S,
+        ledger: &L,
+        cancel: CancellationToken,
+        interrupt: CancellationToken,
+    ) -> Result<Option<RunResult>, PublishEvent> {
+        self.attempt(job, sink, ledger, (cancel, interrupt), true)
+            .await
+    }
+
+    async fn attempt<S: EventSink, L: ReviewLedger>(
+        &self,
+        job: &Job,
+        sink: &S,
+        ledger: &L,
+        (cancel, interrupt): (CancellationToken, CancellationToken),
+        again: bool,
+    ) -> Result<Option<RunResult>, PublishEvent> {
         let span = tracing::info_span!("run", run_id = %job.run_id, ticket = %job.ticket, stage = tracing::field::Empty, cycle = tracing::field::Empty);
         async {
             // Every event of the run leaves through the redacting sink: a secret an agent wrote
@@ -141,6 +168,7 @@ impl<R: ContainerRuntime> Engine<R> {
             let sink = &Stamped::new(sink, Uuid::new_v4());
             let root = self.config.workspace_root.join(job.run_id.to_string());
             let mut run = RunContext::new(job, &root);
+            run.again = again;
             // Stages stop on either token; the loop tells the two apart.
             let stop = CancellationToken::new();
             let relay = {
@@ -217,15 +245,20 @@ impl<R: ContainerRuntime> Engine<R> {
             Ok(ahead) => ahead,
             Err(ended) => return Ok(ended),
         };
-        if let Some(ended) = self.delivered_earlier(run).await {
-            return Ok(Some(ended));
-        }
         let cancel_user = cancel;
         let cancel = stop;
-        let mut machine = match self.start_from(run, ledger).await {
-            Ok(machine) => machine,
+        let (mut machine, continued) = match self.start_from(run, ledger).await {
+            Ok(started) => started,
             Err(reason) => return Ok(Some((RunState::Failed, reason))),
         };
+        // An execution that continues kept progress (kept before the delivery), or whose job
+        // the broker delivered again, may follow one that pushed: it reads the branch before
+        // running anything. A first execution leaves that to the check before its push.
+        if continued || run.again {
+            if let Some(ended) = self.delivered_earlier(run).await {
+                return Ok(Some(ended));
+            }
+        }
         let run_id = run.job.run_id;
         let mut progress = None;
         loop {
@@ -348,7 +381,7 @@ impl<R: ContainerRuntime> Engine<R> {
         }
     }
 
-    /// Where the run starts: the checkpoint of a resume, else the progress an earlier
+    /// Where the run starts (`true` with kept progress): the checkpoint of a resume, else the progress an earlier
     /// execution kept (after a hand-over or a lost worker: completed stages are not run
     /// again, and the budget counts across executions), else round 1. `Err` is why it
     /// cannot.
@@ -356,15 +389,15 @@ impl<R: ContainerRuntime> Engine<R> {
         &self,
         run: &mut RunContext<'_>,
         ledger: &L,
-    ) -> Result<RunMachine, String> {
+    ) -> Result<(RunMachine, bool), String> {
         let (checkpoint, what) = match run.job.resume.clone() {
             Some(checkpoint) => (checkpoint, "checkpoint"),
             None => match ledger.progress(&run.job.run_id.to_string()).await {
                 Ok(Some(progress)) => (progress, "progress"),
-                Ok(None) => return Ok(RunMachine::new(run.limits())),
+                Ok(None) => return Ok((RunMachine::new(run.limits()), false)),
                 Err(error) => {
                     warn!(%error, "cannot read the run's progress; starting from round 1");
-                    return Ok(RunMachine::new(run.limits()));
+                    return Ok((RunMachine::new(run.limits()), false));
                 }
             },
         };
@@ -376,7 +409,7 @@ impl<R: ContainerRuntime> Engine<R> {
                     phase = machine.phase.name(),
                     "continuing from saved progress"
                 );
-                Ok(machine)
+                Ok((machine, what == "progress"))
             }
             Err(error) => Err(format!(
                 "cannot resume from {what} {}: {error}",

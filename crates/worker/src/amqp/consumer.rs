@@ -237,7 +237,7 @@ impl<R: ContainerRuntime> Jobs<R> {
                 return (Disposition::Requeue, false);
             }
         }
-        let disposition = self.execute(job, claim).await;
+        let disposition = self.execute(job, claim, delivery.redelivered).await;
         if disposition == Disposition::Requeue && self.interrupt.is_cancelled() {
             // A drain hands the run over: a fresh copy of the job goes back, so the hand-over
             // does not count toward the poison limit, and the next execution continues from
@@ -274,13 +274,23 @@ impl<R: ContainerRuntime> Jobs<R> {
 
     /// Executes a leased run with heartbeats beside it; a finished run is marked done before
     /// its job is acknowledged.
-    async fn execute(&self, job: &Job, claim: Claim) -> Disposition {
+    async fn execute(&self, job: &Job, claim: Claim, redelivered: bool) -> Disposition {
         let sink = ObservedSink::new(&self.sink, &self.metrics, job);
         self.metrics.runs_in_progress().inc();
         // A lost claim, like a drain, stops the run without its final events.
-        let execution = self
-            .engine
-            .execute(job, &sink, &self.ledger, claim.cancel, claim.lost);
+        let (cancel, lost) = (claim.cancel, claim.lost);
+        let execution = async {
+            if redelivered {
+                let engine = &self.engine;
+                engine
+                    .execute_again(job, &sink, &self.ledger, cancel, lost)
+                    .await
+            } else {
+                self.engine
+                    .execute(job, &sink, &self.ledger, cancel, lost)
+                    .await
+            }
+        };
         // Heartbeats go out beside the run, never in its way.
         let heartbeats =
             self.sink

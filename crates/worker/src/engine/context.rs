@@ -21,6 +21,8 @@ pub(super) struct RunContext<'a> {
     pub(super) review_exhausted: bool,
     pub(super) implementation_rounds: u32,
     pub(super) delivered: Option<(String, String, String)>,
+    /// The job was delivered again: an earlier execution may have run it.
+    pub(super) again: bool,
     pub(super) final_report: Option<FinalReport>,
     pub(super) final_refusal: Option<String>,
     /// An earlier execution died during the final review: its outcome is unknown.
@@ -44,6 +46,7 @@ impl<'a> RunContext<'a> {
             review_exhausted: false,
             implementation_rounds: 0,
             delivered: None,
+            again: false,
             final_report: None,
             final_refusal: None,
             final_unknown: false,

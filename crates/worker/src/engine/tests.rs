@@ -133,9 +133,15 @@ impl Bench {
         self.run_with(runtime, job, CancellationToken::new()).await
     }
 
+    /// Runs `job` as a job the broker delivered again.
+    async fn run_again(&self, runtime: FakeRuntime, job: &Job) -> Outcome {
+        self.execute("again", runtime, job, CancellationToken::new(), true)
+            .await
+    }
+
     /// Runs `job` as a worker whose workspaces are under `root` would.
     async fn run_on(&self, root: &str, runtime: FakeRuntime, job: &Job) -> Outcome {
-        self.execute(root, runtime, job, CancellationToken::new())
+        self.execute(root, runtime, job, CancellationToken::new(), false)
             .await
     }
 
@@ -145,7 +151,7 @@ impl Bench {
         job: &Job,
         cancel: CancellationToken,
     ) -> Outcome {
-        self.execute("runs", runtime, job, cancel).await
+        self.execute("runs", runtime, job, cancel, false).await
     }
 
     async fn execute(
@@ -154,15 +160,24 @@ impl Bench {
         runtime: FakeRuntime,
         job: &Job,
         cancel: CancellationToken,
+        again: bool,
     ) -> Outcome {
         let runtime = std::sync::Arc::new(runtime);
         let mut config = EngineConfig::for_process(self.dir.path().join(root));
         config.can_chown = false;
         let engine = Engine::new(std::sync::Arc::clone(&runtime), config);
         let events = Events::default();
-        let result = engine
-            .execute(job, &events, &self.ledger, cancel, CancellationToken::new())
-            .await
+        let interrupt = CancellationToken::new();
+        let execution = if again {
+            engine
+                .execute_again(job, &events, &self.ledger, cancel, interrupt)
+                .await
+        } else {
+            engine
+                .execute(job, &events, &self.ledger, cancel, interrupt)
+                .await
+        };
+        let result = execution
             .expect("events are published")
             .expect("the run is not interrupted");
         let events = events.0.into_inner().unwrap();
@@ -613,7 +628,8 @@ async fn a_second_execution_of_a_delivered_run_runs_nothing_and_pushes_nothing()
     let runtime = || FakeRuntime::default().with(Stage::Implement, [nonce()]);
     let first = bench.run(runtime(), &job).await;
     first.assert_state(RunState::Delivered);
-    let second = bench.run(runtime(), &job).await;
+    // The broker delivers the job again (its first worker died after the push).
+    let second = bench.run_again(runtime(), &job).await;
     second.assert_state(RunState::Delivered);
     second.assert_reason(&["an earlier execution of this run delivered"]);
     assert_eq!(second.result.commit, first.result.commit);
