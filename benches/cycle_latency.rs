@@ -14,7 +14,6 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use proto::EventKind;
-use tokio_util::sync::CancellationToken;
 use worker::docker::{DockerRuntime, Identity};
 use worker::ledger::MemoryLedger;
 use worker::sink::ChannelSink;
@@ -95,8 +94,7 @@ async fn main() {
                 &job,
                 &sink,
                 &MemoryLedger::default(),
-                CancellationToken::new(),
-                CancellationToken::new(),
+                worker::RunControl::default(),
             )
             .await
     });

@@ -12,7 +12,7 @@ use worker::ledger::MemoryLedger;
 use worker::queue::{InMemoryQueue, JobQueue, Settlement};
 use worker::runtime::ContainerRuntime;
 use worker::sink::ChannelSink;
-use worker::{Engine, EngineConfig};
+use worker::{Engine, EngineConfig, RunControl};
 
 use crate::config::{LocalArgs, RunArgs};
 use crate::progress;
@@ -190,8 +190,7 @@ async fn execute(store: &Store, job: proto::Job, local: &LocalArgs) -> i32 {
                     &delivery.job,
                     &sink,
                     &MemoryLedger::default(),
-                    cancel,
-                    CancellationToken::new(),
+                    RunControl::new(cancel, CancellationToken::new()),
                 )
                 .await;
             let how = if matches!(outcome, Ok(Some(_))) {

@@ -59,6 +59,29 @@ pub const DEFAULT_PIDS_LIMIT: i64 = 512;
 /// Feedback and failure text cut for history entries.
 const TAIL_FOR_PROMPT: usize = 8 * 1024;
 
+/// How a run is steered from outside.
+#[derive(Debug, Clone, Default)]
+pub struct RunControl {
+    /// A user's cancel: the run ends `cancelled`.
+    pub cancel: CancellationToken,
+    /// A drain or a lost claim: the run stops and is handed back without an ending.
+    pub interrupt: CancellationToken,
+    /// The job was delivered again: an earlier execution may have pushed, so the delivery
+    /// branch is read before anything runs.
+    pub again: bool,
+}
+
+impl RunControl {
+    /// A run stopped by `cancel` and `interrupt`, executed for the first time.
+    pub fn new(cancel: CancellationToken, interrupt: CancellationToken) -> RunControl {
+        RunControl {
+            cancel,
+            interrupt,
+            again: false,
+        }
+    }
+}
+
 /// How the engine works; the same for every run.
 #[derive(Debug, Clone)]
 pub struct EngineConfig {
@@ -121,33 +144,22 @@ impl<R: ContainerRuntime> Engine<R> {
     /// events are published before this returns; an error means they could not be, and the
     /// job must be handed back.
     ///
-    /// `cancel` is a user's cancel: the run ends `cancelled`. `interrupt` is a worker shutting
-    /// down: the run's containers are stopped, no final event is published, and `Ok(None)` says
-    /// the job must be handed back to the queue.
+    /// `control.cancel` is a user's cancel: the run ends `cancelled`. `control.interrupt` is a
+    /// worker shutting down or losing its claim: the run's containers are stopped, no final
+    /// event is published, and `Ok(None)` says the job must be handed back to the queue.
     pub async fn execute<S: EventSink, L: ReviewLedger>(
         &self,
         job: &Job,
         sink: &S,
         ledger: &L,
-        cancel: CancellationToken,
-        interrupt: CancellationToken,
+        control: RunControl,
     ) -> Result<Option<RunResult>, PublishEvent> {
-        self.attempt(job, sink, ledger, (cancel, interrupt), false)
-            .await
-    }
-
-    /// Like [`Engine::execute`], for a job an earlier execution may have run (the broker
-    /// delivered it again): the delivery branch is read before anything runs, since that
-    /// execution may have pushed.
-    pub async fn execute_again<S: EventSink, L: ReviewLedger>(
-        &self,
-        job: &Job,
-        sink: &S,
-        ledger: &L,
-        cancel: CancellationToken,
-        interrupt: CancellationToken,
-    ) -> Result<Option<RunResult>, PublishEvent> {
-        self.attempt(job, sink, ledger, (cancel, interrupt), true)
+        let RunControl {
+            cancel,
+            interrupt,
+            again,
+        } = control;
+        self.attempt(job, sink, ledger, (cancel, interrupt), again)
             .await
     }
 

@@ -25,4 +25,4 @@ pub mod service;
 pub mod sink;
 pub mod verdict;
 
-pub use engine::{Engine, EngineConfig};
+pub use engine::{Engine, EngineConfig, RunControl};

@@ -83,6 +83,31 @@ pub fn exclusive_queue() -> QueueDeclareOptions {
     }
 }
 
+/// Whether `queue` exists, by a passive declare on `channel`, which is closed afterwards (a
+/// missing queue closes it anyway). Another connection's exclusive queue exists (it answers
+/// "locked").
+pub async fn queue_exists(channel: Channel, queue: &str) -> Result<bool, AmqpError> {
+    let passive = QueueDeclareOptions {
+        passive: true,
+        ..Default::default()
+    };
+    match channel
+        .queue_declare(queue, passive, FieldTable::default())
+        .await
+    {
+        Ok(_) => {
+            let _ = channel.close(200, "checked").await;
+            Ok(true)
+        }
+        Err(lapin::Error::ProtocolError(error)) if error.get_id() == 404 => Ok(false),
+        Err(lapin::Error::ProtocolError(error)) if error.get_id() == 405 => Ok(true),
+        Err(source) => Err(AmqpError::Broker {
+            operation: "check queue",
+            source,
+        }),
+    }
+}
+
 /// A URL with its password hidden, for messages and logs.
 pub fn redact_url(url: &str) -> String {
     match (url.find("://"), url.rfind('@')) {

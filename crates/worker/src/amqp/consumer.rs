@@ -20,7 +20,7 @@ use super::lease::{Claim, InFlight, Leases, SWEEP_INTERVAL};
 use super::ledger::AmqpLedger;
 use super::sink::{AmqpSink, ObservedSink};
 use crate::config::WorkerConfig;
-use crate::engine::Engine;
+use crate::engine::{Engine, RunControl};
 use crate::runtime::ContainerRuntime;
 
 /// Everything a run needs from the worker: its settings, the engine, and the broker's parts.
@@ -278,19 +278,12 @@ impl<R: ContainerRuntime> Jobs<R> {
         let sink = ObservedSink::new(&self.sink, &self.metrics, job);
         self.metrics.runs_in_progress().inc();
         // A lost claim, like a drain, stops the run without its final events.
-        let (cancel, lost) = (claim.cancel, claim.lost);
-        let execution = async {
-            if redelivered {
-                let engine = &self.engine;
-                engine
-                    .execute_again(job, &sink, &self.ledger, cancel, lost)
-                    .await
-            } else {
-                self.engine
-                    .execute(job, &sink, &self.ledger, cancel, lost)
-                    .await
-            }
+        let control = RunControl {
+            cancel: claim.cancel,
+            interrupt: claim.lost,
+            again: redelivered,
         };
+        let execution = self.engine.execute(job, &sink, &self.ledger, control);
         // Heartbeats go out beside the run, never in its way.
         let heartbeats =
             self.sink

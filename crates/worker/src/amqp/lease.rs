@@ -154,30 +154,8 @@ impl Leases {
 
     /// Whether a queue exists (a passive declare; a missing queue closes only its own channel).
     pub async fn exists(&self, name: &str) -> Result<bool, AmqpError> {
-        self.bounded(async {
-            let channel = self.channel().await?;
-            let passive = QueueDeclareOptions {
-                passive: true,
-                ..Default::default()
-            };
-            match channel
-                .queue_declare(name, passive, FieldTable::default())
-                .await
-            {
-                Ok(_) => {
-                    let _ = channel.close(200, "checked").await;
-                    Ok(true)
-                }
-                Err(lapin::Error::ProtocolError(error)) if error.get_id() == 404 => Ok(false),
-                // An exclusive queue of another connection exists, and is locked to us.
-                Err(lapin::Error::ProtocolError(error)) if error.get_id() == 405 => Ok(true),
-                Err(source) => Err(AmqpError::Broker {
-                    operation: "check queue",
-                    source,
-                }),
-            }
-        })
-        .await
+        self.bounded(async { amqp::queue_exists(self.channel().await?, name).await })
+            .await
     }
 
     /// Declares the run's exclusive lease queue; `false` when another live worker holds it.

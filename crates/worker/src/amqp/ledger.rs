@@ -70,19 +70,13 @@ impl AmqpLedger {
         connection: &Connection,
         queue: &str,
     ) -> Result<Option<Vec<u8>>, LedgerError> {
-        let channel = self.channel(connection).await?;
-        let passive = QueueDeclareOptions {
-            passive: true,
-            ..Default::default()
-        };
-        match channel
-            .queue_declare(queue, passive, FieldTable::default())
+        let exists = amqp::queue_exists(self.channel(connection).await?, queue)
             .await
-        {
-            Ok(_) => {}
-            Err(lapin::Error::ProtocolError(error)) if error.get_id() == 404 => return Ok(None),
-            Err(error) => return Err(LedgerError(error.to_string())),
+            .map_err(|e| LedgerError(e.to_string()))?;
+        if !exists {
+            return Ok(None);
         }
+        let channel = self.channel(connection).await?;
         let message = channel
             .basic_get(queue, lapin::options::BasicGetOptions { no_ack: false })
             .await
@@ -98,28 +92,6 @@ impl AmqpLedger {
         };
         let _ = channel.close(200, "read").await;
         Ok(body)
-    }
-
-    /// Whether `queue` exists: a passive declare on a channel of its own (a missing queue
-    /// closes only that channel; another connection's exclusive queue answers "locked").
-    async fn exists(&self, connection: &Connection, queue: &str) -> Result<bool, LedgerError> {
-        let channel = self.channel(connection).await?;
-        let passive = QueueDeclareOptions {
-            passive: true,
-            ..Default::default()
-        };
-        match channel
-            .queue_declare(queue, passive, FieldTable::default())
-            .await
-        {
-            Ok(_) => {
-                let _ = channel.close(200, "checked").await;
-                Ok(true)
-            }
-            Err(lapin::Error::ProtocolError(error)) if error.get_id() == 404 => Ok(false),
-            Err(lapin::Error::ProtocolError(error)) if error.get_id() == 405 => Ok(true),
-            Err(error) => Err(LedgerError(error.to_string())),
-        }
     }
 
     /// Replaces what `queue` holds with `body`, confirmed by the broker.
@@ -179,6 +151,42 @@ impl AmqpLedger {
         Ok(connection)
     }
 
+    /// The one message kept in `queue`, left in place; `None` when there is none.
+    async fn read(&self, queue: &str) -> Result<Option<Vec<u8>>, LedgerError> {
+        self.session(async { self.peek(&*self.connect().await?, queue).await })
+            .await
+    }
+
+    /// Replaces what `queue` holds with `body`.
+    async fn write(&self, queue: &str, body: &[u8]) -> Result<(), LedgerError> {
+        self.session(async { self.keep(&*self.connect().await?, queue, body).await })
+            .await
+    }
+
+    /// Deletes `queue`.
+    async fn remove(&self, queue: &str) -> Result<(), LedgerError> {
+        self.session(async { self.delete(&*self.connect().await?, queue).await })
+            .await
+    }
+
+    /// Whether any of `queues` exists.
+    async fn any_exists(&self, queues: &[String]) -> Result<bool, LedgerError> {
+        self.session(async {
+            let connection = self.connect().await?;
+            for queue in queues {
+                let channel = self.channel(&connection).await?;
+                let exists = amqp::queue_exists(channel, queue)
+                    .await
+                    .map_err(|e| LedgerError(e.to_string()))?;
+                if exists {
+                    return Ok(true);
+                }
+            }
+            Ok(false)
+        })
+        .await
+    }
+
     /// Closes the kept connection with a goodbye (at shutdown).
     pub async fn close(&self) {
         if let Some(connection) = self.connection.lock().await.take() {
@@ -189,75 +197,32 @@ impl AmqpLedger {
 
 impl ReviewLedger for AmqpLedger {
     async fn lookup(&self, run_id: &str) -> Result<Entry, LedgerError> {
-        self.session(async {
-            let connection = self.connect().await?;
-            let intent = self
-                .peek(&connection, &self.topology.review_intent(run_id))
-                .await?;
-            let receipt = self
-                .peek(&connection, &self.topology.review_receipt(run_id))
-                .await?;
-            Ok(Entry {
-                intent: intent.map(|tree| String::from_utf8_lossy(&tree).to_string()),
-                receipt: receipt
-                    .and_then(|body| proto::decode_message(&body, MAX_RECEIPT_BYTES).ok()),
-            })
+        let intent = self.read(&self.topology.review_intent(run_id)).await?;
+        let receipt = self.read(&self.topology.review_receipt(run_id)).await?;
+        Ok(Entry {
+            intent: intent.map(|tree| String::from_utf8_lossy(&tree).to_string()),
+            receipt: receipt.and_then(|body| proto::decode_message(&body, MAX_RECEIPT_BYTES).ok()),
         })
-        .await
     }
 
     async fn intent(&self, run_id: &str, tree: &str) -> Result<(), LedgerError> {
-        self.session(async {
-            let connection = self.connect().await?;
-            let kept = self
-                .keep(
-                    &connection,
-                    &self.topology.review_intent(run_id),
-                    tree.as_bytes(),
-                )
-                .await;
-            kept
-        })
-        .await
+        self.write(&self.topology.review_intent(run_id), tree.as_bytes())
+            .await
     }
 
     async fn receipt(&self, run_id: &str, receipt: &Receipt) -> Result<(), LedgerError> {
         let body = serde_json::to_vec(receipt).map_err(|e| LedgerError(e.to_string()))?;
-        self.session(async {
-            let connection = self.connect().await?;
-            let kept = async {
-                self.keep(&connection, &self.topology.review_receipt(run_id), &body)
-                    .await?;
-                self.delete(&connection, &self.topology.review_intent(run_id))
-                    .await
-            }
-            .await;
-            kept
-        })
-        .await
+        self.write(&self.topology.review_receipt(run_id), &body)
+            .await?;
+        self.remove(&self.topology.review_intent(run_id)).await
     }
 
     async fn clear(&self, run_id: &str) -> Result<(), LedgerError> {
-        self.session(async {
-            let connection = self.connect().await?;
-            let deleted = self
-                .delete(&connection, &self.topology.review_intent(run_id))
-                .await;
-            deleted
-        })
-        .await
+        self.remove(&self.topology.review_intent(run_id)).await
     }
 
     async fn progress(&self, run_id: &str) -> Result<Option<Checkpoint>, LedgerError> {
-        let body = self
-            .session(async {
-                let connection = self.connect().await?;
-                let body = self
-                    .peek(&connection, &self.topology.progress(run_id))
-                    .await;
-                body
-            })
-            .await?;
+        let body = self.read(&self.topology.progress(run_id)).await?;
         // An unreadable progress message (another version) is no progress: the run starts over.
         Ok(body
             .and_then(|body| proto::decode_message::<Progress>(&body, MAX_PROGRESS_BYTES).ok())
@@ -277,38 +242,15 @@ impl ReviewLedger for AmqpLedger {
             checkpoint: checkpoint.clone(),
         };
         let body = serde_json::to_vec(&progress).map_err(|e| LedgerError(e.to_string()))?;
-        self.session(async {
-            let connection = self.connect().await?;
-            let kept = self
-                .keep(&connection, &self.topology.progress(run_id), &body)
-                .await;
-            kept
-        })
-        .await
+        self.write(&self.topology.progress(run_id), &body).await
     }
 
     async fn clear_progress(&self, run_id: &str) -> Result<(), LedgerError> {
-        self.session(async {
-            let connection = self.connect().await?;
-            let deleted = self
-                .delete(&connection, &self.topology.progress(run_id))
-                .await;
-            deleted
-        })
-        .await
+        self.remove(&self.topology.progress(run_id)).await
     }
 
     async fn run_unfinished(&self, run_id: &str) -> Result<bool, LedgerError> {
-        self.session(async {
-            let connection = self.connect().await?;
-            let leased = self
-                .exists(&connection, &self.topology.lease(run_id))
-                .await?;
-            let progressing = self
-                .exists(&connection, &self.topology.progress(run_id))
-                .await?;
-            Ok(leased || progressing)
-        })
-        .await
+        let queues = [self.topology.lease(run_id), self.topology.progress(run_id)];
+        self.any_exists(&queues).await
     }
 }

@@ -8,7 +8,7 @@ use std::sync::Mutex;
 use proto::{Event, EventKind, Job, RunResult, RunState, Stage, StageOutcome};
 use tokio_util::sync::CancellationToken;
 
-use super::{Engine, EngineConfig, EXIT_PAUSED};
+use super::{Engine, EngineConfig, RunControl, EXIT_PAUSED};
 use crate::fake::{Act, FakeRuntime};
 use crate::ledger::{MemoryLedger, ReviewLedger};
 use crate::sink::{EventSink, PublishEvent};
@@ -168,16 +168,14 @@ impl Bench {
         let engine = Engine::new(std::sync::Arc::clone(&runtime), config);
         let events = Events::default();
         let interrupt = CancellationToken::new();
-        let execution = if again {
-            engine
-                .execute_again(job, &events, &self.ledger, cancel, interrupt)
-                .await
-        } else {
-            engine
-                .execute(job, &events, &self.ledger, cancel, interrupt)
-                .await
+        let control = RunControl {
+            cancel,
+            interrupt,
+            again,
         };
-        let result = execution
+        let result = engine
+            .execute(job, &events, &self.ledger, control)
+            .await
             .expect("events are published")
             .expect("the run is not interrupted");
         let events = events.0.into_inner().unwrap();
@@ -705,7 +703,12 @@ async fn a_lost_claim_stops_the_stage_and_publishes_no_ending() {
     };
     let ledger = MemoryLedger::default();
     let ended = engine
-        .execute(&job, &events, &ledger, CancellationToken::new(), lost)
+        .execute(
+            &job,
+            &events,
+            &ledger,
+            RunControl::new(CancellationToken::new(), lost),
+        )
         .await
         .expect("events are published");
     losing.await.unwrap();
@@ -752,8 +755,7 @@ async fn a_handed_over_run_continues_after_its_last_completed_stage() {
             &job,
             &events,
             &bench.ledger,
-            CancellationToken::new(),
-            drained,
+            RunControl::new(CancellationToken::new(), drained),
         )
         .await
         .expect("events are published");
