@@ -200,6 +200,49 @@ async fn a_run_survives_ten_hand_overs_and_is_delivered_once() {
     cluster.delete_queues().await;
 }
 
+/// Catches: a store outage at the end of a run that turns its final events into "unknown run"
+/// dead letters, leaving the run `running` for ever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_store_outage_during_the_final_events_loses_nothing() {
+    let database = common::postgres::TestDatabase::create().await;
+    let fixture = Fixture::new(Some(REVIEW), &["sleep", "4"], &["approve"]);
+    let options = common::cluster::Options {
+        database: Some(database.url.clone()),
+        ..Default::default()
+    };
+    let cluster = Cluster::start_with(fixture, 1, 1, None, options).await;
+    let id = cluster.submit("OUTAGE-1").await;
+    let started = std::time::Instant::now();
+    while cluster.run(&id).await["state"] != "running" {
+        assert!(started.elapsed() < Duration::from_secs(30), "{}", cluster.logs());
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // PostgreSQL goes away while the implementer sleeps, and comes back 10 s later: the run's
+    // last stage and its final events arrive meanwhile.
+    let _restart = scopeguard(|| postgres("start"));
+    postgres("stop");
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    postgres("start");
+    let views = cluster
+        .wait_terminal(std::slice::from_ref(&id), Duration::from_secs(120))
+        .await;
+    assert_eq!(views[0]["state"], "delivered", "{}", cluster.logs());
+    assert_eq!(cluster.pushes("forge/outage-1"), 1);
+    let dead = cluster.logs();
+    assert!(!dead.contains("event for unknown run"), "an event was dead-lettered\n{dead}");
+    cluster.delete_queues().await;
+    database.drop_database().await;
+}
+
+/// Stops or starts the machine's PostgreSQL cluster.
+fn postgres(action: &str) {
+    let output = common::output_within(
+        Command::new("pg_ctlcluster").args(["15", "main", action]),
+        Duration::from_secs(60),
+    );
+    assert!(output.status.success() || action == "start", "pg_ctlcluster {action}: {output:?}");
+}
+
 /// Runs `f` when dropped, so a failed assertion still restores the broker's setting.
 fn scopeguard<F: FnOnce()>(f: F) -> impl Drop {
     struct Guard<F: FnOnce()>(Option<F>);
