@@ -214,7 +214,11 @@ async fn a_store_outage_during_the_final_events_loses_nothing() {
     let id = cluster.submit("OUTAGE-1").await;
     let started = std::time::Instant::now();
     while cluster.run(&id).await["state"] != "running" {
-        assert!(started.elapsed() < Duration::from_secs(30), "{}", cluster.logs());
+        assert!(
+            started.elapsed() < Duration::from_secs(30),
+            "{}",
+            cluster.logs()
+        );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     // PostgreSQL goes away while the implementer sleeps, and comes back 10 s later: the run's
@@ -229,7 +233,10 @@ async fn a_store_outage_during_the_final_events_loses_nothing() {
     assert_eq!(views[0]["state"], "delivered", "{}", cluster.logs());
     assert_eq!(cluster.pushes("forge/outage-1"), 1);
     let dead = cluster.logs();
-    assert!(!dead.contains("event for unknown run"), "an event was dead-lettered\n{dead}");
+    assert!(
+        !dead.contains("event for unknown run"),
+        "an event was dead-lettered\n{dead}"
+    );
     cluster.delete_queues().await;
     database.drop_database().await;
 }
@@ -240,7 +247,10 @@ fn postgres(action: &str) {
         Command::new("pg_ctlcluster").args(["15", "main", action]),
         Duration::from_secs(60),
     );
-    assert!(output.status.success() || action == "start", "pg_ctlcluster {action}: {output:?}");
+    assert!(
+        output.status.success() || action == "start",
+        "pg_ctlcluster {action}: {output:?}"
+    );
 }
 
 /// Runs `f` when dropped, so a failed assertion still restores the broker's setting.
