@@ -241,6 +241,59 @@ async fn a_store_outage_during_the_final_events_loses_nothing() {
     database.drop_database().await;
 }
 
+/// Catches: a cancel lost because the broker (and so the worker's control consumer) was away
+/// when it was sent: it is stored first, and told again when the worker next reports the run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cancel_sent_while_the_broker_is_away_still_stops_the_run() {
+    let fixture = Fixture::new(Some(REVIEW), &["sleep", "90"], &["approve"]);
+    let cluster = Cluster::start(fixture, 1, 1, None).await;
+    let id = cluster.submit("AWAY-1").await;
+    let started = std::time::Instant::now();
+    while cluster.run(&id).await["state"] != "running" || containers(&id) == 0 {
+        assert!(
+            started.elapsed() < Duration::from_secs(30),
+            "{}",
+            cluster.logs()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let _restart = scopeguard(|| rabbitmqctl(&["start_app"]));
+    rabbitmqctl(&["stop_app"]);
+    let response = cluster
+        .request(reqwest::Method::POST, &format!("/v1/runs/{id}/cancel"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 202, "stored even with the broker away");
+    let body: serde_json::Value = response.json().await.unwrap();
+    assert_eq!(body["cancel"], "requested");
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    rabbitmqctl(&["start_app"]);
+    rabbitmqctl(&["await_startup"]);
+    // The stage sleeps 90 s: the run ends well before only if the worker heard the cancel.
+    let views = cluster
+        .wait_terminal(std::slice::from_ref(&id), Duration::from_secs(60))
+        .await;
+    assert_eq!(views[0]["state"], "cancelled", "{}", cluster.logs());
+    assert_eq!(containers(&id), 0, "the stage was stopped");
+    assert_eq!(cluster.pushes("forge/away-1"), 0);
+    cluster.delete_queues().await;
+}
+
+/// Containers of a run on the engine.
+fn containers(run_id: &str) -> usize {
+    let output = common::output_within(
+        Command::new("docker").args([
+            "ps",
+            "-aq",
+            "--filter",
+            &format!("label=forgepool.run_id={run_id}"),
+        ]),
+        common::COMMAND_LIMIT,
+    );
+    String::from_utf8_lossy(&output.stdout).lines().count()
+}
+
 /// Stops or starts the machine's PostgreSQL cluster.
 fn postgres(action: &str) {
     let output = common::output_within(
