@@ -6,7 +6,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::cluster::{Cluster, Options};
+use common::cluster::{container_count, Cluster, Options};
 use common::postgres::TestDatabase;
 use common::Fixture;
 
@@ -325,19 +325,8 @@ async fn a_repeated_submission_with_the_same_key_makes_one_run() {
         .submit_message(&serde_json::to_vec(&later).unwrap(), "msg-2")
         .await;
     cluster.run_of_ticket("ONCE-3").await;
-    let list: serde_json::Value = cluster
-        .request(reqwest::Method::GET, "/v1/runs?ticket=ONCE-2")
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
-    assert_eq!(
-        list["runs"].as_array().unwrap().len(),
-        1,
-        "msg-1 sent twice made one run: {list}"
-    );
+    let runs = cluster.runs_of_ticket("ONCE-2").await;
+    assert_eq!(runs.len(), 1, "msg-1 sent twice made one run: {runs:?}");
     cluster.delete_queues().await;
 }
 
@@ -544,21 +533,8 @@ async fn cancelling_a_running_run_stops_its_container() {
     let fixture = Fixture::new(Some(REVIEW), &["sleep", "60"], &["approve"]);
     let cluster = Cluster::start(fixture, 1, 1, None).await;
     let id = cluster.submit("STOP-1").await;
-    let started = std::time::Instant::now();
-    while container_count(&id) == 0 {
-        assert!(
-            started.elapsed() < Duration::from_secs(30),
-            "the run never started\n{}",
-            cluster.logs()
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    let response = cluster
-        .request(reqwest::Method::POST, &format!("/v1/runs/{id}/cancel"))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(response.status(), 202);
+    cluster.wait_running(&id).await;
+    assert_eq!(cluster.cancel(&id).await.0, 202);
     let views = cluster
         .wait_terminal(std::slice::from_ref(&id), Duration::from_secs(30))
         .await;
@@ -578,13 +554,8 @@ async fn a_cancel_no_worker_heard_still_stops_the_worker_that_takes_the_run() {
     let fixture = Fixture::new(Some(REVIEW), &["sleep", "30"], &["approve"]);
     let mut cluster = Cluster::start(fixture, 0, 1, None).await;
     let id = cluster.submit("LATE-1").await;
-    let response = cluster
-        .request(reqwest::Method::POST, &format!("/v1/runs/{id}/cancel"))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(response.status(), 202);
-    let body: serde_json::Value = response.json().await.unwrap();
+    let (status, body) = cluster.cancel(&id).await;
+    assert_eq!(status, 202);
     assert_eq!(body["cancel"], "done", "a queued run is cancelled at once");
     assert_eq!(cluster.run(&id).await["state"], "cancelled");
     // The job is still on the queue; the worker that takes it hears the stored cancel when it
@@ -633,13 +604,8 @@ async fn cancelling_a_paused_run_ends_it_at_once() {
     let cluster = Cluster::start(fixture, 1, 1, None).await;
     let id = cluster.submit("HALT-1").await;
     wait_state(&cluster, &id, "paused").await;
-    let response = cluster
-        .request(reqwest::Method::POST, &format!("/v1/runs/{id}/cancel"))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(response.status(), 202);
-    let body: serde_json::Value = response.json().await.unwrap();
+    let (status, body) = cluster.cancel(&id).await;
+    assert_eq!(status, 202);
     assert_eq!(body["cancel"], "done");
     let view = cluster.run(&id).await;
     assert_eq!(view["state"], "cancelled", "{view}");
@@ -650,20 +616,6 @@ async fn cancelling_a_paused_run_ends_it_at_once() {
         .unwrap();
     assert_eq!(resume.status(), 409, "a cancelled run is not resumed");
     cluster.delete_queues().await;
-}
-
-/// Containers of a run on the engine.
-fn container_count(run_id: &str) -> usize {
-    let output = common::output_within(
-        std::process::Command::new("docker").args([
-            "ps",
-            "-aq",
-            "--filter",
-            &format!("label=forgepool.run_id={run_id}"),
-        ]),
-        common::COMMAND_LIMIT,
-    );
-    String::from_utf8_lossy(&output.stdout).lines().count()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -854,12 +806,23 @@ async fn the_final_review_ledger_on_the_broker_keeps_intents_and_receipts() {
         &uuid::Uuid::new_v4().simple().to_string()[..8]
     ));
     let publisher = std::sync::Arc::new(proto::amqp::Publisher::new(url, "ledger-test").unwrap());
-    let ledger = AmqpLedger::new(url, topology.clone(), std::sync::Arc::clone(&publisher));
+    let key = proto::JobKey::new("ledger-test-key-0123456789abcdef").unwrap();
+    let ledger = AmqpLedger::new(
+        url,
+        topology.clone(),
+        std::sync::Arc::clone(&publisher),
+        key.clone(),
+    );
     let run = uuid::Uuid::new_v4().to_string();
     assert_eq!(ledger.lookup(&run).await.unwrap().unknown_outcome(), None);
     ledger.intent(&run, "tree-a").await.unwrap();
     // Another worker, with connections of its own, sees it.
-    let other = AmqpLedger::new(url, topology.clone(), publisher);
+    let other = AmqpLedger::new(
+        url,
+        topology.clone(),
+        std::sync::Arc::clone(&publisher),
+        key.clone(),
+    );
     assert_eq!(
         other.lookup(&run).await.unwrap().unknown_outcome(),
         Some("tree-a")
@@ -895,13 +858,73 @@ async fn the_final_review_ledger_on_the_broker_keeps_intents_and_receipts() {
         Some(&receipt),
         "the receipt stays"
     );
-    // Clean up the test's queues.
+    // Catches: a ledger that trusts what anyone with broker access writes. An intent written
+    // unsigned, or signed with another key, is not read back (it would block the run), and
+    // neither is a receipt moved from another run's queue.
+    let forger = AmqpLedger::new(
+        url,
+        topology.clone(),
+        std::sync::Arc::clone(&publisher),
+        proto::JobKey::new("not-the-cluster-key-0123456789ab").unwrap(),
+    );
+    let forged = uuid::Uuid::new_v4().to_string();
+    forger.intent(&forged, "tree-x").await.unwrap();
+    assert_eq!(ledger.lookup(&forged).await.unwrap().intent, None);
+    publisher
+        .publish("", &topology.review_intent(&forged), b"tree-y", None)
+        .await
+        .unwrap();
+    assert_eq!(ledger.lookup(&forged).await.unwrap().intent, None);
+    let moved = uuid::Uuid::new_v4().to_string();
+    ledger.receipt(&moved, &receipt).await.unwrap();
     let connection = lapin::Connection::connect(url, lapin::ConnectionProperties::default())
         .await
         .unwrap();
     let channel = connection.create_channel().await.unwrap();
-    for queue in [topology.review_intent(&run), topology.review_receipt(&run)] {
-        let _ = channel.queue_delete(&queue, Default::default()).await;
+    channel
+        .queue_declare(
+            &topology.review_receipt(&forged),
+            lapin::options::QueueDeclareOptions::default(),
+            Default::default(),
+        )
+        .await
+        .unwrap();
+    // `moved`'s genuine receipt message, signature and all, copied into `forged`'s queue.
+    let genuine = channel
+        .basic_get(
+            &topology.review_receipt(&moved),
+            lapin::options::BasicGetOptions { no_ack: true },
+        )
+        .await
+        .unwrap()
+        .expect("the receipt is kept");
+    let signature = proto::amqp::header_text(&genuine.delivery.properties, proto::SIGNATURE_HEADER)
+        .expect("ledger messages are signed");
+    for queue in [
+        topology.review_receipt(&forged),
+        topology.review_receipt(&moved),
+    ] {
+        publisher
+            .publish(
+                "",
+                &queue,
+                &genuine.delivery.data,
+                Some(proto::amqp::signature_headers(signature.clone())),
+            )
+            .await
+            .unwrap();
+    }
+    assert_eq!(ledger.lookup(&forged).await.unwrap().receipt, None);
+    assert_eq!(
+        ledger.lookup(&moved).await.unwrap().receipt,
+        Some(receipt.clone()),
+        "the genuine receipt is read"
+    );
+    // Clean up the test's queues.
+    for run in [&run, &forged, &moved] {
+        for queue in [topology.review_intent(run), topology.review_receipt(run)] {
+            let _ = channel.queue_delete(&queue, Default::default()).await;
+        }
     }
 }
 

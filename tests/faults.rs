@@ -7,7 +7,7 @@ mod common;
 use std::process::Command;
 use std::time::Duration;
 
-use common::cluster::Cluster;
+use common::cluster::{container_count, Cluster};
 use common::Fixture;
 
 const REVIEW: &str = "---\nmax_retries: 2\n---\n# Check\n";
@@ -121,17 +121,9 @@ async fn sigterm_drains_a_worker_and_hands_its_run_back() {
         "the worker exits cleanly after draining\n{}",
         cluster.logs()
     );
-    let output = common::output_within(
-        std::process::Command::new("docker").args([
-            "ps",
-            "-aq",
-            "--filter",
-            &format!("label=forgepool.run_id={id}"),
-        ]),
-        common::COMMAND_LIMIT,
-    );
-    assert!(
-        String::from_utf8_lossy(&output.stdout).trim().is_empty(),
+    assert_eq!(
+        container_count(&id),
+        0,
         "the drained worker left its container"
     );
     cluster.start_worker("after", 1);
@@ -212,15 +204,7 @@ async fn a_store_outage_during_the_final_events_loses_nothing() {
     };
     let cluster = Cluster::start_with(fixture, 1, 1, None, options).await;
     let id = cluster.submit("OUTAGE-1").await;
-    let started = std::time::Instant::now();
-    while cluster.run(&id).await["state"] != "running" {
-        assert!(
-            started.elapsed() < Duration::from_secs(30),
-            "{}",
-            cluster.logs()
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    cluster.wait_running(&id).await;
     // PostgreSQL goes away while the implementer sleeps, and comes back 10 s later: the run's
     // last stage and its final events arrive meanwhile.
     let _restart = scopeguard(|| postgres("start"));
@@ -248,24 +232,11 @@ async fn a_cancel_sent_while_the_broker_is_away_still_stops_the_run() {
     let fixture = Fixture::new(Some(REVIEW), &["sleep", "90"], &["approve"]);
     let cluster = Cluster::start(fixture, 1, 1, None).await;
     let id = cluster.submit("AWAY-1").await;
-    let started = std::time::Instant::now();
-    while cluster.run(&id).await["state"] != "running" || containers(&id) == 0 {
-        assert!(
-            started.elapsed() < Duration::from_secs(30),
-            "{}",
-            cluster.logs()
-        );
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    cluster.wait_running(&id).await;
     let _restart = scopeguard(|| rabbitmqctl(&["start_app"]));
     rabbitmqctl(&["stop_app"]);
-    let response = cluster
-        .request(reqwest::Method::POST, &format!("/v1/runs/{id}/cancel"))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(response.status(), 202, "stored even with the broker away");
-    let body: serde_json::Value = response.json().await.unwrap();
+    let (status, body) = cluster.cancel(&id).await;
+    assert_eq!(status, 202, "stored even with the broker away");
     assert_eq!(body["cancel"], "requested");
     tokio::time::sleep(Duration::from_secs(3)).await;
     rabbitmqctl(&["start_app"]);
@@ -275,23 +246,9 @@ async fn a_cancel_sent_while_the_broker_is_away_still_stops_the_run() {
         .wait_terminal(std::slice::from_ref(&id), Duration::from_secs(60))
         .await;
     assert_eq!(views[0]["state"], "cancelled", "{}", cluster.logs());
-    assert_eq!(containers(&id), 0, "the stage was stopped");
+    assert_eq!(container_count(&id), 0, "the stage was stopped");
     assert_eq!(cluster.pushes("forge/away-1"), 0);
     cluster.delete_queues().await;
-}
-
-/// Containers of a run on the engine.
-fn containers(run_id: &str) -> usize {
-    let output = common::output_within(
-        Command::new("docker").args([
-            "ps",
-            "-aq",
-            "--filter",
-            &format!("label=forgepool.run_id={run_id}"),
-        ]),
-        common::COMMAND_LIMIT,
-    );
-    String::from_utf8_lossy(&output.stdout).lines().count()
 }
 
 /// Stops or starts the machine's PostgreSQL cluster.

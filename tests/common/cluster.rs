@@ -272,15 +272,8 @@ impl Cluster {
     pub async fn run_of_ticket(&self, ticket: &str) -> String {
         let started = Instant::now();
         loop {
-            let list: serde_json::Value = self
-                .request(reqwest::Method::GET, &format!("/v1/runs?ticket={ticket}"))
-                .send()
-                .await
-                .unwrap()
-                .json()
-                .await
-                .unwrap();
-            if let Some(id) = list["runs"][0]["run_id"].as_str() {
+            let runs = self.runs_of_ticket(ticket).await;
+            if let Some(id) = runs.first().and_then(|run| run["run_id"].as_str()) {
                 return id.to_string();
             }
             assert!(
@@ -386,6 +379,43 @@ impl Cluster {
             .text()
             .await
             .unwrap()
+    }
+
+    /// The stored runs of `ticket`, newest first.
+    pub async fn runs_of_ticket(&self, ticket: &str) -> Vec<serde_json::Value> {
+        let list: serde_json::Value = self
+            .request(reqwest::Method::GET, &format!("/v1/runs?ticket={ticket}"))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        list["runs"].as_array().cloned().unwrap_or_default()
+    }
+
+    /// Asks the API to cancel a run: the status and the answer.
+    pub async fn cancel(&self, run_id: &str) -> (reqwest::StatusCode, serde_json::Value) {
+        let response = self
+            .request(reqwest::Method::POST, &format!("/v1/runs/{run_id}/cancel"))
+            .send()
+            .await
+            .unwrap();
+        let status = response.status();
+        (status, response.json().await.unwrap_or_default())
+    }
+
+    /// Waits up to 30 s until the run is `running` and one of its containers exists.
+    pub async fn wait_running(&self, run_id: &str) {
+        let started = Instant::now();
+        while self.run(run_id).await["state"] != "running" || container_count(run_id) == 0 {
+            assert!(
+                started.elapsed() < Duration::from_secs(30),
+                "run {run_id} never started a stage\n{}",
+                self.logs()
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
     }
 
     /// What a run's event stream sends within `limit` (a live run's stream does not end).
@@ -786,4 +816,18 @@ fn thread_lines(backtraces: &str) -> Vec<(String, usize)> {
         }
     }
     lines
+}
+
+/// The containers of a run on the engine.
+pub fn container_count(run_id: &str) -> usize {
+    let output = super::output_within(
+        Command::new("docker").args([
+            "ps",
+            "-aq",
+            "--filter",
+            &format!("label=forgepool.run_id={run_id}"),
+        ]),
+        super::COMMAND_LIMIT,
+    );
+    String::from_utf8_lossy(&output.stdout).lines().count()
 }

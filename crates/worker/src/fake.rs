@@ -68,7 +68,6 @@ pub struct FakeRuntime {
     started: Mutex<Vec<StageSpec>>,
     /// The prompt each stage found in `/forge/input/prompt.md` (empty without one).
     prompts: Mutex<Vec<String>>,
-    removed_instances: Mutex<HashSet<String>>,
 }
 
 impl FakeRuntime {
@@ -234,11 +233,7 @@ impl ContainerRuntime for FakeRuntime {
         Ok(HashSet::new())
     }
 
-    async fn remove_instance(&self, instance: &str) -> Result<usize, RuntimeError> {
-        self.removed_instances
-            .lock()
-            .unwrap()
-            .insert(instance.to_string());
+    async fn remove_instance(&self, _instance: &str) -> Result<usize, RuntimeError> {
         Ok(0)
     }
 

@@ -50,7 +50,12 @@ pub async fn run<R: ContainerRuntime>(
             config.publish_deadline,
         ),
         slots: Arc::new(Semaphore::new(config.concurrency)),
-        ledger: AmqpLedger::new(&config.amqp_url, topology.clone(), Arc::clone(&publisher)),
+        ledger: AmqpLedger::new(
+            &config.amqp_url,
+            topology.clone(),
+            Arc::clone(&publisher),
+            config.job_key.clone(),
+        ),
         leases: Leases::new(
             &config.amqp_url,
             topology.clone(),

@@ -6,9 +6,20 @@ use lapin::options::{QueueDeclareOptions, QueueDeleteOptions};
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{Channel, Connection};
 use proto::amqp::{self, Publisher, Topology};
-use proto::{Checkpoint, Progress};
+use proto::{Checkpoint, JobKey, Progress};
+use tracing::warn;
 
 use crate::ledger::{Entry, LedgerError, Receipt, ReviewLedger};
+
+/// What a ledger message's signature covers: its queue and its body, so that a message
+/// signed for one run cannot be moved to another's queue.
+fn bound(queue: &str, body: &[u8]) -> Vec<u8> {
+    let mut signed = Vec::with_capacity(queue.len() + 1 + body.len());
+    signed.extend_from_slice(queue.as_bytes());
+    signed.push(b'\n');
+    signed.extend_from_slice(body);
+    signed
+}
 
 /// The largest progress message read back: a checkpoint's patch and the loop's state.
 const MAX_PROGRESS_BYTES: usize = proto::MAX_JOB_BYTES;
@@ -27,6 +38,10 @@ pub struct AmqpLedger {
     amqp_url: String,
     topology: Topology,
     publisher: Arc<Publisher>,
+    /// Signs what the ledger keeps, and checks what it reads back: only a worker of the
+    /// cluster may write an intent, a receipt or a run's progress (a forged progress could
+    /// skip a run's review).
+    key: JobKey,
     /// One connection, kept across operations (the run's progress is kept after every
     /// stage) and opened again after a failure.
     connection: Arc<tokio::sync::Mutex<Option<Arc<Connection>>>>,
@@ -34,11 +49,17 @@ pub struct AmqpLedger {
 
 impl AmqpLedger {
     /// A ledger on the broker at `amqp_url`, publishing through `publisher`.
-    pub fn new(amqp_url: &str, topology: Topology, publisher: Arc<Publisher>) -> AmqpLedger {
+    pub fn new(
+        amqp_url: &str,
+        topology: Topology,
+        publisher: Arc<Publisher>,
+        key: JobKey,
+    ) -> AmqpLedger {
         AmqpLedger {
             amqp_url: amqp_url.to_string(),
             topology,
             publisher,
+            key,
             connection: Arc::default(),
         }
     }
@@ -64,7 +85,8 @@ impl AmqpLedger {
             .map_err(|e| LedgerError(e.to_string()))
     }
 
-    /// The one message kept in `queue`, left in place; `None` when the queue does not exist.
+    /// The one message kept in `queue`, left in place; `None` when the queue does not exist
+    /// or its message is not signed with the cluster's key for this queue.
     async fn peek(
         &self,
         connection: &Connection,
@@ -86,7 +108,18 @@ impl AmqpLedger {
                 amqp::requeue(&message.delivery)
                     .await
                     .map_err(LedgerError)?;
-                Some(message.delivery.data)
+                let delivery = message.delivery;
+                let signature = amqp::header_text(&delivery.properties, proto::SIGNATURE_HEADER);
+                match self
+                    .key
+                    .verify(&bound(queue, &delivery.data), signature.as_deref())
+                {
+                    Ok(()) => Some(delivery.data),
+                    Err(reason) => {
+                        warn!(%queue, %reason, "ignoring a ledger message not signed by the cluster");
+                        None
+                    }
+                }
             }
             None => None,
         };
@@ -117,8 +150,9 @@ impl AmqpLedger {
             .await
             .map_err(|e| LedgerError(e.to_string()))?;
         let _ = channel.close(200, "declared").await;
+        let signature = self.key.sign(&bound(queue, body));
         self.publisher
-            .publish("", queue, body, None)
+            .publish("", queue, body, Some(amqp::signature_headers(signature)))
             .await
             .map_err(|e| LedgerError(e.to_string()))
     }

@@ -152,6 +152,24 @@ impl<'a> RunContext<'a> {
     }
 
     /// Commits `tree` on the base and makes a fresh copy of it at `dest`; returns the commit.
+    /// What a reviewer gets: a fresh copy of `tree` at `copy` (mounted read-only), and its
+    /// stage folders with `prompt` and the change from the base as a diff. Returns the
+    /// stage folder.
+    pub(super) async fn review_folders(
+        &mut self,
+        stage: Stage,
+        tree: &str,
+        copy: &Path,
+        prompt: &str,
+    ) -> Result<PathBuf, String> {
+        let commit = self.fresh_copy(tree, copy).await?;
+        let diff = git::diff(&self.repo, &self.base, &commit)
+            .await
+            .unwrap_or_default();
+        self.stage_dirs(stage, prompt, Some(&format!("{diff}\n")))
+            .await
+    }
+
     pub(super) async fn fresh_copy(&self, tree: &str, dest: &Path) -> Result<String, String> {
         let _ = remove_dir(dest).await;
         let message = format!("forgepool candidate for {}", self.job.ticket);

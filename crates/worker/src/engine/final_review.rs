@@ -79,16 +79,9 @@ impl<R: ContainerRuntime> Engine<R> {
             });
         };
         let copy = run.root.join("final-review");
-        let commit = match run.fresh_copy(tree, &copy).await {
-            Ok(commit) => commit,
-            Err(error) => return Ok(Input::StageFailed { reason: error }),
-        };
-        let diff = git::diff(&run.repo, &run.base, &commit)
-            .await
-            .unwrap_or_default();
         let prompt = prompt::final_review(&job.brief, &passed_checks(run));
         let stage_dir = match run
-            .stage_dirs(Stage::FinalReview, &prompt, Some(&format!("{diff}\n")))
+            .review_folders(Stage::FinalReview, tree, &copy, &prompt)
             .await
         {
             Ok(dir) => dir,
@@ -98,19 +91,17 @@ impl<R: ContainerRuntime> Engine<R> {
         let round = run.rounds.last().map_or(0, |r| r.round);
         let prepared = self.prepare_stage(
             run,
-            StageRequest {
-                place: StagePlace {
+            StageRequest::agent(
+                StagePlace {
                     stage: Stage::FinalReview,
                     round,
                     cycle: None,
                 },
                 profile,
-                command: profile.command.clone(),
                 mounts,
-                network: profile.network,
-                timeout_seconds: profile.timeout_seconds,
-                forge_cycle: 0,
-            },
+                profile.timeout_seconds,
+                0,
+            ),
         );
         let output = match self.run_stage(run, sink, cancel, prepared, None).await? {
             Ok(output) => output,

@@ -19,19 +19,17 @@ impl<R: ContainerRuntime> Engine<R> {
         let mounts = agent_mounts(&run.repo.work_tree, false, &stage_dir);
         Ok(self.prepare_stage(
             run,
-            StageRequest {
-                place: StagePlace {
+            StageRequest::agent(
+                StagePlace {
                     stage: Stage::Implement,
                     round,
                     cycle: None,
                 },
                 profile,
-                command: profile.command.clone(),
                 mounts,
-                network: profile.network,
-                timeout_seconds: profile.timeout_seconds,
-                forge_cycle: cycles_used + 1,
-            },
+                profile.timeout_seconds,
+                cycles_used + 1,
+            ),
         ))
     }
 

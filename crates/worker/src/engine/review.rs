@@ -21,16 +21,9 @@ impl<R: ContainerRuntime> Engine<R> {
         };
         tracing::Span::current().record("cycle", cycle);
         let copy = run.root.join(format!("review-{cycle}"));
-        let commit = match run.fresh_copy(tree, &copy).await {
-            Ok(commit) => commit,
-            Err(error) => return Ok(Input::StageFailed { reason: error }),
-        };
-        let diff = git::diff(&run.repo, &run.base, &commit)
-            .await
-            .unwrap_or_default();
         let prompt = prompt::review(&review.instructions, &job.brief);
         let stage_dir = match run
-            .stage_dirs(Stage::Review, &prompt, Some(&format!("{diff}\n")))
+            .review_folders(Stage::Review, tree, &copy, &prompt)
             .await
         {
             Ok(dir) => dir,
@@ -39,19 +32,17 @@ impl<R: ContainerRuntime> Engine<R> {
         let mounts = agent_mounts(&copy, true, &stage_dir);
         let prepared = self.prepare_stage(
             run,
-            StageRequest {
-                place: StagePlace {
+            StageRequest::agent(
+                StagePlace {
                     stage: Stage::Review,
                     round,
                     cycle: Some(cycle),
                 },
                 profile,
-                command: profile.command.clone(),
                 mounts,
-                network: profile.network,
-                timeout_seconds: review.timeout_seconds,
-                forge_cycle: cycle,
-            },
+                review.timeout_seconds,
+                cycle,
+            ),
         );
         let started = Instant::now();
         let output = match self.run_stage(run, sink, cancel, prepared, None).await? {

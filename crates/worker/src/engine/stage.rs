@@ -25,6 +25,27 @@ pub(super) struct StageRequest<'p> {
     pub(super) forge_cycle: u32,
 }
 
+impl<'p> StageRequest<'p> {
+    /// A request to run an agent: `profile`'s own command, on its network.
+    pub(super) fn agent(
+        place: StagePlace,
+        profile: &'p AgentProfile,
+        mounts: Vec<Mount>,
+        timeout_seconds: u64,
+        forge_cycle: u32,
+    ) -> StageRequest<'p> {
+        StageRequest {
+            place,
+            profile,
+            command: profile.command.clone(),
+            mounts,
+            network: profile.network,
+            timeout_seconds,
+            forge_cycle,
+        }
+    }
+}
+
 /// A stage ready to run: its container's spec and its place in the run.
 #[derive(Debug)]
 pub(super) struct PreparedStage {
