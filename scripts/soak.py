@@ -3,7 +3,9 @@
 
 100 runs (by default) on 3 workers with 2 slots each, a PostgreSQL store, and chaos while they
 run: a random worker is killed with SIGKILL every 5 to 15 s (and a new one started), RabbitMQ is
-restarted once, and PostgreSQL is stopped for 10 s once. Each run's implementer sleeps 1 to 4 s
+restarted once, PostgreSQL is stopped for 10 s once, and one worker, which reaches RabbitMQ
+through a TCP proxy, is cut off from it for 150 s (bytes dropped both ways, nothing closed, as a
+dropped route does) and then healed. Each run's implementer sleeps 1 to 4 s
 and writes a random nonce, so a second execution would make a different commit; the origin's
 `post-receive` hook logs every branch update. At the end it prints:
   - runs lost: runs not `delivered` (anything else, or not finished in time);
@@ -19,6 +21,7 @@ Run: scripts/services.sh && scripts/build-images.sh && cargo build --release &&
 import json
 import os
 import random
+import socket
 import subprocess
 import sys
 import tempfile
@@ -44,6 +47,70 @@ def spawn(args, env, log):
     line = process.stdout.readline()
     threading.Thread(target=lambda: process.stdout.read(), daemon=True).start()
     return process, line.strip().split("listening on ")[-1]
+
+
+class Proxy:
+    """A TCP proxy to RabbitMQ that can cut its connections off (bytes dropped both ways,
+    nothing closed) and heal them (the old connections are closed, new ones forwarded)."""
+
+    def __init__(self, target):
+        self.target, self.cut, self.epoch = target, False, 0
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        threading.Thread(target=self.accept, daemon=True).start()
+
+    def accept(self):
+        while True:
+            client, _ = self.listener.accept()
+            threading.Thread(target=self.connection, args=(client,), daemon=True).start()
+
+    def wait_heal(self, epoch):
+        while self.epoch == epoch:
+            time.sleep(0.2)
+
+    def connection(self, client):
+        epoch = self.epoch
+        if self.cut:
+            self.wait_heal(epoch)
+            client.close()
+            return
+        try:
+            upstream = socket.create_connection(self.target, timeout=10)
+        except OSError:
+            client.close()
+            return
+        for source, sink in ((client, upstream), (upstream, client)):
+            threading.Thread(target=self.pipe, args=(source, sink, epoch), daemon=True).start()
+
+    def pipe(self, source, sink, epoch):
+        source.settimeout(0.5)
+        while self.epoch == epoch:
+            try:
+                data = source.recv(65536)
+            except socket.timeout:
+                continue
+            except OSError:
+                data = b""
+            if not data:
+                if self.cut:
+                    self.wait_heal(epoch)
+                break
+            if not self.cut:
+                try:
+                    sink.sendall(data)
+                except OSError:
+                    break
+        for end in (source, sink):
+            try:
+                end.close()
+            except OSError:
+                pass
+
+    def sever(self):
+        self.cut = True
+
+    def heal(self):
+        self.cut, self.epoch = False, self.epoch + 1
 
 
 def get(url):
@@ -91,15 +158,21 @@ def main():
     workers = {}
     counter = [0]
 
-    def start_worker():
+    proxy = Proxy(("127.0.0.1", 5672))
+    amqp = env.get("FORGEPOOL_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/%2f")
+    through = dict(env, FORGEPOOL_AMQP_URL=amqp.replace(":5672/", f":{proxy.port}/"))
+
+    def start_worker(worker_env=env):
         counter[0] += 1
         n = counter[0]
         process, _ = spawn(["worker", "--metrics-addr", "127.0.0.1:0", "--worker-id", f"{prefix}-{n}",
                             "--concurrency", "2", "--drain-seconds", "5", "--workspace", os.path.join(work, f"ws{n}"),
-                            "--agents", agents], env, os.path.join(work, f"worker{n}.log"))
+                            "--agents", agents], worker_env, os.path.join(work, f"worker{n}.log"))
         workers[n] = process
+        return n
 
-    for _ in range(3):
+    cut_off = start_worker(through)
+    for _ in range(2):
         start_worker()
     ids = []
     for k in range(runs):
@@ -111,9 +184,12 @@ def main():
 
     started = time.time()
     deadline = started + minutes * 60
-    chaos = {"kills": 0, "broker restarts": 0, "store outages": 0}
+    chaos = {"kills": 0, "broker restarts": 0, "store outages": 0, "partitions": 0}
     next_kill = started + random.uniform(5, 15)
     broker_at, store_at = started + 40, started + 90
+    # The proxied worker is cut off early (while it has runs), kept out of the kills until it
+    # is healed, and healed after 150 s: long enough for the broker to drop it.
+    sever_at, heal_at = started + 10, None
     states = {}
     while time.time() < deadline:
         now = time.time()
@@ -124,8 +200,16 @@ def main():
             pass  # the store or the broker is out: the chaos is working
         if len(states) == runs and all(s in TERMINAL for s in states.values()):
             break
-        if now >= next_kill and workers:
-            victim = random.choice(list(workers))
+        if sever_at and now >= sever_at:
+            proxy.sever()
+            sever_at, heal_at = None, now + 150
+        if heal_at and now >= heal_at:
+            proxy.heal()
+            chaos["partitions"] += 1
+            heal_at = None
+        killable = [n for n in workers if n != cut_off or heal_at is None and sever_at is None]
+        if now >= next_kill and killable:
+            victim = random.choice(killable)
             workers.pop(victim).kill()
             chaos["kills"] += 1
             start_worker()
@@ -144,6 +228,9 @@ def main():
             chaos["store outages"] += 1
             store_at = None
         time.sleep(0.5)
+    if heal_at:
+        proxy.heal()
+        chaos["partitions"] += 1
     elapsed = time.time() - started
     # Dead workers' containers are removed by the survivors' sweep within a minute.
     time.sleep(75)

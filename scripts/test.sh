@@ -14,21 +14,23 @@ scripts/chart-check.sh
 python3 scripts/structure-check.py
 # Formatting and lints over every crate of the workspace, tests included.
 cargo fmt --all --check
-cargo clippy --workspace --all-targets -- -D warnings
+cargo clippy --workspace --all-targets --all-features -- -D warnings
 # The forgepool image, from the debug build the tests use (tests/image.rs runs it).
 scripts/build-forgepool-image.sh --debug
 
+# The tests are built with the worker's fault points (the `fault-points` feature): the
+# crash-point tests kill a worker at each phase boundary. No other build has them.
 # The fault tests restart the shared broker and change its settings, so they run on their
 # own, one at a time, after everything else, even when a test before them failed. Panics print
 # no backtrace: a stuck run's failure message ends with a summary of each service's threads.
 # When a test failed, scripts/diagnose.sh prints the services' state last.
 failed=0
 if cargo nextest --version >/dev/null 2>&1; then
-  RUST_BACKTRACE=0 cargo nextest run --workspace --no-fail-fast -E 'not binary(faults)' || failed=1
-  RUST_BACKTRACE=0 cargo nextest run --no-fail-fast --test faults -j 1 || failed=1
+  RUST_BACKTRACE=0 cargo nextest run --workspace --features fault-points --no-fail-fast -E 'not binary(faults)' || failed=1
+  RUST_BACKTRACE=0 cargo nextest run --features fault-points --no-fail-fast --test faults -j 1 || failed=1
 else
-  RUST_BACKTRACE=0 cargo test --workspace --no-fail-fast -- --skip a_broker_restart --skip a_run_longer --skip sigterm_drains || failed=1
-  RUST_BACKTRACE=0 cargo test --no-fail-fast --test faults -- --test-threads 1 || failed=1
+  RUST_BACKTRACE=0 cargo test --workspace --features fault-points --no-fail-fast -- --skip a_broker_restart --skip a_run_longer --skip sigterm_drains || failed=1
+  RUST_BACKTRACE=0 cargo test --features fault-points --no-fail-fast --test faults -- --test-threads 1 || failed=1
 fi
 if [ "$failed" -ne 0 ]; then
   # The end of the output is what CI shows: the services' state when the suite failed.

@@ -95,6 +95,9 @@ pub async fn worker(args: WorkerArgs) -> i32 {
         Ok(agents) => agents,
         Err(error) => return invalid(error.to_string()),
     };
+    if let Err(message) = proto::amqp::check_worker_heartbeat(&args.broker.amqp_url) {
+        return invalid(message);
+    }
     worker::git::set_allowed_schemes(args.stages.allowed_schemes.0.clone());
     let worker_id = args.worker_id.clone().unwrap_or_else(|| {
         std::fs::read_to_string("/proc/sys/kernel/hostname")

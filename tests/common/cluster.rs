@@ -818,6 +818,32 @@ fn thread_lines(backtraces: &str) -> Vec<(String, usize)> {
     lines
 }
 
+/// The messages (ready and unacknowledged) in the cluster's jobs and wait queues, as
+/// `rabbitmqctl` counts them: zero once every job was settled.
+pub fn jobs_on_broker(prefix: &str) -> usize {
+    let output = super::output_within(
+        Command::new("rabbitmqctl").args([
+            "list_queues",
+            "--quiet",
+            "--no-table-headers",
+            "name",
+            "messages",
+        ]),
+        super::COMMAND_LIMIT,
+    );
+    assert!(
+        output.status.success(),
+        "rabbitmqctl list_queues failed; start RabbitMQ with scripts/services.sh"
+    );
+    let jobs = [format!("{prefix}.jobs"), format!("{prefix}.jobs.wait")];
+    String::from_utf8_lossy(&output.stdout)
+        .lines()
+        .filter_map(|line| line.split_once('\t'))
+        .filter(|(name, _)| jobs.iter().any(|j| j == name.trim()))
+        .map(|(_, count)| count.trim().parse::<usize>().unwrap_or(0))
+        .sum()
+}
+
 /// The containers of a run on the engine.
 pub fn container_count(run_id: &str) -> usize {
     let output = super::output_within(

@@ -8,6 +8,7 @@
 
 pub mod cluster;
 pub mod postgres;
+pub mod proxy;
 
 use std::io::Read;
 use std::path::{Path, PathBuf};

@@ -257,6 +257,7 @@ impl<R: ContainerRuntime> Engine<R> {
             Ok(ahead) => ahead,
             Err(ended) => return Ok(ended),
         };
+        crate::fault::point("started");
         let cancel_user = cancel;
         let cancel = stop;
         let (mut machine, continued) = match self.start_from(run, ledger).await {
@@ -578,8 +579,9 @@ async fn keep_progress<L: ReviewLedger>(ledger: &L, run_id: Uuid, progress: Opti
     let Some(checkpoint) = progress else {
         return;
     };
-    if let Err(error) = ledger.keep_progress(&run_id.to_string(), &checkpoint).await {
-        warn!(%error, "cannot keep the run's progress");
+    match ledger.keep_progress(&run_id.to_string(), &checkpoint).await {
+        Ok(()) => crate::fault::point("progress-kept"),
+        Err(error) => warn!(%error, "cannot keep the run's progress"),
     }
 }
 

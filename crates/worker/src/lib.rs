@@ -14,6 +14,7 @@ pub mod egress;
 pub mod engine;
 #[cfg(test)]
 pub(crate) mod fake;
+pub mod fault;
 pub mod final_review;
 pub mod git;
 pub mod ledger;

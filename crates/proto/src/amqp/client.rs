@@ -37,6 +37,37 @@ pub fn with_frame_max(url: &str) -> String {
     format!("{url}{separator}frame_max={FRAME_MAX}")
 }
 
+/// The shortest AMQP heartbeat a worker may use. A worker cut off from the broker stops its
+/// runs within about 40 s (one sweep, one bounded broker call, the claim grace); another
+/// worker may take them once the broker has dropped the cut-off connection (one heartbeat
+/// timeout) and a 10 s grace have passed. A shorter heartbeat would let two executions of a
+/// run overlap (SPEC 11).
+pub const MIN_WORKER_HEARTBEAT_SECONDS: u64 = 60;
+
+/// Refuses a worker's broker URL whose `heartbeat` is shorter than
+/// [`MIN_WORKER_HEARTBEAT_SECONDS`]; `heartbeat=0` (none) is allowed: the broker then keeps a
+/// dead worker's jobs until TCP gives up on it, which is slow but safe.
+pub fn check_worker_heartbeat(url: &str) -> Result<(), String> {
+    let Some((_, query)) = url.split_once('?') else {
+        return Ok(());
+    };
+    for pair in query.split('&') {
+        if let Some(value) = pair.strip_prefix("heartbeat=") {
+            let seconds: u64 = value.parse().map_err(|_| {
+                format!("FORGEPOOL_AMQP_URL: heartbeat=`{value}` is not a number of seconds")
+            })?;
+            if seconds > 0 && seconds < MIN_WORKER_HEARTBEAT_SECONDS {
+                return Err(format!(
+                    "FORGEPOOL_AMQP_URL: heartbeat={seconds} is too short for a worker: use at least \
+                     {MIN_WORKER_HEARTBEAT_SECONDS} s (the default), or a worker cut off from the \
+                     broker could still run a job another worker has taken"
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
 /// Opens a connection within [`CONNECT_TIMEOUT`].
 pub async fn connect(url: &str, name: &str) -> Result<Connection, AmqpError> {
     let failed = |detail: String| AmqpError::Connect {
@@ -400,6 +431,24 @@ impl Publisher {
 
 #[cfg(test)]
 mod tests {
+    /// Catches: a worker that accepts a heartbeat short enough that the broker hands its run
+    /// to another worker before it stops it (two executions at once), or that refuses the
+    /// default.
+    #[test]
+    fn a_worker_refuses_a_heartbeat_shorter_than_its_claim_grace() {
+        let base = "amqp://guest:guest@127.0.0.1:5672/%2f";
+        assert!(check_worker_heartbeat(base).is_ok());
+        assert!(check_worker_heartbeat(&format!("{base}?heartbeat=60")).is_ok());
+        assert!(check_worker_heartbeat(&format!("{base}?heartbeat=0")).is_ok());
+        let short = check_worker_heartbeat(&format!("{base}?frame_max=8192&heartbeat=10"))
+            .expect_err("too short");
+        assert!(
+            short.contains("heartbeat=10") && short.contains("FORGEPOOL_AMQP_URL"),
+            "{short}"
+        );
+        assert!(check_worker_heartbeat(&format!("{base}?heartbeat=soon")).is_err());
+    }
+
     use super::*;
 
     #[test]

@@ -24,6 +24,66 @@ pub fn signature_headers(signature: String) -> FieldTable {
     headers
 }
 
+/// The header of a job's copy that counts how often its execution was lost: a worker died,
+/// or lost the broker, while it held the job.
+pub const LOST_HEADER: &str = "x-forgepool-lost";
+/// The header of a parked copy of a lost job: the time (Unix milliseconds) before which no
+/// worker starts it, so the worker that held it can take its lease again if it still lives.
+pub const NOT_BEFORE_HEADER: &str = "x-forgepool-not-before";
+/// How far in the future a copy's `not before` may lie; a later one is ignored (a wrong clock
+/// or a forged header must not hold a job back).
+const NOT_BEFORE_HORIZON_MS: u64 = 60_000;
+
+/// What a copy of a job carries besides its body and signature (SPEC 11): how often its
+/// execution was lost, and when a copy parked after such a loss may run. Forgepool makes a
+/// fresh copy of a job to hand it over (a drain) or to park it, so that neither counts toward
+/// the broker's delivery limit; these counts go with the copy instead.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Carried {
+    /// How often a worker lost the job while holding it.
+    pub lost: u32,
+    /// No worker starts the copy before this time (Unix milliseconds); 0 for none.
+    pub not_before_ms: u64,
+}
+
+impl Carried {
+    /// The counts of a delivered copy; a missing or malformed header counts as none.
+    pub fn of(properties: &BasicProperties) -> Carried {
+        let number = |name| header_text(properties, name).and_then(|v| v.parse::<u64>().ok());
+        Carried {
+            lost: number(LOST_HEADER).map_or(0, |n| u32::try_from(n).unwrap_or(u32::MAX)),
+            not_before_ms: number(NOT_BEFORE_HEADER).unwrap_or(0),
+        }
+    }
+
+    /// How long a copy must still wait at `now_ms` (nothing past the horizon).
+    pub fn wait_at(self, now_ms: u64) -> Duration {
+        let ahead = self.not_before_ms.saturating_sub(now_ms);
+        if ahead > NOT_BEFORE_HORIZON_MS {
+            return Duration::ZERO;
+        }
+        Duration::from_millis(ahead)
+    }
+
+    /// The headers of a copy: the signature, and the counts that are not zero.
+    pub fn headers(self, signature: Option<String>) -> Option<FieldTable> {
+        let mut headers = signature.map(signature_headers).unwrap_or_default();
+        let mut text = |name: &str, value: u64| {
+            headers.insert(
+                name.into(),
+                AMQPValue::LongString(LongString::from(value.to_string())),
+            );
+        };
+        if self.lost > 0 {
+            text(LOST_HEADER, u64::from(self.lost));
+        }
+        if self.not_before_ms > 0 {
+            text(NOT_BEFORE_HEADER, self.not_before_ms);
+        }
+        (!headers.inner().is_empty()).then_some(headers)
+    }
+}
+
 /// A text header of a message, if it has one.
 pub fn header_text(properties: &BasicProperties, name: &str) -> Option<String> {
     match properties.headers().as_ref()?.inner().get(name)? {
@@ -356,5 +416,42 @@ async fn bounded(operation: impl Future<Output = lapin::Result<()>>) -> Result<(
         Ok(Ok(())) => Ok(()),
         Ok(Err(error)) => Err(error.to_string()),
         Err(_) => Err(format!("no answer within {SETTLE_TIMEOUT:?}")),
+    }
+}
+
+#[cfg(test)]
+mod carried_tests {
+    use super::*;
+
+    /// Catches: counts that do not survive a copy (a hand-over or a parked job would reset the
+    /// poison count), and a far-future or malformed header that holds a job back.
+    #[test]
+    fn a_copy_carries_its_counts_and_ignores_nonsense() {
+        let carried = Carried {
+            lost: 3,
+            not_before_ms: 10_000,
+        };
+        let headers = carried.headers(Some("sig".into())).expect("headers");
+        let properties = BasicProperties::default().with_headers(headers);
+        assert_eq!(Carried::of(&properties), carried);
+        assert_eq!(
+            header_text(&properties, crate::SIGNATURE_HEADER).as_deref(),
+            Some("sig")
+        );
+        assert_eq!(carried.wait_at(4_000), Duration::from_secs(6));
+        assert_eq!(carried.wait_at(12_000), Duration::ZERO);
+        let far = Carried {
+            lost: 0,
+            not_before_ms: 10_000_000,
+        };
+        assert_eq!(far.wait_at(0), Duration::ZERO, "beyond the horizon");
+        assert_eq!(Carried::default().headers(None), None);
+        let mut nonsense = FieldTable::default();
+        nonsense.insert(
+            LOST_HEADER.into(),
+            AMQPValue::LongString(LongString::from("many")),
+        );
+        let properties = BasicProperties::default().with_headers(nonsense);
+        assert_eq!(Carried::of(&properties), Carried::default());
     }
 }

@@ -81,8 +81,9 @@ pub mod delivery;
 pub mod topology;
 
 pub use client::{
-    connect, connect_channel, connection_properties, exclusive_queue, open_channel, queue_exists,
-    redact_url, with_frame_max, Publisher, FRAME_MAX, PUBLISH_ATTEMPT_TIMEOUT,
+    check_worker_heartbeat, connect, connect_channel, connection_properties, exclusive_queue,
+    open_channel, queue_exists, redact_url, with_frame_max, Publisher, FRAME_MAX,
+    PUBLISH_ATTEMPT_TIMEOUT,
 };
 pub use delivery::*;
 pub use topology::Topology;

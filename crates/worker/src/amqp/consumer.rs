@@ -7,7 +7,9 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use proto::amqp::{self, AmqpError, Consume, DeadLetters, Delivery, Disposition, Publisher};
+use proto::amqp::{
+    self, AmqpError, Carried, Consume, DeadLetters, Delivery, Disposition, Publisher,
+};
 use proto::amqp::{Session, Topology};
 use proto::{AgentProfile, Job, MAX_JOB_BYTES};
 use telemetry::Metrics;
@@ -123,8 +125,8 @@ impl<R: ContainerRuntime> Consume for JobFeed<R> {
     }
 }
 
-/// How long a redelivered job waits before its lease is tried: two sweeps, in which a live
-/// worker that still runs it declares its lease again.
+/// How long a job lost by its worker waits before its lease is tried: two sweeps, in which a
+/// live worker that still runs it declares its lease again.
 const REDELIVERY_GRACE: Duration = Duration::from_secs(2 * SWEEP_INTERVAL.as_secs());
 
 async fn take_delivery<R: ContainerRuntime>(
@@ -148,28 +150,75 @@ async fn take_delivery<R: ContainerRuntime>(
     let span = info_span!("job", run_id = %job.run_id, ticket = %job.ticket);
     runs.spawn(
         async move {
-            // A job offered again may still run on a worker that lost its broker connection
-            // (a broker restart drops every lease at once): give that worker time to take its
-            // lease again before this one tries.
-            if delivery.redelivered && !jobs.in_flight.contains(job.run_id).await {
-                tokio::select! {
-                    () = tokio::time::sleep(REDELIVERY_GRACE) => {}
-                    () = jobs.draining.cancelled() => {
-                        return jobs.settle(&delivery, Disposition::Requeue).await;
-                    }
-                }
+            let carried = Carried::of(&delivery.properties);
+            if let Some(disposition) = jobs.held_back(&job, &delivery, carried).await {
+                return jobs.settle(&delivery, disposition).await;
             }
             let Ok(permit) = Arc::clone(&jobs.slots).acquire_owned().await else {
-                return jobs.settle(&delivery, Disposition::Requeue).await;
+                // The worker drains before a slot came free: the job goes back as a fresh copy,
+                // so an unstarted job's hand-over does not count toward the delivery limit.
+                let queue = jobs.topology.jobs();
+                let handed = jobs.republish(&delivery, &queue, carried).await;
+                return jobs.settle(&delivery, handed).await;
             };
-            jobs.run(job, delivery).await;
+            jobs.run(job, delivery, carried).await;
             drop(permit);
         }
         .instrument(span),
     );
 }
 
+/// The wall clock in Unix milliseconds (copies parked by one worker are read by another).
+fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+}
+
+/// What becomes of a copy of a job that the broker delivered again after its holder lost it:
+/// the loss is counted, and the job is poison once its execution was lost
+/// [`amqp::DELIVERY_LIMIT`] times.
+fn after_loss(carried: Carried, now_ms: u64) -> Result<Carried, String> {
+    let lost = carried.lost.saturating_add(1);
+    if i64::from(lost) >= amqp::DELIVERY_LIMIT {
+        return Err(format!(
+            "the job's execution was lost {lost} times (its worker died or lost the broker while \
+             holding it): it is taken for poison"
+        ));
+    }
+    Ok(Carried {
+        lost,
+        not_before_ms: now_ms + REDELIVERY_GRACE.as_millis() as u64,
+    })
+}
+
 impl<R: ContainerRuntime> Jobs<R> {
+    /// Holds a copy back from running, without holding it here (SPEC 11: a job held unstarted
+    /// by a worker that dies must not count toward the delivery limit):
+    /// - one the broker delivered again after its holder lost it (a worker that died, or lost
+    ///   the broker, while it held it) is counted and parked, a fresh copy, for the grace in
+    ///   which that worker, if it lives, takes its lease again;
+    /// - a parked copy whose grace has not passed goes back to the wait queue.
+    ///
+    /// `None` lets the copy run here.
+    async fn held_back(
+        &self,
+        job: &Job,
+        delivery: &Delivery,
+        carried: Carried,
+    ) -> Option<Disposition> {
+        if delivery.redelivered && !self.in_flight.contains(job.run_id).await {
+            return Some(match after_loss(carried, now_ms()) {
+                Ok(counted) => self.park(delivery, counted).await,
+                Err(poison) => Disposition::DeadLetter(poison),
+            });
+        }
+        if carried.wait_at(now_ms()) > Duration::ZERO {
+            return Some(self.park(delivery, carried).await);
+        }
+        None
+    }
+
     /// Settles a delivery of the jobs queue as decided, counting dead letters.
     async fn settle(&self, delivery: &Delivery, disposition: Disposition) {
         let source = self.topology.jobs();
@@ -190,8 +239,8 @@ impl<R: ContainerRuntime> Jobs<R> {
 
     /// One delivery of a trusted job: runs it unless it is finished or held elsewhere, then
     /// settles the delivery, then gives the lease back.
-    async fn run(&self, job: Job, delivery: Delivery) {
-        let (disposition, leased) = self.claim_and_execute(&job, &delivery).await;
+    async fn run(&self, job: Job, delivery: Delivery, carried: Carried) {
+        let (disposition, leased) = self.claim_and_execute(&job, &delivery, carried).await;
         self.settle(&delivery, disposition).await;
         if leased {
             self.leases.release(job.run_id).await;
@@ -199,7 +248,12 @@ impl<R: ContainerRuntime> Jobs<R> {
     }
 
     /// Returns what to do with the delivery, and whether the run's lease was taken.
-    async fn claim_and_execute(&self, job: &Job, delivery: &Delivery) -> (Disposition, bool) {
+    async fn claim_and_execute(
+        &self,
+        job: &Job,
+        delivery: &Delivery,
+        carried: Carried,
+    ) -> (Disposition, bool) {
         let run_id = job.run_id;
         // A finished run that is delivered again is acknowledged without running.
         match self
@@ -221,7 +275,7 @@ impl<R: ContainerRuntime> Jobs<R> {
         // cannot tell two deliveries to this same worker apart.
         let Some(claim) = self.in_flight.claim(run_id, &self.interrupt).await else {
             // This worker runs it already (the broker redelivered it after a lost connection).
-            return (self.park(delivery).await, false);
+            return (self.park(delivery, carried).await, false);
         };
         match self.leases.acquire(run_id).await {
             Ok(true) => {}
@@ -229,7 +283,7 @@ impl<R: ContainerRuntime> Jobs<R> {
                 // Another live worker holds the run (the broker redelivered it after a consumer
                 // timeout): park it in the wait queue; it comes back until that worker is done.
                 self.in_flight.release(run_id).await;
-                return (self.park(delivery).await, false);
+                return (self.park(delivery, carried).await, false);
             }
             Err(error) => {
                 self.in_flight.release(run_id).await;
@@ -237,34 +291,41 @@ impl<R: ContainerRuntime> Jobs<R> {
                 return (Disposition::Requeue, false);
             }
         }
-        let disposition = self.execute(job, claim, delivery.redelivered).await;
+        // A copy that was delivered again, or lost before, may follow an execution that pushed.
+        let again = delivery.redelivered || carried.lost > 0;
+        let disposition = self.execute(job, claim, again).await;
         if disposition == Disposition::Requeue && self.interrupt.is_cancelled() {
             // A drain hands the run over: a fresh copy of the job goes back, so the hand-over
             // does not count toward the poison limit, and the next execution continues from
             // the progress kept on the broker.
-            return (self.hand_over(delivery).await, true);
+            let handed = Carried {
+                not_before_ms: 0,
+                ..carried
+            };
+            return (
+                self.republish(delivery, &self.topology.jobs(), handed)
+                    .await,
+                true,
+            );
         }
         (disposition, true)
     }
 
-    /// Publishes a fresh copy of the job, signature and all, to the jobs queue; the delivery is
-    /// then acknowledged (or handed back when the copy could not be published).
-    async fn hand_over(&self, delivery: &Delivery) -> Disposition {
-        self.republish(delivery, &self.topology.jobs()).await
+    /// Puts a job whose run is held elsewhere, or whose grace after a loss has not passed, into
+    /// the wait queue: a fresh copy, signature, counts and all.
+    async fn park(&self, delivery: &Delivery, carried: Carried) -> Disposition {
+        self.republish(delivery, &self.topology.jobs_wait(), carried)
+            .await
     }
 
-    /// Puts a job whose run is held elsewhere into the wait queue, signature and all.
-    async fn park(&self, delivery: &Delivery) -> Disposition {
-        self.republish(delivery, &self.topology.jobs_wait()).await
-    }
-
-    /// Publishes the delivered job again to `queue`; `Ack` once the broker confirmed it.
-    async fn republish(&self, delivery: &Delivery, queue: &str) -> Disposition {
+    /// Publishes a fresh copy of the delivered job to `queue` (a hand-over goes to the jobs
+    /// queue, so it does not count toward the delivery limit); `Ack` once the broker confirmed
+    /// it, `Requeue` when it could not be published.
+    async fn republish(&self, delivery: &Delivery, queue: &str, carried: Carried) -> Disposition {
         let signature = amqp::header_text(&delivery.properties, proto::SIGNATURE_HEADER);
-        let headers = signature.map(amqp::signature_headers);
         match self
             .publisher
-            .publish("", queue, &delivery.data, headers)
+            .publish("", queue, &delivery.data, carried.headers(signature))
             .await
         {
             Ok(()) => Disposition::Ack,
@@ -296,7 +357,9 @@ impl<R: ContainerRuntime> Jobs<R> {
         self.in_flight.release(job.run_id).await;
         match outcome {
             Ok(Some(result)) => {
+                crate::fault::point("ended");
                 self.leases.mark_done(&job.execution_key()).await;
+                crate::fault::point("marked-done");
                 info!(state = %result.state, "job done");
                 Disposition::Ack
             }
@@ -368,4 +431,29 @@ pub fn check_job(
 /// Decodes a job, refusing oversized messages and a missing or unknown `schema_version` first.
 pub fn decode_job(data: &[u8]) -> Result<Job, String> {
     proto::decode_message(data, MAX_JOB_BYTES)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Catches: losses that are not counted (a job that kills every worker that runs it would
+    /// circulate for ever), a limit that is off by one, or a lost job that is not held back for
+    /// the grace in which its worker, if it lives, takes its lease again.
+    #[test]
+    fn a_job_is_poison_after_its_execution_was_lost_as_often_as_the_delivery_limit() {
+        let mut carried = Carried::default();
+        for lost in 1..amqp::DELIVERY_LIMIT {
+            carried = after_loss(carried, 1_000).expect("not poison yet");
+            assert_eq!(i64::from(carried.lost), lost);
+            assert_eq!(
+                carried.wait_at(1_000),
+                REDELIVERY_GRACE,
+                "parked for the grace"
+            );
+            assert_eq!(carried.wait_at(1_000 + 20_000), Duration::ZERO);
+        }
+        let poison = after_loss(carried, 1_000).expect_err("poison at the limit");
+        assert!(poison.contains("lost 5 times"), "{poison}");
+    }
 }

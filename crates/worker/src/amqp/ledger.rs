@@ -1,11 +1,12 @@
 //! The final review ledger on the broker, shared by every worker of the cluster.
 
+use std::collections::HashSet;
 use std::sync::Arc;
 
 use lapin::options::{QueueDeclareOptions, QueueDeleteOptions};
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{Channel, Connection};
-use proto::amqp::{self, Publisher, Topology};
+use proto::amqp::{self, AmqpError, Publisher, Topology};
 use proto::{Checkpoint, JobKey, Progress};
 use tracing::warn;
 
@@ -45,6 +46,9 @@ pub struct AmqpLedger {
     /// One connection, kept across operations (the run's progress is kept after every
     /// stage) and opened again after a failure.
     connection: Arc<tokio::sync::Mutex<Option<Arc<Connection>>>>,
+    /// The progress queues this process declared: a later progress of the run is only
+    /// published (the queue keeps its newest message alone).
+    declared: Arc<std::sync::Mutex<HashSet<String>>>,
 }
 
 impl AmqpLedger {
@@ -61,6 +65,7 @@ impl AmqpLedger {
             publisher,
             key,
             connection: Arc::default(),
+            declared: Arc::default(),
         }
     }
 
@@ -155,6 +160,92 @@ impl AmqpLedger {
             .publish("", queue, body, Some(amqp::signature_headers(signature)))
             .await
             .map_err(|e| LedgerError(e.to_string()))
+    }
+
+    /// Keeps `body` as the newest message of the progress queue `queue`: the queue holds one
+    /// message, and a publish drops the older one, so a run's later progress costs one
+    /// confirmed publish. The queue is declared on first use, and again when it is gone (the
+    /// broker returns the unroutable message) or was declared by an older version.
+    async fn keep_newest(
+        &self,
+        connection: &Connection,
+        queue: &str,
+        body: &[u8],
+    ) -> Result<(), LedgerError> {
+        let signature = self.key.sign(&bound(queue, body));
+        let known = self.is_declared(queue);
+        if known {
+            let headers = Some(amqp::signature_headers(signature.clone()));
+            match self.publisher.publish("", queue, body, headers).await {
+                Ok(()) => return Ok(()),
+                Err(AmqpError::Refused { .. }) => self.forget_declared(queue),
+                Err(error) => return Err(LedgerError(error.to_string())),
+            }
+        }
+        self.declare_progress(connection, queue).await?;
+        self.declared
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .insert(queue.to_string());
+        self.publisher
+            .publish("", queue, body, Some(amqp::signature_headers(signature)))
+            .await
+            .map_err(|e| LedgerError(e.to_string()))
+    }
+
+    /// Declares a progress queue: durable, one message (the newest), gone after a week unused.
+    /// A queue of an older version (other arguments) is replaced.
+    async fn declare_progress(
+        &self,
+        connection: &Connection,
+        queue: &str,
+    ) -> Result<(), LedgerError> {
+        let mut arguments = FieldTable::default();
+        arguments.insert("x-expires".into(), AMQPValue::LongLongInt(LEDGER_TTL_MS));
+        arguments.insert("x-max-length".into(), AMQPValue::LongLongInt(1));
+        arguments.insert(
+            "x-overflow".into(),
+            AMQPValue::LongString("drop-head".into()),
+        );
+        let durable = QueueDeclareOptions {
+            durable: true,
+            ..Default::default()
+        };
+        for _ in 0..2 {
+            let channel = self.channel(connection).await?;
+            match channel
+                .queue_declare(queue, durable, arguments.clone())
+                .await
+            {
+                Ok(_) => {
+                    let _ = channel.close(200, "declared").await;
+                    return Ok(());
+                }
+                // Declared by an older version with other arguments: its progress is about
+                // to be replaced anyway.
+                Err(lapin::Error::ProtocolError(error)) if error.get_id() == 406 => {
+                    self.delete(connection, queue).await?;
+                }
+                Err(error) => return Err(LedgerError(error.to_string())),
+            }
+        }
+        Err(LedgerError(format!(
+            "cannot declare the progress queue {queue}"
+        )))
+    }
+
+    fn is_declared(&self, queue: &str) -> bool {
+        self.declared
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .contains(queue)
+    }
+
+    fn forget_declared(&self, queue: &str) {
+        self.declared
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .remove(queue);
     }
 
     async fn delete(&self, connection: &Connection, queue: &str) -> Result<(), LedgerError> {
@@ -276,11 +367,18 @@ impl ReviewLedger for AmqpLedger {
             checkpoint: checkpoint.clone(),
         };
         let body = serde_json::to_vec(&progress).map_err(|e| LedgerError(e.to_string()))?;
-        self.write(&self.topology.progress(run_id), &body).await
+        let queue = self.topology.progress(run_id);
+        self.session(async {
+            self.keep_newest(&*self.connect().await?, &queue, &body)
+                .await
+        })
+        .await
     }
 
     async fn clear_progress(&self, run_id: &str) -> Result<(), LedgerError> {
-        self.remove(&self.topology.progress(run_id)).await
+        let queue = self.topology.progress(run_id);
+        self.forget_declared(&queue);
+        self.remove(&queue).await
     }
 
     async fn run_unfinished(&self, run_id: &str) -> Result<bool, LedgerError> {

@@ -55,8 +55,12 @@ impl<R: ContainerRuntime> Engine<R> {
                 }
             };
         let replaces = seen.as_ref().map(|(commit, _)| commit.as_str());
-        let pushed = git::push(&run.repo, &job.repository.url, &commit, &branch, replaces);
-        if let Err(error) = pushed.await {
+        crate::fault::point("before-push");
+        let pushed = git::push(&run.repo, &job.repository.url, &commit, &branch, replaces).await;
+        if pushed.is_ok() {
+            crate::fault::point("pushed");
+        }
+        if let Err(error) = pushed {
             // Another execution of this run may have pushed since the branch was read.
             let now = git::remote_delivery(&run.repo, &job.repository.url, &branch).await;
             if let Ok(Some((commit, Some(owner)))) = now {
