@@ -182,6 +182,39 @@ mod crash {
         assert_eq!((landed.implementer, landed.reviewer), (1, 1));
     }
 
+    /// Catches: a cancel of a run whose job is between workers (its worker died) that is lost,
+    /// or that the next worker does not hear before it pushes (SPEC 11: durable cancel).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_run_cancelled_between_workers_is_cancelled_by_the_next() {
+        let fixture = Fixture::new(Some(REVIEW), &["change"], &["approve"]);
+        let mut cluster = Cluster::start(fixture, 0, 1, None).await;
+        let doomed =
+            cluster.start_worker_with("doomed", 1, &[("FORGEPOOL_FAULT_POINT", "progress-kept#1")]);
+        let id = cluster.submit("BETWEEN-1").await;
+        wait_dead(&mut cluster, doomed, Duration::from_secs(60));
+        let (status, answer) = cluster.cancel(&id).await;
+        assert_eq!(status, reqwest::StatusCode::ACCEPTED, "{answer}");
+        assert_eq!(
+            answer["cancel"], "requested",
+            "the run is still running: {answer}"
+        );
+        cluster.start_worker("heir", 1);
+        let views = cluster
+            .wait_terminal(std::slice::from_ref(&id), Duration::from_secs(120))
+            .await;
+        assert_eq!(
+            views[0]["state"],
+            "cancelled",
+            "{}\n{}",
+            views[0]["states"],
+            cluster.logs()
+        );
+        wait_settled(&cluster).await;
+        assert_eq!(cluster.pushes("forge/between-1"), 0, "nothing delivered");
+        wait_no_containers(&cluster, &id).await;
+        cluster.delete_queues().await;
+    }
+
     /// Catches: a job held, but not started, by workers that die counted toward the poison
     /// limit (SPEC 11): before, each worker that received the lost job held it for a 10 s
     /// grace, so six workers killed one after the other failed the run by the broker's

@@ -478,6 +478,7 @@ async fn dispatcher_restart_keeps_runs(mut cluster: Cluster) {
         ["queued", "running", "delivered"],
         "events sent while the dispatcher was down were recorded"
     );
+    assert_eq!(cluster.pushes("forge/keep-2"), 1, "delivered once");
     cluster.delete_queues().await;
 }
 

@@ -131,15 +131,24 @@ impl Dispatcher {
             // Publishing could only wait for the broker: the republisher publishes it as soon
             // as the queues exist.
             info!(run_id = %frozen.job.run_id, "job stored; it is published once RabbitMQ is set up");
-        } else if let Err(error) = self.publish_job(&frozen.job).await {
+        } else if let Err(error) = self.publish_job(&frozen.job, false).await {
             warn!(run_id = %frozen.job.run_id, %error, "job stored but not yet published; it will be retried");
         }
         Ok(Submission::New(Box::new(frozen)))
     }
 
-    pub(crate) async fn publish_job(&self, job: &Job) -> Result<(), AmqpError> {
+    /// Publishes `job` to the jobs queue. `again` marks a copy that may follow an execution of
+    /// the run (a run queued again, a job published late): only such a copy makes the worker
+    /// look for progress kept on the broker.
+    pub(crate) async fn publish_job(&self, job: &Job, again: bool) -> Result<(), AmqpError> {
         let payload = serde_json::to_vec(job).unwrap_or_default();
-        let headers = amqp::signature_headers(self.job_key.sign(&payload));
+        let carried = amqp::Carried {
+            again,
+            ..amqp::Carried::default()
+        };
+        let headers = carried
+            .headers(Some(self.job_key.sign(&payload)))
+            .unwrap_or_default();
         self.publisher
             .publish_reliably(
                 "",
@@ -200,7 +209,7 @@ impl Dispatcher {
         let mut job = record.job.clone();
         job.resume = Some(checkpoint);
         self.store_event(&record.job, &queued).await?;
-        if let Err(error) = self.publish_job(&job).await {
+        if let Err(error) = self.publish_job(&job, true).await {
             let paused = Event::new(
                 run_id,
                 EventKind::State {
@@ -263,7 +272,7 @@ impl Dispatcher {
             },
         );
         self.store_event(job, &queued).await?;
-        if let Err(error) = self.publish_job(job).await {
+        if let Err(error) = self.publish_job(job, true).await {
             warn!(run_id = %job.run_id, %error, "the silent run's job will be published later");
         }
         Ok(())

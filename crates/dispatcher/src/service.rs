@@ -216,7 +216,8 @@ async fn republish(
         {
             Ok(jobs) => {
                 for job in jobs {
-                    if let Err(error) = dispatcher.publish_job(&job).await {
+                    // A job published late may follow an execution (a run queued again).
+                    if let Err(error) = dispatcher.publish_job(&job, true).await {
                         warn!(run_id = %job.run_id, %error, "still cannot publish the job");
                         break;
                     }

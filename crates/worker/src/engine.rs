@@ -251,7 +251,17 @@ impl<R: ContainerRuntime> Engine<R> {
                 reason: "a worker started the run".into(),
             },
         );
-        let (started, prepared) = tokio::join!(started, self.checked_prepare(run, ledger));
+        // A copy that may follow an earlier execution reads the progress kept on the broker,
+        // meanwhile too; a first copy has none.
+        let (job, again) = (run.job, run.again);
+        let kept = async move {
+            if !again || job.resume.is_some() {
+                return Ok(None);
+            }
+            ledger.progress(&job.run_id.to_string()).await
+        };
+        let (started, prepared, kept) =
+            tokio::join!(started, self.checked_prepare(run, ledger), kept);
         started?;
         let mut ahead = match prepared {
             Ok(ahead) => ahead,
@@ -260,7 +270,7 @@ impl<R: ContainerRuntime> Engine<R> {
         crate::fault::point("started");
         let cancel_user = cancel;
         let cancel = stop;
-        let (mut machine, continued) = match self.start_from(run, ledger).await {
+        let (mut machine, continued) = match self.start_from(run, kept).await {
             Ok(started) => started,
             Err(reason) => return Ok(Some((RunState::Failed, reason))),
         };
@@ -394,18 +404,18 @@ impl<R: ContainerRuntime> Engine<R> {
         }
     }
 
-    /// Where the run starts (`true` with kept progress): the checkpoint of a resume, else the progress an earlier
-    /// execution kept (after a hand-over or a lost worker: completed stages are not run
-    /// again, and the budget counts across executions), else round 1. `Err` is why it
-    /// cannot.
-    async fn start_from<L: ReviewLedger>(
+    /// Where the run starts (`true` with kept progress): the checkpoint of a resume, else the
+    /// progress an earlier execution `kept` (after a hand-over or a lost worker: completed
+    /// stages are not run again, and the budget counts across executions), else round 1.
+    /// `Err` is why it cannot.
+    async fn start_from(
         &self,
         run: &mut RunContext<'_>,
-        ledger: &L,
+        kept: Result<Option<Checkpoint>, crate::ledger::LedgerError>,
     ) -> Result<(RunMachine, bool), String> {
         let (checkpoint, what) = match run.job.resume.clone() {
             Some(checkpoint) => (checkpoint, "checkpoint"),
-            None => match ledger.progress(&run.job.run_id.to_string()).await {
+            None => match kept {
                 Ok(Some(progress)) => (progress, "progress"),
                 Ok(None) => return Ok((RunMachine::new(run.limits()), false)),
                 Err(error) => {

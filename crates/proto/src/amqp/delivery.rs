@@ -30,6 +30,10 @@ pub const LOST_HEADER: &str = "x-forgepool-lost";
 /// The header of a parked copy of a lost job: the time (Unix milliseconds) before which no
 /// worker starts it, so the worker that held it can take its lease again if it still lives.
 pub const NOT_BEFORE_HEADER: &str = "x-forgepool-not-before";
+/// The header of a copy of a job that may follow an earlier execution of its run (a copy
+/// forgepool published again: a hand-over, a parked job, a run queued again). Only such a copy
+/// reads the progress kept on the broker; a first copy has none to read.
+pub const AGAIN_HEADER: &str = "x-forgepool-again";
 /// How far in the future a copy's `not before` may lie; a later one is ignored (a wrong clock
 /// or a forged header must not hold a job back).
 const NOT_BEFORE_HORIZON_MS: u64 = 60_000;
@@ -44,6 +48,8 @@ pub struct Carried {
     pub lost: u32,
     /// No worker starts the copy before this time (Unix milliseconds); 0 for none.
     pub not_before_ms: u64,
+    /// The copy may follow an earlier execution of its run.
+    pub again: bool,
 }
 
 impl Carried {
@@ -53,6 +59,7 @@ impl Carried {
         Carried {
             lost: number(LOST_HEADER).map_or(0, |n| u32::try_from(n).unwrap_or(u32::MAX)),
             not_before_ms: number(NOT_BEFORE_HEADER).unwrap_or(0),
+            again: number(AGAIN_HEADER).is_some_and(|n| n > 0),
         }
     }
 
@@ -79,6 +86,9 @@ impl Carried {
         }
         if self.not_before_ms > 0 {
             text(NOT_BEFORE_HEADER, self.not_before_ms);
+        }
+        if self.again {
+            text(AGAIN_HEADER, 1);
         }
         (!headers.inner().is_empty()).then_some(headers)
     }
@@ -430,6 +440,7 @@ mod carried_tests {
         let carried = Carried {
             lost: 3,
             not_before_ms: 10_000,
+            again: true,
         };
         let headers = carried.headers(Some("sig".into())).expect("headers");
         let properties = BasicProperties::default().with_headers(headers);
@@ -441,8 +452,8 @@ mod carried_tests {
         assert_eq!(carried.wait_at(4_000), Duration::from_secs(6));
         assert_eq!(carried.wait_at(12_000), Duration::ZERO);
         let far = Carried {
-            lost: 0,
             not_before_ms: 10_000_000,
+            ..Carried::default()
         };
         assert_eq!(far.wait_at(0), Duration::ZERO, "beyond the horizon");
         assert_eq!(Carried::default().headers(None), None);

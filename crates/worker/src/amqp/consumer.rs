@@ -161,8 +161,13 @@ async fn take_delivery<R: ContainerRuntime>(
                 let handed = jobs.republish(&delivery, &queue, carried).await;
                 return jobs.settle(&delivery, handed).await;
             };
-            jobs.run(job, delivery, carried).await;
+            let run_id = job.run_id;
+            let leased = jobs.run(job, delivery, carried).await;
+            // The slot is free once the job is settled; the lease goes back after.
             drop(permit);
+            if leased {
+                jobs.leases.release(run_id).await;
+            }
         }
         .instrument(span),
     );
@@ -189,6 +194,7 @@ fn after_loss(carried: Carried, now_ms: u64) -> Result<Carried, String> {
     Ok(Carried {
         lost,
         not_before_ms: now_ms + REDELIVERY_GRACE.as_millis() as u64,
+        again: true,
     })
 }
 
@@ -238,13 +244,12 @@ impl<R: ContainerRuntime> Jobs<R> {
     }
 
     /// One delivery of a trusted job: runs it unless it is finished or held elsewhere, then
-    /// settles the delivery, then gives the lease back.
-    async fn run(&self, job: Job, delivery: Delivery, carried: Carried) {
+    /// settles the delivery. Returns whether the run's lease was taken (the caller gives it
+    /// back once the slot is free).
+    async fn run(&self, job: Job, delivery: Delivery, carried: Carried) -> bool {
         let (disposition, leased) = self.claim_and_execute(&job, &delivery, carried).await;
         self.settle(&delivery, disposition).await;
-        if leased {
-            self.leases.release(job.run_id).await;
-        }
+        leased
     }
 
     /// Returns what to do with the delivery, and whether the run's lease was taken.
@@ -255,29 +260,31 @@ impl<R: ContainerRuntime> Jobs<R> {
         carried: Carried,
     ) -> (Disposition, bool) {
         let run_id = job.run_id;
-        // A finished run that is delivered again is acknowledged without running.
-        match self
-            .leases
-            .exists(&self.topology.done(&job.execution_key()))
-            .await
-        {
-            Ok(true) => {
-                info!("run already finished; acknowledging the redelivered job");
-                return (Disposition::Ack, false);
-            }
-            Ok(false) => {}
-            Err(error) => {
-                warn!(%error, "cannot check the done marker; handing the job back");
-                return (Disposition::Requeue, false);
-            }
-        }
         // Claim the run in this process first: the lease is exclusive per connection, so it
         // cannot tell two deliveries to this same worker apart.
         let Some(claim) = self.in_flight.claim(run_id, &self.interrupt).await else {
             // This worker runs it already (the broker redelivered it after a lost connection).
             return (self.park(delivery, carried).await, false);
         };
-        match self.leases.acquire(run_id).await {
+        // The done marker is read while the lease is taken (one round trip, not two): a
+        // finished run that is delivered again is acknowledged without running.
+        let marker = self.topology.done(&job.execution_key());
+        let (done, leased) = tokio::join!(self.leases.exists(&marker), self.leases.acquire(run_id));
+        let holds_lease = matches!(leased, Ok(true));
+        match done {
+            Ok(false) => {}
+            Ok(true) => {
+                self.in_flight.release(run_id).await;
+                info!("run already finished; acknowledging the redelivered job");
+                return (Disposition::Ack, holds_lease);
+            }
+            Err(error) => {
+                self.in_flight.release(run_id).await;
+                warn!(%error, "cannot check the done marker; handing the job back");
+                return (Disposition::Requeue, holds_lease);
+            }
+        }
+        match leased {
             Ok(true) => {}
             Ok(false) => {
                 // Another live worker holds the run (the broker redelivered it after a consumer
@@ -292,7 +299,7 @@ impl<R: ContainerRuntime> Jobs<R> {
             }
         }
         // A copy that was delivered again, or lost before, may follow an execution that pushed.
-        let again = delivery.redelivered || carried.lost > 0;
+        let again = delivery.redelivered || carried.lost > 0 || carried.again;
         let disposition = self.execute(job, claim, again).await;
         if disposition == Disposition::Requeue && self.interrupt.is_cancelled() {
             // A drain hands the run over: a fresh copy of the job goes back, so the hand-over
@@ -300,6 +307,7 @@ impl<R: ContainerRuntime> Jobs<R> {
             // the progress kept on the broker.
             let handed = Carried {
                 not_before_ms: 0,
+                again: true,
                 ..carried
             };
             return (
@@ -314,7 +322,11 @@ impl<R: ContainerRuntime> Jobs<R> {
     /// Puts a job whose run is held elsewhere, or whose grace after a loss has not passed, into
     /// the wait queue: a fresh copy, signature, counts and all.
     async fn park(&self, delivery: &Delivery, carried: Carried) -> Disposition {
-        self.republish(delivery, &self.topology.jobs_wait(), carried)
+        let again = Carried {
+            again: true,
+            ..carried
+        };
+        self.republish(delivery, &self.topology.jobs_wait(), again)
             .await
     }
 

@@ -83,21 +83,28 @@ impl InFlight {
     /// publishes nothing more.
     pub async fn abandon(&self, run_id: Uuid) {
         if let Some(claim) = self.0.lock().await.get(&run_id) {
-            warn!(%run_id, "the claim on the run is lost; stopping it");
-            claim.lost.cancel();
+            lose(run_id, claim);
         }
     }
 
     /// Gives up every run (the broker has been out of reach too long to hold any claim).
     pub async fn abandon_all(&self) {
         for (run_id, claim) in self.0.lock().await.iter() {
-            warn!(%run_id, "the claim on the run is lost; stopping it");
-            claim.lost.cancel();
+            lose(*run_id, claim);
         }
     }
 
     async fn ids(&self) -> Vec<Uuid> {
         self.0.lock().await.keys().copied().collect()
+    }
+}
+
+/// Stops a run whose claim is lost; said once, however often the loss is seen again while
+/// the run winds down.
+fn lose(run_id: Uuid, claim: &Claim) {
+    if !claim.lost.is_cancelled() {
+        warn!(%run_id, "the claim on the run is lost; stopping it");
+        claim.lost.cancel();
     }
 }
 

@@ -145,6 +145,12 @@ impl Bench {
             .await
     }
 
+    /// Runs a copy of the job that may follow an earlier execution (a hand-over's copy).
+    async fn run_again_on(&self, root: &str, runtime: FakeRuntime, job: &Job) -> Outcome {
+        self.execute(root, runtime, job, CancellationToken::new(), true)
+            .await
+    }
+
     async fn run_with(
         &self,
         runtime: FakeRuntime,
@@ -765,7 +771,7 @@ async fn a_handed_over_run_continues_after_its_last_completed_stage() {
 
     // The next execution starts with round 2: round 1 and its review are not repeated.
     let second = bench
-        .run_on(
+        .run_again_on(
             "worker-2",
             FakeRuntime::default()
                 .with(Stage::Implement, [implements(2)])

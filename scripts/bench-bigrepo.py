@@ -1,0 +1,112 @@
+#!/usr/bin/env python3
+"""What a big repository costs a run (docs/BENCHMARKS.md, "Big repositories").
+
+Generates a repository of FILES files (50,000 by default, 4 KiB each, about 200 MB) and one of
+a single file, then times `forgepool run` with two trivial stages (an implementer that appends
+a line, a reviewer that approves) on each, ROUNDS times (5 by default):
+  - one-file repository;
+  - big repository on a fresh worker (an empty repository cache each time);
+  - big repository with a warm cache (the cache of an earlier run of the same repository).
+It prints the median of each, the overheads (big minus one-file) and the peak resident memory
+of the forgepool process.
+
+Run: scripts/services.sh && scripts/build-images.sh && cargo build --release &&
+     python3 scripts/bench-bigrepo.py [FILES [ROUNDS]]
+"""
+import json
+import os
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BINARY = os.path.join(ROOT, "target", "release", "forgepool")
+IMAGE = "forgepool-test-agent:dev"
+IMPLEMENT = ["/bin/sh", "-c", "echo change >> /workspace/feature.txt"]
+REVIEW = ["/bin/sh", "-c", "echo APPROVED"]
+
+
+def run(*args, **kwargs):
+    return subprocess.run(list(args), check=True, capture_output=True, **kwargs)
+
+
+def make_repository(path, files):
+    """A bare repository with one commit of `files` files, made with git fast-import."""
+    run("git", "init", "--quiet", "--bare", "--initial-branch=main", path)
+    stream = bytearray()
+    for n in range(files):
+        body = (f"file {n}\n" + "x" * 63 + "\n").encode() * 64
+        stream += b"blob\nmark :%d\ndata %d\n" % (n + 1, len(body)) + body + b"\n"
+    stream += b"commit refs/heads/main\ncommitter bench <b@b> 1700000000 +0000\ndata 5\nstart\n"
+    for n in range(files):
+        stream += b"M 100644 :%d src/d%03d/f%05d.txt\n" % (n + 1, n % 500, n)
+    stream += b"\n"
+    subprocess.run(["git", "fast-import", "--quiet"], cwd=path, input=bytes(stream), check=True)
+    run("git", "gc", "--quiet", cwd=path)
+
+
+def main():
+    files = int(sys.argv[1]) if len(sys.argv) > 1 else 50_000
+    rounds = int(sys.argv[2]) if len(sys.argv) > 2 else 5
+    work = tempfile.mkdtemp(prefix="forgepool-bigrepo-")
+    print(f"work folder: {work}", flush=True)
+    big, small = os.path.join(work, "big.git"), os.path.join(work, "small.git")
+    began = time.time()
+    make_repository(big, files)
+    make_repository(small, 1)
+    print(f"made a repository of {files} files in {time.time() - began:.1f} s", flush=True)
+    skill = os.path.join(work, "skills", "default", "implement-task")
+    os.makedirs(skill)
+    open(os.path.join(skill, "SKILL.md"), "w").write("# Implement\n")
+    open(os.path.join(skill, "review.md"), "w").write("---\nmax_retries: 1\n---\nCheck.\n")
+    agents = os.path.join(work, "agents.toml")
+    open(agents, "w").write(
+        "[defaults]\nimplementer = \"i\"\nreviewer = \"r\"\n"
+        f"[agents.i]\nimage = \"{IMAGE}\"\ncommand = {json.dumps(IMPLEMENT)}\nmemory = \"256m\"\n"
+        f"[agents.r]\nimage = \"{IMAGE}\"\ncommand = {json.dumps(REVIEW)}\nmemory = \"256m\"\n")
+    warm_cache = os.path.join(work, "cache-warm")
+    counter = [0]
+
+    def one(repository, cache):
+        counter[0] += 1
+        request = os.path.join(work, f"request{counter[0]}.toml")
+        open(request, "w").write(
+            f"ticket = \"BIG-{counter[0]}\"\nskill = \"implement-task\"\nbrief = \"bench\"\n"
+            f"[repository]\nurl = \"file://{repository}\"\nref = \"main\"\n")
+        env = dict(os.environ, FORGEPOOL_CACHE_DIR=cache, FORGEPOOL_LOG="warn")
+        started = time.time()
+        done = subprocess.run([BINARY, "run", request, "--skills", os.path.join(work, "skills"),
+                               "--agents", agents, "--database", os.path.join(work, "runs.db"),
+                               "--workspace", os.path.join(work, "ws")],
+                              env=env, capture_output=True, text=True)
+        took = time.time() - started
+        if done.returncode != 0:
+            print(done.stdout[-2000:], done.stderr[-2000:])
+            raise SystemExit(f"forgepool run failed with {done.returncode}")
+        return took
+
+    one(big, warm_cache)  # warms the cache (and the page cache for every case alike)
+    times = {"one-file": [], "big, fresh worker": [], "big, warm cache": []}
+    for n in range(rounds):
+        fresh = os.path.join(work, f"cache-fresh-{n}")
+        times["one-file"].append(one(small, os.path.join(work, f"cache-small-{n}")))
+        times["big, fresh worker"].append(one(big, fresh))
+        shutil.rmtree(fresh, ignore_errors=True)
+        times["big, warm cache"].append(one(big, warm_cache))
+        print(f"round {n + 1}: " + ", ".join(f"{k} {v[-1]:.2f} s" for k, v in times.items()), flush=True)
+    medians = {k: statistics.median(v) for k, v in times.items()}
+    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
+    for name, value in medians.items():
+        print(f"median {name}: {value:.2f} s")
+    print(f"overhead on a fresh worker: {medians['big, fresh worker'] - medians['one-file']:.2f} s (target 5 s)")
+    print(f"overhead with a warm cache: {medians['big, warm cache'] - medians['one-file']:.2f} s (target 1 s)")
+    print(f"peak resident memory of a child process (forgepool or git): {peak:.1f} MB")
+    shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
