@@ -22,6 +22,10 @@ pub const ENV_ALLOWED_URL_SCHEMES: &str = "FORGEPOOL_ALLOWED_URL_SCHEMES";
 pub const ENV_ALLOW_BRIDGE: &str = "FORGEPOOL_ALLOW_BRIDGE_NETWORK";
 /// The image of the egress proxies.
 pub const ENV_EGRESS_IMAGE: &str = "FORGEPOOL_EGRESS_IMAGE";
+/// The repository cache.
+pub const ENV_CACHE_DIR: &str = "FORGEPOOL_CACHE_DIR";
+/// The repository cache's size limit.
+pub const ENV_CACHE_MAX_GIB: &str = "FORGEPOOL_CACHE_MAX_GIB";
 /// Compatibility: the cycle-file poll interval in seconds.
 pub const ENV_POLL_INTERVAL: &str = "AUTO_REVIEW_POLL_INTERVAL";
 
@@ -52,6 +56,24 @@ pub struct StageArgs {
     /// The image egress proxies run (forgepool's own image, `forgepool egress-proxy`).
     #[arg(long = "egress-image", env = ENV_EGRESS_IMAGE, default_value = worker::docker::DEFAULT_EGRESS_IMAGE)]
     pub egress_image: String,
+    /// The repository cache: one mirror per repository URL (default: `.cache` in the
+    /// workspace folder).
+    #[arg(long = "cache-dir", env = ENV_CACHE_DIR)]
+    pub cache_dir: Option<PathBuf>,
+    /// The repository cache's size limit in GiB; the least recently used mirrors go first.
+    #[arg(long = "cache-max-gib", env = ENV_CACHE_MAX_GIB, default_value = "20")]
+    pub cache_max_gib: u64,
+}
+
+impl StageArgs {
+    /// The repository cache for runs under `workspace_root`.
+    pub fn cache(&self, workspace_root: &std::path::Path) -> worker::cache::RepoCache {
+        let dir = self
+            .cache_dir
+            .clone()
+            .unwrap_or_else(|| workspace_root.join(".cache"));
+        worker::cache::RepoCache::new(dir, self.cache_max_gib.saturating_mul(1 << 30))
+    }
 }
 
 /// The repository URL schemes accepted (one value, so that clap keeps the list whole).

@@ -167,6 +167,7 @@ async fn execute(store: &Store, job: proto::Job, local: &LocalArgs) -> i32 {
         EngineConfig {
             poll_interval: local.poll_interval,
             allow_bridge: local.stages.allow_bridge,
+            cache: Some(local.stages.cache(&workspace_root)),
             ..EngineConfig::for_process(workspace_root)
         },
     );

@@ -129,6 +129,7 @@ pub async fn worker(args: WorkerArgs) -> i32 {
         EngineConfig {
             poll_interval: args.poll_interval,
             allow_bridge: args.stages.allow_bridge,
+            cache: Some(args.stages.cache(&workspace_root)),
             ..EngineConfig::for_process(workspace_root)
         },
     );

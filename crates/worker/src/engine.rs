@@ -99,6 +99,9 @@ pub struct EngineConfig {
     /// Whether the operator lets profiles with `network = "bridge"` run
     /// (`FORGEPOOL_ALLOW_BRIDGE_NETWORK`).
     pub allow_bridge: bool,
+    /// The repository cache runs clone through (`FORGEPOOL_CACHE_DIR`); `None` clones
+    /// directly.
+    pub cache: Option<crate::cache::RepoCache>,
 }
 
 impl EngineConfig {
@@ -108,7 +111,6 @@ impl EngineConfig {
         let (uid, gid) = process_owner();
         let can_chown = uid == 0;
         EngineConfig {
-            workspace_root,
             poll_interval: DEFAULT_POLL_INTERVAL,
             stage_user: if can_chown {
                 DEFAULT_STAGE_USER
@@ -118,6 +120,11 @@ impl EngineConfig {
             can_chown,
             pids_limit: DEFAULT_PIDS_LIMIT,
             allow_bridge: false,
+            cache: Some(crate::cache::RepoCache::new(
+                workspace_root.join(".cache"),
+                crate::cache::DEFAULT_CACHE_BYTES,
+            )),
+            workspace_root,
         }
     }
 }
@@ -544,7 +551,13 @@ impl<R: ContainerRuntime> Engine<R> {
             .map_err(|e| format!("{}: {e}", run.root.display()))?;
         let repository = &run.job.repository;
         let repo = run.repo.clone();
-        let clone = git::clone_at(&repository.url, repository.git_ref.as_deref(), &repo);
+        let clone = async {
+            let (url, reference) = (&repository.url, repository.git_ref.as_deref());
+            match &self.config.cache {
+                Some(cache) => cache.clone_at(url, reference, &repo).await,
+                None => git::clone_at(url, reference, &repo).await,
+            }
+        };
         let began = Instant::now();
         let (cloned, created) = if ahead {
             tokio::join!(clone, self.create_first_implementer(run))

@@ -121,7 +121,10 @@ impl Repo {
             }
             let sha256 = std::fs::read_to_string(from.join("config"))
                 .is_ok_and(|c| c.contains("objectformat = sha256"));
-            copy_tree(&from, &to)?;
+            // Object files are immutable: they are linked, not copied (a 50,000-file
+            // repository's pack is hundreds of megabytes). They stay read-only and owned by
+            // the worker: a file with other links is never handed to the stage user.
+            copy_tree(&from, &to, false)?;
             // The copy's configuration is forgepool's minimum: no remote (its URL may carry
             // credentials), no branch tracking; only the object format is kept.
             let config = if sha256 {
@@ -336,6 +339,42 @@ pub async fn clone_at(url: &str, reference: Option<&str>, repo: &Repo) -> Result
     Ok(commit)
 }
 
+/// Makes the run's git folder from a cache mirror, with no work tree checked out yet: git's
+/// local clone hard-links the mirror's object files into the run's git folder, which only
+/// the worker touches.
+pub async fn link_from_mirror(mirror: &Path, repo: &Repo) -> Result<(), GitError> {
+    let parent = repo.work_tree.parent().unwrap_or(Path::new("/"));
+    let (source, git_dir) = (mirror.to_string_lossy(), repo.git_dir.to_string_lossy());
+    let work_tree = repo.work_tree.to_string_lossy();
+    git(
+        parent,
+        &[
+            "-c",
+            "protocol.file.allow=always",
+            "clone",
+            "--quiet",
+            "--no-checkout",
+            "--separate-git-dir",
+            &git_dir,
+            "--",
+            &source,
+            &work_tree,
+        ],
+    )
+    .await?;
+    tokio::fs::remove_file(repo.work_tree.join(".git"))
+        .await
+        .map_err(GitError::Spawn)
+}
+
+/// Checks `commit` out detached in the run's work tree and keeps it as the branch `base`.
+pub async fn check_out_base(repo: &Repo, commit: &str) -> Result<(), GitError> {
+    repo.git_in_tree(&["checkout", "--quiet", "--detach", commit])
+        .await?;
+    repo.git(&["branch", "--force", "base", commit]).await?;
+    exclude_forge(repo).await
+}
+
 /// `git clone` with the git folder kept apart from the work tree. The `.git` file git leaves
 /// in the work tree is removed: forgepool always names its git folder itself.
 async fn clone_into(url: &str, options: &[&str], repo: &Repo) -> Result<(), GitError> {
@@ -380,7 +419,7 @@ async fn clone_named(url: &str, reference: Option<&str>, repo: &Repo) -> Result<
 }
 
 /// Whether a reference looks like a (possibly abbreviated) commit id.
-fn looks_like_commit(reference: &str) -> bool {
+pub fn looks_like_commit(reference: &str) -> bool {
     (7..=64).contains(&reference.len()) && reference.chars().all(|c| c.is_ascii_hexdigit())
 }
 
@@ -454,7 +493,9 @@ pub async fn commit_tree(
 }
 
 /// Makes a fresh copy of `repo` at `dest` with `commit` checked out and `base` as a branch, so
-/// `git diff base...HEAD` shows the change. The copy shares nothing writable with `repo`.
+/// `git diff base...HEAD` shows the change. The copy shares nothing writable with `repo`: its
+/// object files are hard links (git's local clone), read-only and owned by the worker, and a
+/// file with other links is never handed to a stage user.
 pub async fn copy_at(repo: &Repo, commit: &str, base: &str, dest: &Path) -> Result<(), GitError> {
     repo.git(&["update-ref", "refs/heads/forgepool-candidate", commit])
         .await?;
@@ -468,7 +509,6 @@ pub async fn copy_at(repo: &Repo, commit: &str, base: &str, dest: &Path) -> Resu
             "protocol.file.allow=always",
             "clone",
             "--quiet",
-            "--no-hardlinks",
             "--branch",
             "forgepool-candidate",
             "--",
@@ -621,15 +661,25 @@ pub async fn apply_checkpoint(repo: &Repo, patch: &str) -> Result<String, GitErr
 
 /// Copies the folder `from` to `to`: folders and regular files only (a git folder that
 /// forgepool made holds nothing else).
-fn copy_tree(from: &Path, to: &Path) -> std::io::Result<()> {
+/// Copies the folder `from` (a git folder forgepool made) to `to`. With `link`, files are
+/// hard-linked (copied when the link fails, as across devices); the `objects` folder below
+/// is always linked: object files are immutable.
+fn copy_tree(from: &Path, to: &Path, link: bool) -> std::io::Result<()> {
     std::fs::create_dir_all(to)?;
     for entry in std::fs::read_dir(from)? {
         let entry = entry?;
         let kind = entry.file_type()?;
         let target = to.join(entry.file_name());
         if kind.is_dir() {
-            copy_tree(&entry.path(), &target)?;
+            copy_tree(
+                &entry.path(),
+                &target,
+                link || entry.file_name() == "objects",
+            )?;
         } else if kind.is_file() {
+            if link && std::fs::hard_link(entry.path(), &target).is_ok() {
+                continue;
+            }
             std::fs::copy(entry.path(), &target)?;
         }
     }

@@ -6,6 +6,7 @@
 //! with [`git`], and reports through the event seam ([`sink`]).
 
 pub mod amqp;
+pub mod cache;
 pub mod collector;
 pub mod config;
 pub mod confined;

@@ -411,7 +411,11 @@ fn chown_tree(dir: &Path, uid: u32, gid: u32) {
         let Ok(metadata) = std::fs::symlink_metadata(&path) else {
             continue;
         };
-        if metadata.uid() != uid || metadata.gid() != gid {
+        // A regular file with other links shares its content with a folder of the worker (a
+        // git object linked from the run's repository or the cache): it stays the worker's,
+        // read-only, so a stage can never change it.
+        let shared = metadata.is_file() && metadata.nlink() > 1;
+        if !shared && (metadata.uid() != uid || metadata.gid() != gid) {
             let _ = std::os::unix::fs::lchown(&path, Some(uid), Some(gid));
         }
         if metadata.is_dir() {

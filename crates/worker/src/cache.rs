@@ -1,0 +1,534 @@
+//! The repository cache (SPEC 14, `FORGEPOOL_CACHE_DIR`): one bare mirror per repository URL,
+//! so a run fetches only what changed since the last run of its repository, and its git folder
+//! is made from the mirror with hard links instead of a transfer.
+//!
+//! - **Fetched at every run's start.** The run's ref is fetched from the remote into the mirror
+//!   (`refs/forgepool/want/{hash of the ref}`) and the run uses the commit that fetch named:
+//!   the mirror is never trusted for content the remote does not have.
+//! - **Locked per repository.** A file lock (`{mirror}.lock`, `flock`) is held from the fetch
+//!   until the run's git folder is made, so two runs of one repository that start together
+//!   take turns, and eviction never removes a mirror in use.
+//! - **Rebuilt when damaged.** When a fetch into the mirror or the run's clone from it fails
+//!   (a truncated pack, a missing object) but a direct clone of the remote works, the run uses
+//!   the direct clone and the mirror is removed: the next run fetches it again from scratch.
+//! - **Bounded.** After each fetch, mirrors are evicted least recently used first (the time of
+//!   `{mirror}.used`) until the cache is within its size limit; locked mirrors are skipped.
+//!
+//! The mirrors hold only what git fetched, and forgepool's own configuration: nothing a stage
+//! writes ever reaches them. A stage's copies share their object files by hard link; those
+//! files are read-only and never handed to the stage user (a file with other links is not
+//! chowned), so a stage cannot change them.
+
+use std::os::fd::AsFd;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant, SystemTime};
+
+use sha2::{Digest, Sha256};
+use tracing::{info, warn};
+
+use crate::git::{self, GitError, GIT_TIMEOUT};
+
+/// The default limit of a worker's repository cache.
+pub const DEFAULT_CACHE_BYTES: u64 = 20 * 1024 * 1024 * 1024;
+
+/// A worker's repository cache.
+#[derive(Debug, Clone)]
+pub struct RepoCache {
+    dir: PathBuf,
+    max_bytes: u64,
+}
+
+/// A run's ref fetched into its mirror; the mirror stays locked until this is dropped.
+#[derive(Debug)]
+pub struct Fetched {
+    /// The mirror (a bare repository).
+    pub mirror: PathBuf,
+    /// The commit the remote's ref named at the fetch.
+    pub commit: String,
+    /// Held until the run's git folder is made from the mirror.
+    _lock: FileLock,
+}
+
+impl RepoCache {
+    /// A cache in `dir` (made when first used), evicted down to `max_bytes`.
+    pub fn new(dir: PathBuf, max_bytes: u64) -> RepoCache {
+        RepoCache { dir, max_bytes }
+    }
+
+    /// The cache's folder.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// The mirror of `url`: `{dir}/{first 32 hex digits of its SHA-256}.git`.
+    pub fn mirror_of(&self, url: &str) -> PathBuf {
+        self.dir.join(format!("{}.git", &hash(url)[..32]))
+    }
+
+    /// Fetches `reference` (the remote's default branch when `None`) of `url` into its mirror,
+    /// and returns the mirror, locked, with the commit fetched.
+    pub async fn fetch(&self, url: &str, reference: Option<&str>) -> Result<Fetched, GitError> {
+        tokio::fs::create_dir_all(&self.dir)
+            .await
+            .map_err(GitError::Spawn)?;
+        let mirror = self.mirror_of(url);
+        let lock = FileLock::exclusive(&lock_path(&mirror), GIT_TIMEOUT).await?;
+        let began = Instant::now();
+        let commit = fetch_into(&mirror, url, reference).await?;
+        info!(
+            seconds = began.elapsed().as_secs_f64(),
+            "repository fetched into the cache"
+        );
+        let _ = touch(&used_path(&mirror)).await;
+        self.evict(&mirror).await;
+        Ok(Fetched {
+            mirror,
+            commit,
+            _lock: lock,
+        })
+    }
+
+    /// Clones `url` at `reference` into the run's repository `repo` through the cache and
+    /// returns the base commit: the ref is fetched into the mirror, the run's git folder is
+    /// made from it with hard links (under the mirror's lock), and the commit is checked out.
+    /// A commit id takes the direct path (a remote need not serve one by id). When the cache
+    /// fails, the run clones directly; a mirror that failed while the remote did not is
+    /// removed, to be fetched again from scratch by the next run.
+    pub async fn clone_at(
+        &self,
+        url: &str,
+        reference: Option<&str>,
+        repo: &git::Repo,
+    ) -> Result<String, GitError> {
+        proto::names::check_url(url, &git::allowed_schemes())
+            .map_err(|reason| GitError::Refused(format!("repository URL refused: {reason}")))?;
+        if reference.is_some_and(git::looks_like_commit) {
+            return git::clone_at(url, reference, repo).await;
+        }
+        let cached = async {
+            let fetched = self.fetch(url, reference).await?;
+            git::link_from_mirror(&fetched.mirror, repo).await?;
+            drop(fetched._lock);
+            git::check_out_base(repo, &fetched.commit).await?;
+            Ok::<_, GitError>(fetched.commit)
+        };
+        let error = match cached.await {
+            Ok(commit) => return Ok(commit),
+            Err(error) => error,
+        };
+        let _ = tokio::fs::remove_dir_all(&repo.work_tree).await;
+        let _ = tokio::fs::remove_dir_all(&repo.git_dir).await;
+        let direct = git::clone_at(url, reference, repo).await?;
+        warn!(%error, "the cached mirror failed where the remote did not; it is fetched again next time");
+        let mirror = self.mirror_of(url);
+        if let Ok(lock) = FileLock::exclusive(&lock_path(&mirror), GIT_TIMEOUT).await {
+            remove_mirror(&mirror).await;
+            drop(lock);
+        }
+        Ok(direct)
+    }
+
+    /// Evicts mirrors, least recently used first, until the cache is within its limit. The
+    /// mirror `keep` (just fetched) and mirrors locked by a run are never evicted.
+    async fn evict(&self, keep: &Path) {
+        let dir = self.dir.clone();
+        let keep = keep.to_path_buf();
+        let max = self.max_bytes;
+        let mirrors = tokio::task::spawn_blocking(move || mirrors_by_use(&dir))
+            .await
+            .unwrap_or_default();
+        let mut total: u64 = mirrors.iter().map(|m| m.bytes).sum();
+        for mirror in mirrors {
+            if total <= max {
+                break;
+            }
+            if mirror.path == keep {
+                continue;
+            }
+            // A mirror a run holds is skipped: its lock cannot be had at once.
+            let Ok(lock) = FileLock::exclusive(&lock_path(&mirror.path), Duration::ZERO).await
+            else {
+                continue;
+            };
+            info!(mirror = %mirror.path.display(), bytes = mirror.bytes, "evicting a cached repository");
+            remove_mirror(&mirror.path).await;
+            total = total.saturating_sub(mirror.bytes);
+            drop(lock);
+        }
+    }
+}
+
+/// Fetches into `mirror` (made when missing) and returns the commit `reference` names.
+async fn fetch_into(mirror: &Path, url: &str, reference: Option<&str>) -> Result<String, GitError> {
+    if !mirror.join("HEAD").is_file() {
+        remove_mirror(mirror).await;
+        let path = mirror.to_string_lossy();
+        git::git(
+            mirror.parent().unwrap_or(Path::new("/")),
+            &["init", "--quiet", "--bare", "--template=", &path],
+        )
+        .await?;
+    }
+    let source = reference.unwrap_or("HEAD");
+    let want = format!("refs/forgepool/want/{}", &hash(source)[..16]);
+    let git_dir = format!("--git-dir={}", mirror.display());
+    let refspec = format!("+{source}:{want}");
+    git::git(
+        mirror,
+        &[
+            &git_dir,
+            "fetch",
+            "--quiet",
+            "--no-tags",
+            "--no-write-fetch-head",
+            "--",
+            url,
+            &refspec,
+        ],
+    )
+    .await?;
+    let commit = git::git(
+        mirror,
+        &[
+            &git_dir,
+            "rev-parse",
+            "--verify",
+            &format!("{want}^{{commit}}"),
+        ],
+    )
+    .await?;
+    // A mirror that lost the commit's tree is caught here rather than in the run's clone.
+    git::git(
+        mirror,
+        &[&git_dir, "cat-file", "-e", &format!("{commit}^{{tree}}")],
+    )
+    .await?;
+    Ok(commit)
+}
+
+fn hash(text: &str) -> String {
+    hex::encode(Sha256::digest(text.as_bytes()))
+}
+
+fn lock_path(mirror: &Path) -> PathBuf {
+    mirror.with_extension("lock")
+}
+
+fn used_path(mirror: &Path) -> PathBuf {
+    mirror.with_extension("used")
+}
+
+async fn touch(path: &Path) -> std::io::Result<()> {
+    let file = tokio::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(path)
+        .await?
+        .into_std()
+        .await;
+    file.set_modified(SystemTime::now())
+}
+
+async fn remove_mirror(mirror: &Path) {
+    let _ = tokio::fs::remove_dir_all(mirror).await;
+    let _ = tokio::fs::remove_file(used_path(mirror)).await;
+}
+
+/// A mirror, its size and when a run last used it.
+struct Cached {
+    path: PathBuf,
+    bytes: u64,
+    used: SystemTime,
+}
+
+/// The mirrors in `dir`, least recently used first.
+fn mirrors_by_use(dir: &Path) -> Vec<Cached> {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return Vec::new();
+    };
+    let mut mirrors: Vec<Cached> = entries
+        .flatten()
+        .map(|entry| entry.path())
+        .filter(|path| path.extension().is_some_and(|e| e == "git"))
+        .map(|path| Cached {
+            bytes: size_of(&path),
+            used: std::fs::metadata(used_path(&path))
+                .and_then(|m| m.modified())
+                .unwrap_or(SystemTime::UNIX_EPOCH),
+            path,
+        })
+        .collect();
+    mirrors.sort_by_key(|m| m.used);
+    mirrors
+}
+
+/// The bytes of the regular files under `dir` (symbolic links are not followed).
+fn size_of(dir: &Path) -> u64 {
+    let mut total = 0;
+    let mut pending = vec![dir.to_path_buf()];
+    while let Some(path) = pending.pop() {
+        let Ok(metadata) = std::fs::symlink_metadata(&path) else {
+            continue;
+        };
+        if metadata.is_dir() {
+            if let Ok(entries) = std::fs::read_dir(&path) {
+                pending.extend(entries.flatten().map(|e| e.path()));
+            }
+        } else if metadata.is_file() {
+            total += metadata.len();
+        }
+    }
+    total
+}
+
+/// An exclusive `flock` on a file, released when dropped (the file is closed).
+#[derive(Debug)]
+struct FileLock {
+    /// Held open for the lock's lifetime.
+    _file: std::fs::File,
+}
+
+impl FileLock {
+    /// Takes the lock on `path` (made when missing), trying for up to `limit`.
+    async fn exclusive(path: &Path, limit: Duration) -> Result<FileLock, GitError> {
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(path)
+            .map_err(GitError::Spawn)?;
+        let deadline = Instant::now() + limit;
+        loop {
+            match rustix::fs::flock(
+                file.as_fd(),
+                rustix::fs::FlockOperation::NonBlockingLockExclusive,
+            ) {
+                Ok(()) => return Ok(FileLock { _file: file }),
+                Err(error) if Instant::now() >= deadline => {
+                    return Err(GitError::Spawn(std::io::Error::other(format!(
+                        "cannot lock {} within {limit:?}: {error}",
+                        path.display()
+                    ))))
+                }
+                Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::git::Repo;
+
+    fn sh(dir: &Path, args: &[&str]) -> String {
+        let output = std::process::Command::new("git")
+            .args([
+                "-c",
+                "user.name=t",
+                "-c",
+                "user.email=t@t",
+                "-c",
+                "protocol.file.allow=always",
+            ])
+            .args(args)
+            .current_dir(dir)
+            .output()
+            .expect("git runs");
+        assert!(
+            output.status.success(),
+            "git {args:?}: {}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+        String::from_utf8_lossy(&output.stdout).trim().to_string()
+    }
+
+    /// A bare origin with `main` at a commit of `files` files; returns its `file://` URL.
+    fn origin(dir: &Path, name: &str, files: usize) -> (String, PathBuf) {
+        let bare = dir.join(format!("{name}.git"));
+        let seed = dir.join(format!("{name}-seed"));
+        std::fs::create_dir_all(&seed).unwrap();
+        sh(
+            dir,
+            &[
+                "init",
+                "--quiet",
+                "--bare",
+                "--initial-branch=main",
+                bare.to_str().unwrap(),
+            ],
+        );
+        sh(&seed, &["init", "--quiet", "--initial-branch=main"]);
+        for n in 0..files {
+            std::fs::write(
+                seed.join(format!("f{n}.txt")),
+                format!("{name} {n}\n").repeat(200),
+            )
+            .unwrap();
+        }
+        sh(&seed, &["add", "-A"]);
+        sh(&seed, &["commit", "--quiet", "-m", "one"]);
+        sh(
+            &seed,
+            &["push", "--quiet", bare.to_str().unwrap(), "HEAD:main"],
+        );
+        (format!("file://{}", bare.display()), seed)
+    }
+
+    fn repo_in(dir: &Path, name: &str) -> Repo {
+        std::fs::create_dir_all(dir.join(name)).unwrap();
+        Repo::new(dir.join(name).join("repo.git"), dir.join(name).join("src"))
+    }
+
+    /// Catches: two runs of one repository that start together and corrupt each other's
+    /// fetch or clone (no lock), or get different commits for the same ref.
+    #[tokio::test]
+    async fn two_runs_of_one_repository_at_once_get_the_same_base() {
+        let dir = tempfile::tempdir().unwrap();
+        let (url, _) = origin(dir.path(), "shop", 20);
+        let cache = RepoCache::new(dir.path().join("cache"), DEFAULT_CACHE_BYTES);
+        let (one, two) = (repo_in(dir.path(), "one"), repo_in(dir.path(), "two"));
+        let (a, b) = tokio::join!(
+            cache.clone_at(&url, Some("main"), &one),
+            cache.clone_at(&url, Some("main"), &two)
+        );
+        let (a, b) = (a.expect("first clone"), b.expect("second clone"));
+        assert_eq!(a, b);
+        assert!(one.work_tree.join("f7.txt").is_file() && two.work_tree.join("f7.txt").is_file());
+        assert!(
+            cache.mirror_of(&url).join("HEAD").is_file(),
+            "the mirror is kept"
+        );
+    }
+
+    /// Catches: a cache that serves what it fetched before instead of what the remote has now
+    /// (a force-pushed ref must give the new commit, and the old one must not come back).
+    #[tokio::test]
+    async fn a_force_pushed_ref_is_fetched_anew() {
+        let dir = tempfile::tempdir().unwrap();
+        let (url, seed) = origin(dir.path(), "shop", 3);
+        let cache = RepoCache::new(dir.path().join("cache"), DEFAULT_CACHE_BYTES);
+        let first = cache
+            .clone_at(&url, Some("main"), &repo_in(dir.path(), "a"))
+            .await
+            .unwrap();
+        std::fs::write(seed.join("f0.txt"), "rewritten\n").unwrap();
+        sh(
+            &seed,
+            &["commit", "--quiet", "--amend", "-a", "-m", "rewritten"],
+        );
+        let bare = url.trim_start_matches("file://");
+        sh(&seed, &["push", "--quiet", "--force", bare, "HEAD:main"]);
+        let now = sh(&seed, &["rev-parse", "HEAD"]);
+        let repo = repo_in(dir.path(), "b");
+        let second = cache.clone_at(&url, Some("main"), &repo).await.unwrap();
+        assert_ne!(first, second);
+        assert_eq!(second, now, "the remote's commit, not the cached one");
+        assert_eq!(
+            std::fs::read_to_string(repo.work_tree.join("f0.txt")).unwrap(),
+            "rewritten\n"
+        );
+    }
+
+    /// Catches: a cache that grows without bound, or evicts the repository just fetched.
+    #[tokio::test]
+    async fn the_least_recently_used_mirror_is_evicted_over_the_limit() {
+        let dir = tempfile::tempdir().unwrap();
+        let (old, _) = origin(dir.path(), "old", 30);
+        let (new, _) = origin(dir.path(), "new", 30);
+        let roomy = RepoCache::new(dir.path().join("cache"), DEFAULT_CACHE_BYTES);
+        roomy
+            .clone_at(&old, None, &repo_in(dir.path(), "a"))
+            .await
+            .unwrap();
+        assert!(roomy.mirror_of(&old).is_dir());
+        // Room for one mirror and a half.
+        let one = size_of(&roomy.mirror_of(&old));
+        let cache = RepoCache::new(dir.path().join("cache"), one * 3 / 2);
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        cache
+            .clone_at(&new, None, &repo_in(dir.path(), "b"))
+            .await
+            .unwrap();
+        assert!(
+            !cache.mirror_of(&old).exists(),
+            "the older mirror was evicted"
+        );
+        assert!(
+            cache.mirror_of(&new).is_dir(),
+            "the one just fetched is kept"
+        );
+    }
+
+    /// Catches: a damaged mirror (a truncated pack) that fails runs, or that is kept and
+    /// fails the next run too.
+    #[tokio::test]
+    async fn a_corrupted_mirror_is_detected_and_rebuilt() {
+        let dir = tempfile::tempdir().unwrap();
+        let (url, _) = origin(dir.path(), "shop", 20);
+        let cache = RepoCache::new(dir.path().join("cache"), DEFAULT_CACHE_BYTES);
+        let first = cache
+            .clone_at(&url, Some("main"), &repo_in(dir.path(), "a"))
+            .await
+            .unwrap();
+        let mirror = cache.mirror_of(&url);
+        sh(&mirror, &["repack", "-a", "-d", "--quiet"]);
+        let pack_dir = mirror.join("objects/pack");
+        for entry in std::fs::read_dir(&pack_dir).unwrap().flatten() {
+            if entry.path().extension().is_some_and(|e| e == "pack") {
+                let file = std::fs::OpenOptions::new()
+                    .write(true)
+                    .open(entry.path())
+                    .unwrap();
+                file.set_len(100).unwrap();
+            }
+        }
+        let repo = repo_in(dir.path(), "b");
+        let second = cache
+            .clone_at(&url, Some("main"), &repo)
+            .await
+            .expect("cloned anyway");
+        assert_eq!(first, second);
+        assert!(repo.work_tree.join("f3.txt").is_file());
+        let third = repo_in(dir.path(), "c");
+        cache
+            .clone_at(&url, Some("main"), &third)
+            .await
+            .expect("the mirror was made again");
+        assert!(third.work_tree.join("f3.txt").is_file());
+        assert_eq!(
+            sh(
+                &mirror,
+                &["rev-parse", "--verify", &format!("{first}^{{tree}}")]
+            )
+            .len(),
+            40
+        );
+    }
+
+    /// Catches: a cached clone whose base, tree or refs differ from a direct clone's (the
+    /// delivered commit and the no-progress guard's tree hashes must not depend on the cache).
+    #[tokio::test]
+    async fn a_cached_clone_is_the_same_as_a_direct_one() {
+        let dir = tempfile::tempdir().unwrap();
+        let (url, _) = origin(dir.path(), "shop", 20);
+        let cache = RepoCache::new(dir.path().join("cache"), DEFAULT_CACHE_BYTES);
+        let (cached, direct) = (repo_in(dir.path(), "a"), repo_in(dir.path(), "b"));
+        let via_cache = cache.clone_at(&url, Some("main"), &cached).await.unwrap();
+        let plain = git::clone_at(&url, Some("main"), &direct).await.unwrap();
+        assert_eq!(via_cache, plain);
+        for repo in [&cached, &direct] {
+            std::fs::write(repo.work_tree.join("new.txt"), "change\n").unwrap();
+        }
+        let (one, two) = (
+            git::snapshot_tree(&cached).await.unwrap(),
+            git::snapshot_tree(&direct).await.unwrap(),
+        );
+        assert_eq!(one, two, "the same tree hash");
+        assert_eq!(
+            cached.git(&["rev-parse", "base"]).await.unwrap(),
+            direct.git(&["rev-parse", "base"]).await.unwrap()
+        );
+    }
+}
