@@ -204,34 +204,40 @@ impl<R: ContainerRuntime> Engine<R> {
                 .perform(&mut run, sink, ledger, &cancel, &interrupt, &stop)
                 .await;
             relay.abort();
+            // The run's end is published before its workspace is removed: a big repository's
+            // work tree takes seconds to delete, and the run is over for its user already.
+            let ended = async {
+                let Some((state, reason)) = performed? else {
+                    info!("run interrupted; handing it back");
+                    return Ok(None);
+                };
+                let result = run.result(state, &reason);
+                // The run ended or paused (with a checkpoint of its own): its progress is done
+                // with, and is forgotten while the result is published.
+                let run_key = job.run_id.to_string();
+                let (cleared, published) = tokio::join!(
+                    ledger.clear_progress(&run_key),
+                    publish(
+                        sink,
+                        job.run_id,
+                        EventKind::Result {
+                            result: result.clone(),
+                        },
+                    )
+                );
+                if let Err(error) = cleared {
+                    warn!(%error, "cannot forget the run's progress");
+                }
+                published?;
+                publish(sink, job.run_id, EventKind::State { state, reason }).await?;
+                info!(state = %result.state, rounds = result.implementation_rounds, "run ended");
+                Ok(Some(result))
+            }
+            .await;
             if let Err(error) = remove_dir(&root).await {
                 warn!(%error, path = %root.display(), "cannot remove the run workspace");
             }
-            let Some((state, reason)) = performed? else {
-                info!("run interrupted; handing it back");
-                return Ok(None);
-            };
-            let result = run.result(state, &reason);
-            // The run ended or paused (with a checkpoint of its own): its progress is done
-            // with, and is forgotten while the result is published.
-            let run_key = job.run_id.to_string();
-            let (cleared, published) = tokio::join!(
-                ledger.clear_progress(&run_key),
-                publish(
-                    sink,
-                    job.run_id,
-                    EventKind::Result {
-                        result: result.clone(),
-                    },
-                )
-            );
-            if let Err(error) = cleared {
-                warn!(%error, "cannot forget the run's progress");
-            }
-            published?;
-            publish(sink, job.run_id, EventKind::State { state, reason }).await?;
-            info!(state = %result.state, rounds = result.implementation_rounds, "run ended");
-            Ok(Some(result))
+            ended
         }
         .instrument(span)
         .await

@@ -115,31 +115,32 @@ impl Repo {
     pub async fn make_disposable_copy(&self) -> Result<(), GitError> {
         let from = self.git_dir.clone();
         let to = self.work_tree.join(".git");
-        tokio::task::spawn_blocking(move || {
-            if std::fs::symlink_metadata(&to).is_ok() {
-                remove_any(&to)?;
-            }
-            let sha256 = std::fs::read_to_string(from.join("config"))
-                .is_ok_and(|c| c.contains("objectformat = sha256"));
-            // Object files are immutable: they are linked, not copied (a 50,000-file
-            // repository's pack is hundreds of megabytes). They stay read-only and owned by
-            // the worker: a file with other links is never handed to the stage user.
-            copy_tree(&from, &to, false)?;
-            // The copy's configuration is forgepool's minimum: no remote (its URL may carry
-            // credentials), no branch tracking; only the object format is kept.
-            let config = if sha256 {
-                DISPOSABLE_CONFIG
-                    .replace("repositoryformatversion = 0", "repositoryformatversion = 1")
-                    + "[extensions]\n\tobjectformat = sha256\n"
-            } else {
-                DISPOSABLE_CONFIG.to_string()
-            };
-            std::fs::write(to.join("config"), config)
-        })
-        .await
-        .map_err(|e| GitError::Spawn(std::io::Error::other(e)))?
-        .map_err(GitError::Spawn)
+        tokio::task::spawn_blocking(move || disposable_git(&from, &to, ""))
+            .await
+            .map_err(|e| GitError::Spawn(std::io::Error::other(e)))?
+            .map_err(GitError::Spawn)
     }
+}
+
+/// Copies the git folder `from` to `to` (replacing it) for stages: object files are linked,
+/// not copied (a 50,000-file repository's pack is hundreds of megabytes; they stay read-only
+/// and the worker's: a file with other links is never handed to a stage user), and the
+/// configuration is forgepool's minimum: no remote (its URL may carry credentials), no branch
+/// tracking, only the object format kept, then `extra`.
+pub fn disposable_git(from: &Path, to: &Path, extra: &str) -> std::io::Result<()> {
+    if std::fs::symlink_metadata(to).is_ok() {
+        remove_any(to)?;
+    }
+    let sha256 = std::fs::read_to_string(from.join("config"))
+        .is_ok_and(|c| c.contains("objectformat = sha256"));
+    copy_tree(from, to, false)?;
+    let config = if sha256 {
+        DISPOSABLE_CONFIG.replace("repositoryformatversion = 0", "repositoryformatversion = 1")
+            + "[extensions]\n\tobjectformat = sha256\n"
+    } else {
+        DISPOSABLE_CONFIG.to_string()
+    };
+    std::fs::write(to.join("config"), config + extra)
 }
 
 /// Runs `git args` in `dir` (a folder forgepool made and no stage can write) and returns its

@@ -19,6 +19,7 @@ pub mod fault;
 pub mod final_review;
 pub mod git;
 pub mod ledger;
+pub mod linkcopy;
 pub mod machine;
 pub mod queue;
 pub mod report;

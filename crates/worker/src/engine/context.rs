@@ -162,7 +162,7 @@ impl<'a> RunContext<'a> {
         copy: &Path,
         prompt: &str,
     ) -> Result<PathBuf, String> {
-        let commit = self.fresh_copy(tree, copy).await?;
+        let commit = self.read_only_copy(tree, copy).await?;
         let diff = git::diff(&self.repo, &self.base, &commit)
             .await
             .unwrap_or_default();
@@ -170,10 +170,28 @@ impl<'a> RunContext<'a> {
             .await
     }
 
-    pub(super) async fn fresh_copy(&self, tree: &str, dest: &Path) -> Result<String, String> {
+    /// A reviewer's copy of `tree` at `dest` (mounted read-only): linked from the work tree
+    /// when it holds `tree` as recorded, else checked out. Returns the candidate commit.
+    async fn read_only_copy(&self, tree: &str, dest: &Path) -> Result<String, String> {
         let _ = remove_dir(dest).await;
+        let commit = self.candidate(tree).await?;
+        match crate::linkcopy::link_copy(&self.repo, &commit, tree, &self.base, dest).await {
+            Ok(true) => return Ok(commit),
+            Ok(false) => {}
+            Err(error) => warn!(%error, "cannot link a reviewer's copy; checking one out"),
+        }
+        let _ = remove_dir(dest).await;
+        git::copy_at(&self.repo, &commit, &self.base, dest)
+            .await
+            .map_err(|e| e.to_string())?;
+        Ok(commit)
+    }
+
+    /// The candidate commit of `tree` on the base, dated with the submission (the same inputs
+    /// give the same commit).
+    async fn candidate(&self, tree: &str) -> Result<String, String> {
         let message = format!("forgepool candidate for {}", self.job.ticket);
-        let commit = git::commit_tree(
+        git::commit_tree(
             &self.repo,
             tree,
             &self.base,
@@ -181,7 +199,14 @@ impl<'a> RunContext<'a> {
             &self.job.submitted_at,
         )
         .await
-        .map_err(|e| e.to_string())?;
+        .map_err(|e| e.to_string())
+    }
+
+    /// A writable copy of `tree` at `dest`, checked out (nothing shared with the work tree).
+    /// Returns the candidate commit.
+    pub(super) async fn fresh_copy(&self, tree: &str, dest: &Path) -> Result<String, String> {
+        let _ = remove_dir(dest).await;
+        let commit = self.candidate(tree).await?;
         git::copy_at(&self.repo, &commit, &self.base, dest)
             .await
             .map_err(|e| e.to_string())?;
