@@ -26,7 +26,7 @@ use std::time::{Duration, Instant, SystemTime};
 use sha2::{Digest, Sha256};
 use tracing::{info, warn};
 
-use crate::git::{self, GitError, GIT_TIMEOUT};
+use crate::git::{self, GitError, Repo, GIT_TIMEOUT};
 
 /// The default limit of a worker's repository cache.
 pub const DEFAULT_CACHE_BYTES: u64 = 20 * 1024 * 1024 * 1024;
@@ -98,7 +98,7 @@ impl RepoCache {
         &self,
         url: &str,
         reference: Option<&str>,
-        repo: &git::Repo,
+        repo: &Repo,
     ) -> Result<String, GitError> {
         proto::names::check_url(url, &git::allowed_schemes())
             .map_err(|reason| GitError::Refused(format!("repository URL refused: {reason}")))?;
@@ -107,9 +107,9 @@ impl RepoCache {
         }
         let cached = async {
             let fetched = self.fetch(url, reference).await?;
-            git::link_from_mirror(&fetched.mirror, repo).await?;
+            link_from_mirror(&fetched.mirror, repo).await?;
             drop(fetched._lock);
-            git::check_out_base(repo, &fetched.commit).await?;
+            check_out_base(repo, &fetched.commit).await?;
             Ok::<_, GitError>(fetched.commit)
         };
         let error = match cached.await {
@@ -204,6 +204,42 @@ async fn fetch_into(mirror: &Path, url: &str, reference: Option<&str>) -> Result
     )
     .await?;
     Ok(commit)
+}
+
+/// Makes the run's git folder from a cache mirror, with no work tree checked out yet: git's
+/// local clone hard-links the mirror's object files into the run's git folder, which only
+/// the worker touches.
+pub async fn link_from_mirror(mirror: &Path, repo: &Repo) -> Result<(), GitError> {
+    let parent = repo.work_tree.parent().unwrap_or(Path::new("/"));
+    let (source, git_dir) = (mirror.to_string_lossy(), repo.git_dir.to_string_lossy());
+    let work_tree = repo.work_tree.to_string_lossy();
+    git::git(
+        parent,
+        &[
+            "-c",
+            "protocol.file.allow=always",
+            "clone",
+            "--quiet",
+            "--no-checkout",
+            "--separate-git-dir",
+            &git_dir,
+            "--",
+            &source,
+            &work_tree,
+        ],
+    )
+    .await?;
+    tokio::fs::remove_file(repo.work_tree.join(".git"))
+        .await
+        .map_err(GitError::Spawn)
+}
+
+/// Checks `commit` out detached in the run's work tree and keeps it as the branch `base`.
+pub async fn check_out_base(repo: &Repo, commit: &str) -> Result<(), GitError> {
+    repo.git_in_tree(&["checkout", "--quiet", "--detach", commit])
+        .await?;
+    repo.git(&["branch", "--force", "base", commit]).await?;
+    git::exclude_forge(repo).await
 }
 
 fn hash(text: &str) -> String {
@@ -320,7 +356,6 @@ impl FileLock {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::git::Repo;
 
     fn sh(dir: &Path, args: &[&str]) -> String {
         let output = std::process::Command::new("git")
