@@ -9,14 +9,13 @@ a line, a reviewer that approves) on each, ROUNDS times (5 by default):
   - big repository on a fresh worker (an empty repository cache each time);
   - big repository with a warm cache (the cache of an earlier run of the same repository).
 It prints the median of each, the overheads (big minus one-file) and the peak resident memory
-of the forgepool process.
+of `forgepool run` (needs GNU time, Debian's `time` package).
 
 Run: scripts/services.sh && scripts/build-images.sh && cargo build --release &&
      python3 scripts/bench-bigrepo.py [FILES [ROUNDS]]
 """
 import json
 import os
-import resource
 import shutil
 import statistics
 import subprocess
@@ -71,7 +70,7 @@ def main():
         f"[agents.r]\nimage = \"{IMAGE}\"\ncommand = {json.dumps(REVIEW)}\nmemory = \"256m\"\n")
     warm_cache = os.path.join(work, "cache-warm")
     counter = [0]
-    walls = []
+    walls, peaks = [], []
 
     def one(repository, cache):
         counter[0] += 1
@@ -81,7 +80,8 @@ def main():
             f"[repository]\nurl = \"file://{repository}\"\nref = \"main\"\n")
         env = dict(os.environ, FORGEPOOL_CACHE_DIR=cache, FORGEPOOL_LOG="warn")
         started = time.time()
-        process = subprocess.Popen([BINARY, "run", request, "--skills", os.path.join(work, "skills"),
+        memory = os.path.join(work, "memory.txt")
+        process = subprocess.Popen(["/usr/bin/time", "-f", "%M", "-o", memory, BINARY, "run", request, "--skills", os.path.join(work, "skills"),
                                     "--agents", agents, "--database", os.path.join(work, "runs.db"),
                                     "--workspace", os.path.join(work, "ws")],
                                    env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -96,6 +96,7 @@ def main():
             print("".join(lines[-20:]), process.stderr.read()[-2000:])
             raise SystemExit(f"forgepool run failed with {code}")
         walls.append(wall)
+        peaks.append(int(open(memory).read().split()[-1]) / 1024)
         return ended
 
     one(big, warm_cache)  # warms the cache (and the page cache for every case alike)
@@ -109,12 +110,12 @@ def main():
         print(f"round {n + 1}: " + ", ".join(f"{k} {v[-1]:.2f} s" for k, v in times.items()), flush=True)
     medians = {k: statistics.median(v) for k, v in times.items()}
     print(f"process wall time (the workspace removed after the run's end): median {statistics.median(walls):.2f} s")
-    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
+    peak = max(peaks)
     for name, value in medians.items():
         print(f"median {name}: {value:.2f} s")
     print(f"overhead on a fresh worker: {medians['big, fresh worker'] - medians['one-file']:.2f} s (target 5 s)")
     print(f"overhead with a warm cache: {medians['big, warm cache'] - medians['one-file']:.2f} s (target 1 s)")
-    print(f"peak resident memory of a child process (forgepool or git): {peak:.1f} MB")
+    print(f"peak resident memory of `forgepool run` (GNU time's %M; its git children are counted when larger): {peak:.1f} MB")
     shutil.rmtree(work, ignore_errors=True)
 
 
