@@ -121,7 +121,8 @@ impl RepoCache {
         let direct = git::clone_at(url, reference, repo).await?;
         warn!(%error, "the cached mirror failed where the remote did not; it is fetched again next time");
         let mirror = self.mirror_of(url);
-        if let Ok(lock) = FileLock::exclusive(&lock_path(&mirror), GIT_TIMEOUT).await {
+        // Only a mirror no run holds now: waiting long for one in use is not worth it.
+        if let Ok(lock) = FileLock::exclusive(&lock_path(&mirror), Duration::from_secs(5)).await {
             remove_mirror(&mirror).await;
             drop(lock);
         }
@@ -172,18 +173,50 @@ async fn fetch_into(mirror: &Path, url: &str, reference: Option<&str>) -> Result
     let source = reference.unwrap_or("HEAD");
     let want = format!("refs/forgepool/want/{}", &hash(source)[..16]);
     let git_dir = format!("--git-dir={}", mirror.display());
-    let refspec = format!("+{source}:{want}");
+    // A branch is preferred to a tag of the same name, as `git clone --branch` does.
+    let candidates = match reference {
+        Some(name) if !name.starts_with("refs/") => {
+            vec![format!("refs/heads/{name}"), format!("refs/tags/{name}")]
+        }
+        _ => vec![source.to_string()],
+    };
+    let mut fetched = Ok(String::new());
+    for candidate in candidates {
+        let refspec = format!("+{candidate}:{want}");
+        // No automatic gc: it would go on in the background after the lock is released.
+        fetched = git::git(
+            mirror,
+            &[
+                &git_dir,
+                "-c",
+                "gc.auto=0",
+                "-c",
+                "maintenance.auto=false",
+                "fetch",
+                "--quiet",
+                "--no-tags",
+                "--no-write-fetch-head",
+                "--",
+                url,
+                &refspec,
+            ],
+        )
+        .await;
+        if fetched.is_ok() {
+            break;
+        }
+    }
+    fetched?;
+    // Housekeeping in the foreground, under the lock (nothing when under git's thresholds).
     git::git(
         mirror,
         &[
             &git_dir,
-            "fetch",
+            "-c",
+            "gc.autoDetach=false",
+            "gc",
+            "--auto",
             "--quiet",
-            "--no-tags",
-            "--no-write-fetch-head",
-            "--",
-            url,
-            &refspec,
         ],
     )
     .await?;
@@ -213,6 +246,12 @@ pub async fn link_from_mirror(mirror: &Path, repo: &Repo) -> Result<(), GitError
     let parent = repo.work_tree.parent().unwrap_or(Path::new("/"));
     let (source, git_dir) = (mirror.to_string_lossy(), repo.git_dir.to_string_lossy());
     let work_tree = repo.work_tree.to_string_lossy();
+    // The mirror's object files are linked only when a stage cannot own them.
+    let links = if git::shareable(mirror) {
+        "--quiet"
+    } else {
+        "--no-hardlinks"
+    };
     git::git(
         parent,
         &[
@@ -221,6 +260,7 @@ pub async fn link_from_mirror(mirror: &Path, repo: &Repo) -> Result<(), GitError
             "clone",
             "--quiet",
             "--no-checkout",
+            links,
             "--separate-git-dir",
             &git_dir,
             "--",

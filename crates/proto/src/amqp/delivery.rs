@@ -27,16 +27,17 @@ pub fn signature_headers(signature: String) -> FieldTable {
 /// The header of a job's copy that counts how often its execution was lost: a worker died,
 /// or lost the broker, while it held the job.
 pub const LOST_HEADER: &str = "x-forgepool-lost";
-/// The header of a parked copy of a lost job: the time (Unix milliseconds) before which no
-/// worker starts it, so the worker that held it can take its lease again if it still lives.
-pub const NOT_BEFORE_HEADER: &str = "x-forgepool-not-before";
+/// The header of a parked copy of a lost job: how many more times it waits in the wait queue
+/// (its TTL each time, kept by the broker's clock) before a worker may start it, so the worker
+/// that held it can take its lease again if it still lives.
+pub const HOLDS_HEADER: &str = "x-forgepool-holds";
 /// The header of a copy of a job that may follow an earlier execution of its run (a copy
 /// forgepool published again: a hand-over, a parked job, a run queued again). Only such a copy
 /// reads the progress kept on the broker; a first copy has none to read.
 pub const AGAIN_HEADER: &str = "x-forgepool-again";
-/// How far in the future a copy's `not before` may lie; a later one is ignored (a wrong clock
-/// or a forged header must not hold a job back).
-const NOT_BEFORE_HORIZON_MS: u64 = 60_000;
+/// The most waits a copy's header may ask for; more is taken as this (a forged header must
+/// not hold a job back for long).
+pub const MAX_HOLDS: u32 = 10;
 
 /// What a copy of a job carries besides its body and signature (SPEC 11): how often its
 /// execution was lost, and when a copy parked after such a loss may run. Forgepool makes a
@@ -46,8 +47,8 @@ const NOT_BEFORE_HORIZON_MS: u64 = 60_000;
 pub struct Carried {
     /// How often a worker lost the job while holding it.
     pub lost: u32,
-    /// No worker starts the copy before this time (Unix milliseconds); 0 for none.
-    pub not_before_ms: u64,
+    /// How many more times the copy waits in the wait queue before it may run.
+    pub holds: u32,
     /// The copy may follow an earlier execution of its run.
     pub again: bool,
 }
@@ -58,18 +59,9 @@ impl Carried {
         let number = |name| header_text(properties, name).and_then(|v| v.parse::<u64>().ok());
         Carried {
             lost: number(LOST_HEADER).map_or(0, |n| u32::try_from(n).unwrap_or(u32::MAX)),
-            not_before_ms: number(NOT_BEFORE_HEADER).unwrap_or(0),
+            holds: number(HOLDS_HEADER).map_or(0, |n| n.min(u64::from(MAX_HOLDS)) as u32),
             again: number(AGAIN_HEADER).is_some_and(|n| n > 0),
         }
-    }
-
-    /// How long a copy must still wait at `now_ms` (nothing past the horizon).
-    pub fn wait_at(self, now_ms: u64) -> Duration {
-        let ahead = self.not_before_ms.saturating_sub(now_ms);
-        if ahead > NOT_BEFORE_HORIZON_MS {
-            return Duration::ZERO;
-        }
-        Duration::from_millis(ahead)
     }
 
     /// The headers of a copy: the signature, and the counts that are not zero.
@@ -84,8 +76,8 @@ impl Carried {
         if self.lost > 0 {
             text(LOST_HEADER, u64::from(self.lost));
         }
-        if self.not_before_ms > 0 {
-            text(NOT_BEFORE_HEADER, self.not_before_ms);
+        if self.holds > 0 {
+            text(HOLDS_HEADER, u64::from(self.holds));
         }
         if self.again {
             text(AGAIN_HEADER, 1);
@@ -434,12 +426,12 @@ mod carried_tests {
     use super::*;
 
     /// Catches: counts that do not survive a copy (a hand-over or a parked job would reset the
-    /// poison count), and a far-future or malformed header that holds a job back.
+    /// poison count), and a forged or malformed header that holds a job back for long.
     #[test]
     fn a_copy_carries_its_counts_and_ignores_nonsense() {
         let carried = Carried {
             lost: 3,
-            not_before_ms: 10_000,
+            holds: 4,
             again: true,
         };
         let headers = carried.headers(Some("sig".into())).expect("headers");
@@ -449,13 +441,13 @@ mod carried_tests {
             header_text(&properties, crate::SIGNATURE_HEADER).as_deref(),
             Some("sig")
         );
-        assert_eq!(carried.wait_at(4_000), Duration::from_secs(6));
-        assert_eq!(carried.wait_at(12_000), Duration::ZERO);
-        let far = Carried {
-            not_before_ms: 10_000_000,
-            ..Carried::default()
-        };
-        assert_eq!(far.wait_at(0), Duration::ZERO, "beyond the horizon");
+        let mut forged = FieldTable::default();
+        forged.insert(
+            HOLDS_HEADER.into(),
+            AMQPValue::LongString(LongString::from("1000000")),
+        );
+        let properties = BasicProperties::default().with_headers(forged);
+        assert_eq!(Carried::of(&properties).holds, MAX_HOLDS, "bounded");
         assert_eq!(Carried::default().headers(None), None);
         let mut nonsense = FieldTable::default();
         nonsense.insert(

@@ -125,9 +125,23 @@ impl<R: ContainerRuntime> Consume for JobFeed<R> {
     }
 }
 
+/// What one delivery still holds of its run once it is settled.
+#[derive(Debug, Clone, Copy)]
+struct Held {
+    /// The run's lease on the broker.
+    lease: bool,
+    /// The run's claim in this process.
+    claim: bool,
+}
+
 /// How long a job lost by its worker waits before its lease is tried: two sweeps, in which a
 /// live worker that still runs it declares its lease again.
 const REDELIVERY_GRACE: Duration = Duration::from_secs(2 * SWEEP_INTERVAL.as_secs());
+
+/// The grace as waits in the wait queue (its TTL each, on the broker's clock): at least
+/// [`REDELIVERY_GRACE`].
+const GRACE_HOLDS: u32 = ((REDELIVERY_GRACE.as_millis() as i64 + amqp::WAIT_QUEUE_TTL_MS - 1)
+    / amqp::WAIT_QUEUE_TTL_MS) as u32;
 
 async fn take_delivery<R: ContainerRuntime>(
     jobs: &Arc<Jobs<R>>,
@@ -162,28 +176,25 @@ async fn take_delivery<R: ContainerRuntime>(
                 return jobs.settle(&delivery, handed).await;
             };
             let run_id = job.run_id;
-            let leased = jobs.run(job, delivery, carried).await;
-            // The slot is free once the job is settled; the lease goes back after.
-            drop(permit);
-            if leased {
+            let held = jobs.run(job, delivery, carried).await;
+            // The lease goes back before the run leaves this worker's claims and its slot:
+            // a copy of the run taken here meanwhile must not lose the lease it relies on.
+            if held.lease {
                 jobs.leases.release(run_id).await;
             }
+            if held.claim {
+                jobs.in_flight.release(run_id).await;
+            }
+            drop(permit);
         }
         .instrument(span),
     );
 }
 
-/// The wall clock in Unix milliseconds (copies parked by one worker are read by another).
-fn now_ms() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
-}
-
 /// What becomes of a copy of a job that the broker delivered again after its holder lost it:
 /// the loss is counted, and the job is poison once its execution was lost
 /// [`amqp::DELIVERY_LIMIT`] times.
-fn after_loss(carried: Carried, now_ms: u64) -> Result<Carried, String> {
+fn after_loss(carried: Carried) -> Result<Carried, String> {
     let lost = carried.lost.saturating_add(1);
     if i64::from(lost) >= amqp::DELIVERY_LIMIT {
         return Err(format!(
@@ -193,7 +204,8 @@ fn after_loss(carried: Carried, now_ms: u64) -> Result<Carried, String> {
     }
     Ok(Carried {
         lost,
-        not_before_ms: now_ms + REDELIVERY_GRACE.as_millis() as u64,
+        // The park that follows the loss is the first wait.
+        holds: GRACE_HOLDS - 1,
         again: true,
     })
 }
@@ -214,13 +226,17 @@ impl<R: ContainerRuntime> Jobs<R> {
         carried: Carried,
     ) -> Option<Disposition> {
         if delivery.redelivered && !self.in_flight.contains(job.run_id).await {
-            return Some(match after_loss(carried, now_ms()) {
+            return Some(match after_loss(carried) {
                 Ok(counted) => self.park(delivery, counted).await,
                 Err(poison) => Disposition::DeadLetter(poison),
             });
         }
-        if carried.wait_at(now_ms()) > Duration::ZERO {
-            return Some(self.park(delivery, carried).await);
+        if carried.holds > 0 {
+            let held = Carried {
+                holds: carried.holds - 1,
+                ..carried
+            };
+            return Some(self.park(delivery, held).await);
         }
         None
     }
@@ -244,58 +260,68 @@ impl<R: ContainerRuntime> Jobs<R> {
     }
 
     /// One delivery of a trusted job: runs it unless it is finished or held elsewhere, then
-    /// settles the delivery. Returns whether the run's lease was taken (the caller gives it
-    /// back once the slot is free).
-    async fn run(&self, job: Job, delivery: Delivery, carried: Carried) -> bool {
-        let (disposition, leased) = self.claim_and_execute(&job, &delivery, carried).await;
+    /// settles the delivery. Returns what this delivery still holds of the run (the caller
+    /// gives back the lease, then the claim and the slot).
+    async fn run(&self, job: Job, delivery: Delivery, carried: Carried) -> Held {
+        let (disposition, held) = self.claim_and_execute(&job, &delivery, carried).await;
         self.settle(&delivery, disposition).await;
-        leased
+        held
     }
 
-    /// Returns what to do with the delivery, and whether the run's lease was taken.
+    /// Returns what to do with the delivery, and what of the run it still holds.
     async fn claim_and_execute(
         &self,
         job: &Job,
         delivery: &Delivery,
         carried: Carried,
-    ) -> (Disposition, bool) {
+    ) -> (Disposition, Held) {
+        let (none, both) = (
+            Held {
+                lease: false,
+                claim: false,
+            },
+            Held {
+                lease: true,
+                claim: true,
+            },
+        );
         let run_id = job.run_id;
         // Claim the run in this process first: the lease is exclusive per connection, so it
         // cannot tell two deliveries to this same worker apart.
         let Some(claim) = self.in_flight.claim(run_id, &self.interrupt).await else {
             // This worker runs it already (the broker redelivered it after a lost connection).
-            return (self.park(delivery, carried).await, false);
+            return (self.park(delivery, carried).await, none);
         };
-        // The done marker is read while the lease is taken (one round trip, not two): a
-        // finished run that is delivered again is acknowledged without running.
-        let marker = self.topology.done(&job.execution_key());
-        let (done, leased) = tokio::join!(self.leases.exists(&marker), self.leases.acquire(run_id));
-        let holds_lease = matches!(leased, Ok(true));
-        match done {
-            Ok(false) => {}
-            Ok(true) => {
-                self.in_flight.release(run_id).await;
-                info!("run already finished; acknowledging the redelivered job");
-                return (Disposition::Ack, holds_lease);
-            }
-            Err(error) => {
-                self.in_flight.release(run_id).await;
-                warn!(%error, "cannot check the done marker; handing the job back");
-                return (Disposition::Requeue, holds_lease);
-            }
-        }
-        match leased {
+        match self.leases.acquire(run_id).await {
             Ok(true) => {}
             Ok(false) => {
                 // Another live worker holds the run (the broker redelivered it after a consumer
                 // timeout): park it in the wait queue; it comes back until that worker is done.
                 self.in_flight.release(run_id).await;
-                return (self.park(delivery, carried).await, false);
+                return (self.park(delivery, carried).await, none);
             }
             Err(error) => {
                 self.in_flight.release(run_id).await;
                 warn!(%error, "cannot lease the run; handing the job back");
-                return (Disposition::Requeue, false);
+                return (Disposition::Requeue, none);
+            }
+        }
+        // The done marker is read once the lease is held: a worker declares it before it
+        // gives its lease back, so a finished run delivered again is seen as finished and
+        // acknowledged without running.
+        match self
+            .leases
+            .exists(&self.topology.done(&job.execution_key()))
+            .await
+        {
+            Ok(false) => {}
+            Ok(true) => {
+                info!("run already finished; acknowledging the redelivered job");
+                return (Disposition::Ack, both);
+            }
+            Err(error) => {
+                warn!(%error, "cannot check the done marker; handing the job back");
+                return (Disposition::Requeue, both);
             }
         }
         // A copy that was delivered again, or lost before, may follow an execution that pushed.
@@ -306,17 +332,17 @@ impl<R: ContainerRuntime> Jobs<R> {
             // does not count toward the poison limit, and the next execution continues from
             // the progress kept on the broker.
             let handed = Carried {
-                not_before_ms: 0,
+                holds: 0,
                 again: true,
                 ..carried
             };
             return (
                 self.republish(delivery, &self.topology.jobs(), handed)
                     .await,
-                true,
+                both,
             );
         }
-        (disposition, true)
+        (disposition, both)
     }
 
     /// Puts a job whose run is held elsewhere, or whose grace after a loss has not passed, into
@@ -366,7 +392,6 @@ impl<R: ContainerRuntime> Jobs<R> {
             () = heartbeats => unreachable!("heartbeats go on until the run ends"),
         };
         self.metrics.runs_in_progress().dec();
-        self.in_flight.release(job.run_id).await;
         match outcome {
             Ok(Some(result)) => {
                 crate::fault::point("ended");
@@ -456,16 +481,16 @@ mod tests {
     fn a_job_is_poison_after_its_execution_was_lost_as_often_as_the_delivery_limit() {
         let mut carried = Carried::default();
         for lost in 1..amqp::DELIVERY_LIMIT {
-            carried = after_loss(carried, 1_000).expect("not poison yet");
+            carried = after_loss(carried).expect("not poison yet");
             assert_eq!(i64::from(carried.lost), lost);
-            assert_eq!(
-                carried.wait_at(1_000),
-                REDELIVERY_GRACE,
-                "parked for the grace"
+            assert!(carried.again, "a lost job may follow an execution");
+            let waited = u64::from(carried.holds + 1) * amqp::WAIT_QUEUE_TTL_MS as u64;
+            assert!(
+                waited >= REDELIVERY_GRACE.as_millis() as u64,
+                "parked for at least the grace, on the broker's clock"
             );
-            assert_eq!(carried.wait_at(1_000 + 20_000), Duration::ZERO);
         }
-        let poison = after_loss(carried, 1_000).expect_err("poison at the limit");
+        let poison = after_loss(carried).expect_err("poison at the limit");
         assert!(poison.contains("lost 5 times"), "{poison}");
     }
 }
