@@ -279,6 +279,44 @@ async fn a_run_submitted_on_the_submission_queue_is_delivered() {
     cluster.delete_queues().await;
 }
 
+/// Catches: two runs of one repository starting together on one worker that corrupt each
+/// other through the repository cache (one fetch into the mirror while the other links from
+/// it), a cache that is not used (no mirror), or one mirror per run instead of per repository.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_runs_of_one_repository_at_once_share_one_mirror() {
+    let fixture = Fixture::new(None, &["change"], &["approve"]);
+    let cluster = Cluster::start(fixture, 1, 2, None).await;
+    let (one, two) = tokio::join!(cluster.submit("TWIN-1"), cluster.submit("TWIN-2"));
+    let views = cluster
+        .wait_terminal(&[one, two], Duration::from_secs(120))
+        .await;
+    for (n, view) in views.iter().enumerate() {
+        assert_eq!(
+            view["state"],
+            "delivered",
+            "run {n}: {}\n{}",
+            view["states"],
+            cluster.logs()
+        );
+    }
+    assert_eq!(cluster.pushes("forge/twin-1"), 1);
+    assert_eq!(cluster.pushes("forge/twin-2"), 1);
+    // Both branches hold their own change on the same base.
+    let base = common::git(&cluster.fixture.bare, &["rev-parse", "main"]);
+    for branch in ["forge/twin-1", "forge/twin-2"] {
+        let parent = common::git(&cluster.fixture.bare, &["rev-parse", &format!("{branch}^")]);
+        assert_eq!(parent, base, "{branch} is one commit on main");
+    }
+    let cache = cluster.fixture.dir.path().join("ws-w0").join(".cache");
+    let mirrors: Vec<_> = std::fs::read_dir(&cache)
+        .unwrap_or_else(|e| panic!("no repository cache at {}: {e}", cache.display()))
+        .flatten()
+        .filter(|e| e.path().extension().is_some_and(|x| x == "git"))
+        .collect();
+    assert_eq!(mirrors.len(), 1, "one mirror for the repository");
+    cluster.delete_queues().await;
+}
+
 /// Catches: a retried submission (a client that timed out, a producer that published twice)
 /// that creates a second run.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
