@@ -14,7 +14,6 @@ of `forgepool run` (needs GNU time, Debian's `time` package).
 Run: scripts/services.sh && scripts/build-images.sh && cargo build --release &&
      python3 scripts/bench-bigrepo.py [FILES [ROUNDS]]
 """
-import json
 import os
 import shutil
 import statistics
@@ -22,6 +21,8 @@ import subprocess
 import sys
 import tempfile
 import time
+
+from benchsetup import write_skill_and_agents
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BINARY = os.path.join(ROOT, "target", "release", "forgepool")
@@ -59,15 +60,7 @@ def main():
     make_repository(big, files)
     make_repository(small, 1)
     print(f"made a repository of {files} files in {time.time() - began:.1f} s", flush=True)
-    skill = os.path.join(work, "skills", "default", "implement-task")
-    os.makedirs(skill)
-    open(os.path.join(skill, "SKILL.md"), "w").write("# Implement\n")
-    open(os.path.join(skill, "review.md"), "w").write("---\nmax_retries: 1\n---\nCheck.\n")
-    agents = os.path.join(work, "agents.toml")
-    open(agents, "w").write(
-        "[defaults]\nimplementer = \"i\"\nreviewer = \"r\"\n"
-        f"[agents.i]\nimage = \"{IMAGE}\"\ncommand = {json.dumps(IMPLEMENT)}\nmemory = \"256m\"\n"
-        f"[agents.r]\nimage = \"{IMAGE}\"\ncommand = {json.dumps(REVIEW)}\nmemory = \"256m\"\n")
+    _, agents = write_skill_and_agents(work, IMAGE, IMPLEMENT, REVIEW, 'memory = "256m"\n')
     warm_cache = os.path.join(work, "cache-warm")
     counter = [0]
     walls, peaks = [], []

@@ -31,6 +31,8 @@ import time
 import urllib.request
 import uuid
 
+from benchsetup import write_skill_and_agents
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BINARY = os.path.join(ROOT, "target", "release", "forgepool")
 IMAGE = "forgepool-test-agent:dev"
@@ -126,15 +128,7 @@ def main():
     git("add", "-A", cwd=seed)
     git("-c", "user.name=b", "-c", "user.email=b@b", "commit", "--quiet", "-m", "start", cwd=seed)
     git("push", "--quiet", "origin", "HEAD:main", cwd=seed)
-    skill = os.path.join(work, "skills", "default", "implement-task")
-    os.makedirs(skill)
-    open(os.path.join(skill, "SKILL.md"), "w").write("# Implement\n")
-    open(os.path.join(skill, "review.md"), "w").write("---\nmax_retries: 1\n---\nCheck.\n")
-    agents = os.path.join(work, "agents.toml")
-    open(agents, "w").write(
-        "[defaults]\nimplementer = \"i\"\nreviewer = \"r\"\n"
-        f"[agents.i]\nimage = \"{IMAGE}\"\ncommand = {json.dumps(IMPLEMENT)}\nmemory = \"128m\"\ncpus = 0.5\n"
-        f"[agents.r]\nimage = \"{IMAGE}\"\ncommand = {json.dumps(REVIEW)}\nmemory = \"128m\"\ncpus = 0.5\n")
+    _, agents = write_skill_and_agents(work, IMAGE, IMPLEMENT, REVIEW)
     prefix = "bench" + uuid.uuid4().hex[:8]
     env = dict(os.environ, FORGEPOOL_AMQP_PREFIX=prefix, FORGEPOOL_JOB_KEY=os.environ.get("FORGEPOOL_JOB_KEY", "bench-cluster-job-key-0123456789"), FORGEPOOL_LOG=os.environ.get("BENCH_LOG", "warn,lapin=off"))
 

@@ -30,6 +30,8 @@ import time
 import urllib.request
 import uuid
 
+from benchsetup import write_skill_and_agents
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BINARY = os.path.join(ROOT, "target", "release", "forgepool")
 IMAGE = "forgepool-test-agent:dev"
@@ -135,15 +137,7 @@ def main():
     hook = os.path.join(bare, "hooks", "post-receive")
     open(hook, "w").write(f"#!/bin/sh\nwhile read old new ref; do echo \"$ref $old $new\" >> '{pushes}'; done\n")
     os.chmod(hook, 0o755)
-    skill = os.path.join(work, "skills", "default", "implement-task")
-    os.makedirs(skill)
-    open(os.path.join(skill, "SKILL.md"), "w").write("# Implement\n")
-    open(os.path.join(skill, "review.md"), "w").write("---\nmax_retries: 1\n---\nCheck.\n")
-    agents = os.path.join(work, "agents.toml")
-    open(agents, "w").write(
-        "[defaults]\nimplementer = \"i\"\nreviewer = \"r\"\n"
-        f"[agents.i]\nimage = \"{IMAGE}\"\ncommand = {json.dumps(IMPLEMENT)}\nmemory = \"128m\"\ncpus = 0.5\n"
-        f"[agents.r]\nimage = \"{IMAGE}\"\ncommand = {json.dumps(REVIEW)}\nmemory = \"128m\"\ncpus = 0.5\n")
+    _, agents = write_skill_and_agents(work, IMAGE, IMPLEMENT, REVIEW)
     database = "soak" + uuid.uuid4().hex[:8]
     run("su", "postgres", "-c", f"createdb -O forgepool {database}")
     prefix = "soak" + uuid.uuid4().hex[:8]
