@@ -237,6 +237,18 @@ pub async fn status(args: &ClientArgs, run_id: Option<&str>) -> i32 {
                     println!("  {line}");
                 }
             }
+            if let Some(profile) = &view.waiting_for_profile {
+                println!(
+                    "  waiting for a slot of agent profile {}",
+                    progress::printable(profile)
+                );
+            }
+            if let Some(usage) = &view.usage {
+                println!("  usage: {}", progress::printable(&usage.summary()));
+            }
+            if let Some(budget) = &view.budget {
+                println!("  budget: ${:.2}", budget.max_cost_usd);
+            }
             if let Some(result) = &view.result {
                 if let (Some(branch), Some(commit)) = (&result.branch, &result.commit) {
                     println!("  delivered {} at {commit}", progress::printable(branch));

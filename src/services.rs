@@ -64,6 +64,7 @@ pub async fn dispatcher(args: DispatcherArgs) -> i32 {
         job_key,
         allowed_schemes: args.stages.allowed_schemes.0,
         silent_after: Duration::from_secs(args.silent_run_seconds),
+        auto_resume: args.auto_resume,
     };
     let shutdown = shutdown_on_signal();
     // The line tests and scripts wait for: printed once the broker topology exists.

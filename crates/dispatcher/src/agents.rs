@@ -78,6 +78,7 @@ struct ProfileEntry {
     disk: Option<String>,
     #[serde(default)]
     egress: Vec<String>,
+    max_concurrent: Option<i64>,
 }
 
 impl AgentBook {
@@ -152,6 +153,21 @@ impl AgentBook {
 
 fn check_profile(name: &str, entry: ProfileEntry) -> Result<AgentProfile, String> {
     let key = |k: &str| format!("agents.{name}.{k}");
+    if !proto::names::is_profile_name(name) {
+        return Err(format!(
+            "agents.{name}: a profile name must be 1 to 64 letters, digits, `_`, `-` or `.`, beginning with a letter or digit"
+        ));
+    }
+    let max_concurrent = match entry.max_concurrent {
+        None => None,
+        Some(n) if (1..=1024).contains(&n) => Some(n as u32),
+        Some(n) => {
+            return Err(format!(
+                "{} must be a number of stages from 1 to 1024, got {n}",
+                key("max_concurrent")
+            ))
+        }
+    };
     if entry.image.trim().is_empty() {
         return Err(format!("{} must name a container image", key("image")));
     }
@@ -230,6 +246,7 @@ fn check_profile(name: &str, entry: ProfileEntry) -> Result<AgentProfile, String
         return Err(format!("{} must be at least 1", key("timeout_seconds")));
     }
     Ok(AgentProfile {
+        max_concurrent,
         name: name.to_string(),
         image: entry.image,
         command: entry.command,

@@ -92,6 +92,8 @@ pub struct Dispatcher {
     /// The event streams open per run, capped.
     pub streams: Arc<crate::streams::StreamCounts>,
     pub(crate) amqp_url: String,
+    /// Paused runs that resume by themselves when their profile's pause ends.
+    pub(crate) resumes: crate::resumer::Schedule,
 }
 
 impl Dispatcher {
@@ -182,6 +184,9 @@ impl Dispatcher {
         repeats: bool,
     ) -> Result<bool, StoreError> {
         let new = self.store.record_event(event).await?;
+        if let (true, EventKind::Checkpoint { checkpoint }) = (new, &event.kind) {
+            self.resumes.add(event.run_id, checkpoint);
+        }
         let late_outcome = prior.is_terminal()
             && matches!(
                 event.kind,
@@ -200,12 +205,51 @@ impl Dispatcher {
     /// it continues where it stopped with the same budget, limits and profiles. Returns the
     /// checkpoint's sequence number.
     pub async fn resume(&self, record: &crate::store::RunRecord) -> Result<u32, ResumeFailure> {
-        let run_id = record.job.run_id;
+        let checkpoint = self.latest_checkpoint(record.job.run_id).await?;
+        let queued = proto::resumed_event(record.job.run_id, &checkpoint);
+        self.resume_from(record, checkpoint, queued).await
+    }
+
+    /// Resumes a paused run whose profile's pause ended, if it is still paused at checkpoint
+    /// `sequence` (a manual resume or a later pause made the schedule's entry stale). Returns
+    /// whether it resumed it.
+    pub async fn resume_automatically(
+        &self,
+        record: &RunRecord,
+        sequence: u32,
+    ) -> Result<bool, ResumeFailure> {
+        let checkpoint = self.latest_checkpoint(record.job.run_id).await?;
+        if checkpoint.sequence != sequence {
+            return Ok(false);
+        }
+        let queued = Event::new(
+            record.job.run_id,
+            EventKind::State {
+                state: RunState::Queued,
+                reason: format!(
+                    "{} from checkpoint {sequence}: the pause of its agent profile ended",
+                    proto::AUTO_RESUMED_REASON
+                ),
+            },
+        );
+        self.resume_from(record, checkpoint, queued).await?;
+        Ok(true)
+    }
+
+    async fn latest_checkpoint(&self, run_id: Uuid) -> Result<proto::Checkpoint, ResumeFailure> {
         let events = self.store.events(run_id, 0).await?;
-        let checkpoint = proto::latest_checkpoint(events.iter().map(|(_, event)| event))
-            .ok_or(ResumeFailure::NoCheckpoint(run_id))?;
+        proto::latest_checkpoint(events.iter().map(|(_, event)| event))
+            .ok_or(ResumeFailure::NoCheckpoint(run_id))
+    }
+
+    async fn resume_from(
+        &self,
+        record: &RunRecord,
+        checkpoint: proto::Checkpoint,
+        queued: Event,
+    ) -> Result<u32, ResumeFailure> {
+        let run_id = record.job.run_id;
         let sequence = checkpoint.sequence;
-        let queued = proto::resumed_event(run_id, &checkpoint);
         let mut job = record.job.clone();
         job.resume = Some(checkpoint);
         self.store_event(&record.job, &queued).await?;

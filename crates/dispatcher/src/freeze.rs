@@ -111,6 +111,14 @@ impl Freezer {
         check_repository(&request.repository, &self.allowed_schemes)?;
         check_commands(&request.commands)?;
         let repair_budget = self.repair_budget(request.repair_attempts, &mut warnings)?;
+        if let Some(budget) = &request.budget {
+            budget.check().map_err(|message| SubmitError::Invalid {
+                field: "budget.max_cost_usd".into(),
+                message: message
+                    .trim_start_matches("budget.max_cost_usd ")
+                    .to_string(),
+            })?;
+        }
 
         let skill_md = skills::resolve(&self.skills_dir, &project, &request.skill, "SKILL.md")?
             .ok_or_else(|| SubmitError::UnknownSkill {
@@ -143,6 +151,7 @@ impl Freezer {
         };
 
         let job = Job {
+            budget: request.budget.clone(),
             schema_version: SCHEMA_VERSION,
             run_id: Uuid::new_v4(),
             ticket: request.ticket,

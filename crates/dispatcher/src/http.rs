@@ -280,7 +280,16 @@ async fn record(dispatcher: &Dispatcher, id: &str) -> Result<RunRecord, Failure>
 /// The API view of a stored run.
 pub fn view(record: RunRecord) -> RunView {
     let result = record.result;
+    let waiting_for_profile = record
+        .states
+        .last()
+        .filter(|_| record.state == RunState::Queued)
+        .and_then(|(_, reason, _)| proto::waiting_profile(reason))
+        .map(str::to_string);
     RunView {
+        waiting_for_profile,
+        usage: result.as_ref().and_then(|r| r.usage.clone()),
+        budget: record.job.budget.clone(),
         run_id: record.job.run_id,
         ticket: record.job.ticket,
         skill: record.job.skill,
@@ -398,10 +407,10 @@ async fn resume(
     // A resume whose job never reached the queue (the dispatcher stopped in between) may be
     // asked again; workers settle a duplicate by its lease and done marker.
     let unfinished_resume = record.state == RunState::Queued
-        && record
-            .states
-            .last()
-            .is_some_and(|(_, reason, _)| reason.starts_with(proto::RESUMED_REASON));
+        && record.states.last().is_some_and(|(_, reason, _)| {
+            reason.starts_with(proto::RESUMED_REASON)
+                || reason.starts_with(proto::AUTO_RESUMED_REASON)
+        });
     if record.state != RunState::Paused && !unfinished_resume {
         return Err(Failure::new(
             StatusCode::CONFLICT,

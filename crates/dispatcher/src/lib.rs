@@ -12,6 +12,7 @@ pub mod http;
 pub mod names;
 mod openapi;
 pub mod request;
+pub mod resumer;
 pub mod serve;
 pub mod service;
 pub mod skills;

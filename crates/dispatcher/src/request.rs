@@ -119,7 +119,7 @@ mod tests {
                 repair in proptest::option::of(0i64..4),
                 reference in proptest::option::of("[a-z]{1,10}"),
             ) {
-                let request = proto::RunRequest {
+                let request = proto::RunRequest { budget: None,
                     schema_version: None,
                     ticket,
                     skill: "implement-task".into(),

@@ -49,6 +49,9 @@ pub struct DispatcherConfig {
     /// How long a running run may go unheard before its job is queued again
     /// (`FORGEPOOL_SILENT_RUN_SECONDS`).
     pub silent_after: Duration,
+    /// Whether paused runs resume by themselves when their profile's pause ends
+    /// (`FORGEPOOL_AUTO_RESUME`).
+    pub auto_resume: bool,
 }
 
 /// A failure that stops the dispatcher.
@@ -96,6 +99,7 @@ pub async fn run(
         metrics: Metrics::new(telemetry::Role::Dispatcher),
         streams: Arc::default(),
         amqp_url: config.amqp_url,
+        resumes: Default::default(),
     });
     // The API answers from the start, so that nobody waits on a bound socket while RabbitMQ is
     // set up: `/readyz` says 503 until the events consumer is connected, and a run submitted
@@ -129,6 +133,12 @@ pub async fn run(
         shutdown.clone(),
     ));
     tasks.spawn(refresh_gauges(Arc::clone(&dispatcher), shutdown.clone()));
+    if config.auto_resume {
+        tasks.spawn(crate::resumer::resume_when_due(
+            Arc::clone(&dispatcher),
+            shutdown.clone(),
+        ));
+    }
     tasks.spawn(requeue_silent_runs(
         Arc::clone(&dispatcher),
         config_silent_after,
@@ -187,6 +197,12 @@ async fn refresh_gauges(dispatcher: Arc<Dispatcher>, shutdown: CancellationToken
         match dispatcher.store.count_by_state().await {
             Ok(counts) => dispatcher.metrics.set_runs_by_state(&counts),
             Err(error) => warn!(%error, "cannot count runs by state"),
+        }
+        match dispatcher.store.queued_reasons().await {
+            Ok(reasons) => dispatcher
+                .metrics
+                .set_runs_waiting(&crate::store::waiting_by_profile(&reasons)),
+            Err(error) => warn!(%error, "cannot count runs waiting for profiles"),
         }
         tokio::select! {
             () = tokio::time::sleep(GAUGE_INTERVAL) => {},

@@ -56,6 +56,15 @@ pub struct RunView {
     pub result: Option<RunResult>,
     /// The Markdown report, once the run ended.
     pub report: Option<String>,
+    /// The agent profile whose cap (`max_concurrent`) the queued run waits for.
+    #[serde(default)]
+    pub waiting_for_profile: Option<String>,
+    /// What the run's stages said they spent (`usage.json`), once the run ended or paused.
+    #[serde(default)]
+    pub usage: Option<crate::UsageTotals>,
+    /// The run's spending limit, from the request.
+    #[serde(default)]
+    pub budget: Option<crate::Budget>,
 }
 
 /// One entry of `GET /v1/runs`.

@@ -23,6 +23,10 @@ pub struct Checkpoint {
     pub patch: String,
     /// The run loop's state.
     pub state: LoopState,
+    /// When the run paused for a profile whose provider gave a time (`pause.json`): the time
+    /// it resumes by itself, RFC 3339 UTC.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub resume_at: Option<String>,
 }
 
 /// The run loop's state kept by a checkpoint: the machine, and what the prompts, the history
@@ -41,6 +45,9 @@ pub struct LoopState {
     pub cycles: Vec<CycleRecord>,
     /// How many stages ran, for the names of their folders.
     pub stage_count: u32,
+    /// What the stages so far said they spent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub usage: Option<crate::UsageTotals>,
 }
 
 /// The run machine's fields: the phase and the counters its rules depend on.
@@ -222,6 +229,7 @@ pub struct ReviewReceipt {
 #[cfg(test)]
 pub(crate) fn sample_loop_state() -> LoopState {
     LoopState {
+        usage: None,
         machine: MachineState {
             phase: Phase::Implement {
                 round: 1,

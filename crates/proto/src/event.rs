@@ -86,6 +86,9 @@ pub enum EventKind {
         duration_seconds: f64,
         /// How it ended.
         outcome: StageOutcome,
+        /// What the stage said it spent (its `usage.json`).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        usage: Option<crate::Usage>,
     },
     /// A line a stage container wrote.
     Log {
@@ -248,6 +251,9 @@ pub enum CycleOrigin {
 
 /// The start of the reason of the `queued` state a resume records.
 pub const RESUMED_REASON: &str = "resumed by request";
+/// How the reason of a `queued` state begins when a paused run resumed by itself (its
+/// profile's pause ended).
+pub const AUTO_RESUMED_REASON: &str = "resumed by itself";
 
 /// The `queued` state event that resumes `run_id` from `checkpoint`.
 pub fn resumed_event(run_id: Uuid, checkpoint: &Checkpoint) -> Event {
@@ -346,6 +352,9 @@ pub struct RunResult {
     /// The final review: `not_requested`, `approved`, `changes_required`, `refused` (its
     /// report failed validation) or `not_run` (the run ended before it).
     pub review: String,
+    /// What the run's stages said they spent, summed; absent when none said.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub usage: Option<crate::UsageTotals>,
 }
 
 #[cfg(test)]
@@ -409,6 +418,7 @@ mod tests {
                 run_id,
                 EventKind::Checkpoint {
                     checkpoint: Checkpoint {
+                        resume_at: None,
                         sequence,
                         base: "b".into(),
                         tree: "t".into(),

@@ -51,6 +51,9 @@ pub struct Job {
     /// the original frozen job, so a resume changes no budget, limit or profile.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub resume: Option<crate::Checkpoint>,
+    /// The run's spending limit, from the request.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub budget: Option<crate::Budget>,
 }
 
 impl Job {
@@ -112,6 +115,9 @@ pub struct AgentProfile {
     /// allows subdomains), through the worker's egress proxy.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub egress: Vec<String>,
+    /// The most stages of this profile running at once across the pool; unlimited when absent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_concurrent: Option<u32>,
 }
 
 /// A profile's `disk` when it sets none: 4 GiB.
@@ -276,6 +282,10 @@ impl AgentProfile {
         );
         check("disk", self.disk_bytes != other.disk_bytes);
         check("egress", self.egress != other.egress);
+        check(
+            "max_concurrent",
+            self.max_concurrent != other.max_concurrent,
+        );
         fields
     }
 }
@@ -336,6 +346,7 @@ mod tests {
 
     fn profile() -> AgentProfile {
         AgentProfile {
+            max_concurrent: None,
             name: "claude".into(),
             image: "agents/claude:1".into(),
             command: vec!["claude".into(), "-p".into()],
@@ -354,6 +365,7 @@ mod tests {
     #[test]
     fn job_round_trips_and_holds_secret_names_only() {
         let job = Job {
+            budget: None,
             schema_version: crate::SCHEMA_VERSION,
             run_id: Uuid::new_v4(),
             ticket: "MYPROJECT-123".into(),
@@ -403,6 +415,7 @@ mod tests {
         assert_eq!(job.execution_key(), "6d0f3c3e-2f1a-4c4e-9a57-0b1f1b1c1d1e");
         assert!(!serde_json::to_string(&job).unwrap().contains("resume"));
         job.resume = Some(crate::Checkpoint {
+            resume_at: None,
             sequence: 2,
             base: "b".into(),
             tree: "t".into(),

@@ -15,6 +15,7 @@ pub mod names;
 mod request;
 pub mod signing;
 mod state;
+mod usage;
 
 pub use api::{
     ApiError, ApiErrorBody, Control, ControlAction, RunList, RunSummary, RunView, StateChange,
@@ -26,13 +27,17 @@ pub use checkpoint::{
 };
 pub use event::{
     latest_checkpoint, resumed_event, CheckResult, CycleOrigin, CycleRecord, Event, EventKind,
-    LogStream, RoundRecord, RunResult, Stage, StageOutcome, MAX_CHECKPOINT_PATCH_BYTES,
-    RESUMED_REASON,
+    LogStream, RoundRecord, RunResult, Stage, StageOutcome, AUTO_RESUMED_REASON,
+    MAX_CHECKPOINT_PATCH_BYTES, RESUMED_REASON,
 };
 pub use job::{check_egress_entry, AgentProfile, Job, Network, ReviewConfig, DEFAULT_DISK_BYTES};
 pub use request::{AgentChoice, Assurance, RepositoryRef, RunRequest, VerifyCommand};
 pub use signing::{JobKey, SIGNATURE_HEADER};
 pub use state::RunState;
+pub use usage::{
+    parse_time, waiting_profile, waiting_reason, Budget, PauseRequest, ProfilePause, Usage,
+    UsageTotals, MAX_PROFILE_PAUSE, WAITING_REASON,
+};
 
 /// The largest job message a worker reads: 4 MiB (a resumed job with its checkpoint must fit).
 pub const MAX_JOB_BYTES: usize = 4 * 1024 * 1024;

@@ -18,6 +18,17 @@ pub fn is_skill(skill: &str) -> bool {
     })
 }
 
+/// Whether an agent profile name matches `^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$` (it names
+/// queues on the broker: a profile's cap slots).
+pub fn is_profile_name(name: &str) -> bool {
+    let bytes = name.as_bytes();
+    (1..=64).contains(&bytes.len())
+        && bytes[0].is_ascii_alphanumeric()
+        && bytes[1..]
+            .iter()
+            .all(|&b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-' || b == b'.')
+}
+
 /// Whether a step name matches `^[a-z0-9][a-z0-9_]{0,63}$`.
 pub fn is_step(step: &str) -> bool {
     matches_name(step, |b| {

@@ -35,6 +35,9 @@ pub struct RunRequest {
     /// The optional independent final review.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub assurance: Option<Assurance>,
+    /// The run's spending limit: `{"max_cost_usd": 5.0}`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub budget: Option<crate::Budget>,
 }
 
 /// The repository a run works on.

@@ -51,6 +51,10 @@ pub struct Metrics {
     dead_lettered: IntCounterVec,
     runs_in_progress: IntGauge,
     run_slots: IntGauge,
+    agent_tokens: IntCounterVec,
+    agent_cost: prometheus::CounterVec,
+    profile_paused: IntGaugeVec,
+    runs_waiting: IntGaugeVec,
 }
 
 fn counter(registry: &Registry, name: &str, help: &str, labels: &[&str]) -> IntCounterVec {
@@ -183,6 +187,36 @@ impl Metrics {
             .expect("a valid gauge"),
             run_slots: IntGauge::new("forgepool_run_slots", "Run slots this worker offers.")
                 .expect("a valid gauge"),
+            agent_tokens: counter(
+                r,
+                "forgepool_agent_tokens_total",
+                "Tokens agents reported in usage.json, by profile and kind (input, output, cache_read, cache_write).",
+                &["profile", "kind"],
+            ),
+            agent_cost: {
+                let metric = prometheus::CounterVec::new(
+                    Opts::new(
+                        "forgepool_agent_cost_usd_total",
+                        "Cost agents reported in usage.json, in US dollars, by profile.",
+                    ),
+                    &["profile"],
+                )
+                .expect("a valid counter");
+                r.register(Box::new(metric.clone())).expect("a unique counter");
+                metric
+            },
+            profile_paused: gauge(
+                r,
+                "forgepool_profile_paused",
+                "1 while an agent profile is paused across the pool (a stage's pause.json), by profile (workers).",
+                &["profile"],
+            ),
+            runs_waiting: gauge(
+                r,
+                "forgepool_runs_waiting_for_profile",
+                "Runs waiting for a cap slot of an agent profile (max_concurrent), by profile (dispatcher).",
+                &["profile"],
+            ),
             registry,
         };
         metrics.register_plain_metrics();
@@ -229,8 +263,12 @@ impl Metrics {
                 stage,
                 duration_seconds,
                 outcome,
+                usage,
                 ..
             } => {
+                if let Some(usage) = usage {
+                    self.count_usage(job, *stage, usage);
+                }
                 if self.role == Role::Worker {
                     self.containers_running.dec();
                 }
@@ -280,6 +318,43 @@ impl Metrics {
             | EventKind::Heartbeat { .. }
             | EventKind::Checkpoint { .. }
             | EventKind::CancelRequested { .. } => {}
+        }
+    }
+
+    /// Counts a stage's reported usage under its profile.
+    fn count_usage(&self, job: &Job, stage: Stage, usage: &proto::Usage) {
+        let profile = match stage {
+            Stage::Implement | Stage::Verify => Some(&job.implementer),
+            Stage::Review => job.reviewer.as_ref(),
+            Stage::FinalReview => job.final_reviewer.as_ref(),
+        };
+        let Some(profile) = profile else {
+            return;
+        };
+        let name = profile.name.as_str();
+        for (kind, tokens) in usage.tokens() {
+            self.agent_tokens
+                .with_label_values(&[name, kind])
+                .inc_by(tokens);
+        }
+        self.agent_cost
+            .with_label_values(&[name])
+            .inc_by(usage.cost_usd);
+    }
+
+    /// Sets `forgepool_profile_paused{profile}`: 1 while paused, 0 after.
+    pub fn set_profile_paused(&self, profile: &str, paused: bool) {
+        self.profile_paused
+            .with_label_values(&[profile])
+            .set(i64::from(paused));
+    }
+
+    /// Sets `forgepool_runs_waiting_for_profile` for every profile at once (profiles seen
+    /// before and absent from `counts` are 0).
+    pub fn set_runs_waiting(&self, counts: &[(String, i64)]) {
+        self.runs_waiting.reset();
+        for (profile, count) in counts {
+            self.runs_waiting.with_label_values(&[profile]).set(*count);
         }
     }
 
@@ -397,6 +472,7 @@ mod tests {
                 cycle: Some(1),
             },
             EventKind::StageFinished {
+                usage: None,
                 stage: Stage::Review,
                 round: 1,
                 cycle: Some(1),
@@ -496,6 +572,7 @@ mod tests {
         metrics.observe(
             &job(),
             &EventKind::StageFinished {
+                usage: None,
                 stage: Stage::Review,
                 round: 1,
                 cycle: Some(1),
@@ -593,6 +670,7 @@ mod tests {
             &job(),
             &EventKind::Result {
                 result: RunResult {
+                    usage: None,
                     state: RunState::Delivered,
                     reason: "ok".into(),
                     branch: Some("forge/shop-1".into()),

@@ -21,6 +21,7 @@ use uuid::Uuid;
 
 use crate::collector::{write_atomically, CycleCollector};
 use crate::final_review::FinalReport;
+use crate::gate::{Admission, LocalGate, ProfileGate, Role};
 use crate::git;
 use crate::ledger::{Receipt, ReviewLedger};
 use crate::machine::{FailureSignature, Input, Limits, Phase, RoundReason, RunMachine};
@@ -102,6 +103,8 @@ pub struct EngineConfig {
     /// The repository cache runs clone through (`FORGEPOOL_CACHE_DIR`); `None` clones
     /// directly.
     pub cache: Option<crate::cache::RepoCache>,
+    /// What decides whether an agent stage may start (profile caps and pauses).
+    pub gate: Arc<dyn ProfileGate>,
 }
 
 impl EngineConfig {
@@ -124,9 +127,22 @@ impl EngineConfig {
                 workspace_root.join(".cache"),
                 crate::cache::DEFAULT_CACHE_BYTES,
             )),
+            gate: Arc::new(LocalGate::default()),
             workspace_root,
         }
     }
+}
+
+/// How an execution of a run ended, for the worker that settles its job.
+#[derive(Debug)]
+pub enum Execution {
+    /// The run ended or paused; its final events are confirmed.
+    Ended(RunResult),
+    /// The run was interrupted (a drain, a lost claim): its job goes back.
+    HandedBack,
+    /// The run waits for a cap slot of the profile in this role: its job waits on the broker
+    /// and holds no run slot meanwhile.
+    Waiting(Role),
 }
 
 /// Runs jobs.
@@ -140,6 +156,12 @@ impl<R: ContainerRuntime> Engine<R> {
     /// An engine over a runtime.
     pub fn new(runtime: Arc<R>, config: EngineConfig) -> Engine<R> {
         Engine { runtime, config }
+    }
+
+    /// The same engine asking `gate` before every agent stage.
+    pub fn with_gate(mut self, gate: Arc<dyn ProfileGate>) -> Engine<R> {
+        self.config.gate = gate;
+        self
     }
 
     /// The runtime.
@@ -161,6 +183,23 @@ impl<R: ContainerRuntime> Engine<R> {
         ledger: &L,
         control: RunControl,
     ) -> Result<Option<RunResult>, PublishEvent> {
+        Ok(
+            match self.execute_in_pool(job, sink, ledger, control).await? {
+                Execution::Ended(result) => Some(result),
+                Execution::HandedBack | Execution::Waiting(_) => None,
+            },
+        )
+    }
+
+    /// Like [`Engine::execute`], and tells a hand-back from a run that waits for its
+    /// profile's cap.
+    pub async fn execute_in_pool<S: EventSink, L: ReviewLedger>(
+        &self,
+        job: &Job,
+        sink: &S,
+        ledger: &L,
+        control: RunControl,
+    ) -> Result<Execution, PublishEvent> {
         let RunControl {
             cancel,
             interrupt,
@@ -177,7 +216,7 @@ impl<R: ContainerRuntime> Engine<R> {
         ledger: &L,
         (cancel, interrupt): (CancellationToken, CancellationToken),
         again: bool,
-    ) -> Result<Option<RunResult>, PublishEvent> {
+    ) -> Result<Execution, PublishEvent> {
         let span = tracing::info_span!("run", run_id = %job.run_id, ticket = %job.ticket, stage = tracing::field::Empty, cycle = tracing::field::Empty);
         async {
             // Every event of the run leaves through the redacting sink: a secret an agent wrote
@@ -208,8 +247,15 @@ impl<R: ContainerRuntime> Engine<R> {
             // work tree takes seconds to delete, and the run is over for its user already.
             let ended = async {
                 let Some((state, reason)) = performed? else {
+                    if let Some(role) = run.waiting {
+                        info!(
+                            ?role,
+                            "the run waits for its profile's cap; handing it back"
+                        );
+                        return Ok(Execution::Waiting(role));
+                    }
                     info!("run interrupted; handing it back");
-                    return Ok(None);
+                    return Ok(Execution::HandedBack);
                 };
                 let result = run.result(state, &reason);
                 // The run ended or paused (with a checkpoint of its own): its progress is done
@@ -231,7 +277,7 @@ impl<R: ContainerRuntime> Engine<R> {
                 published?;
                 publish(sink, job.run_id, EventKind::State { state, reason }).await?;
                 info!(state = %result.state, rounds = result.implementation_rounds, "run ended");
-                Ok(Some(result))
+                Ok(Execution::Ended(result))
             }
             .await;
             if let Err(error) = remove_dir(&root).await {
@@ -304,6 +350,12 @@ impl<R: ContainerRuntime> Engine<R> {
             if interrupt.is_cancelled() {
                 return Ok(None);
             }
+            if let Some(reason) = over_budget(run, &machine) {
+                return Ok(Some((RunState::Failed, reason)));
+            }
+            let role = Role::of_phase(&machine.phase);
+            let profile = role.and_then(|role| role.profile(run.job));
+            let mut ticket = None;
             let input = if cancel_user.is_cancelled() {
                 Input::Cancelled
             } else if let Phase::Paused { reason, resume } = &machine.phase {
@@ -311,15 +363,61 @@ impl<R: ContainerRuntime> Engine<R> {
                     .pause(run, sink, &machine, reason, (**resume).clone())
                     .await?;
                 return Ok(Some((RunState::Paused, reason)));
+            } else if let Some(admission) = self.admit(run_id, profile).await {
+                match admission {
+                    Admission::Go(held) => {
+                        ticket = Some(held);
+                        self.run_phase(
+                            run,
+                            sink,
+                            ledger,
+                            (cancel, &machine),
+                            &mut ahead,
+                            &mut progress,
+                            profile,
+                        )
+                        .await?
+                    }
+                    Admission::Paused(pause) => {
+                        let profile = profile.map_or("", |p| p.name.as_str());
+                        let reason = format!(
+                            "agent profile `{profile}` is paused across the pool until {} ({})",
+                            pause.until, pause.reason
+                        );
+                        run.resume_at = Some(pause.until);
+                        Input::StagePaused { reason }
+                    }
+                    Admission::Busy { max } => {
+                        // The run waits without its slot: what it did so far is kept first.
+                        keep_progress(ledger, run_id, progress.take()).await;
+                        let profile = profile.map_or("", |p| p.name.as_str());
+                        let reason = proto::waiting_reason(profile, max);
+                        publish(
+                            sink,
+                            run_id,
+                            EventKind::State {
+                                state: RunState::Queued,
+                                reason,
+                            },
+                        )
+                        .await?;
+                        run.waiting = role;
+                        return Ok(None);
+                    }
+                }
             } else {
-                let stage = ahead.take();
-                // The progress of the stage before is kept while this phase runs.
-                let (input, ()) = tokio::join!(
-                    self.phase_input(run, sink, ledger, cancel, &machine, stage),
-                    keep_progress(ledger, run_id, progress.take()),
-                );
-                input?
+                self.run_phase(
+                    run,
+                    sink,
+                    ledger,
+                    (cancel, &machine),
+                    &mut ahead,
+                    &mut progress,
+                    profile,
+                )
+                .await?
             };
+            drop(ticket);
             if interrupt.is_cancelled() {
                 return Ok(None);
             }
@@ -331,6 +429,39 @@ impl<R: ContainerRuntime> Engine<R> {
             run.implementation_rounds = machine.implementation_rounds;
             progress = self.progress(run, &machine).await;
         }
+    }
+
+    /// Asks the gate whether an agent stage of `profile` may start; `None` for a phase that
+    /// runs no agent.
+    async fn admit(&self, run_id: Uuid, profile: Option<&AgentProfile>) -> Option<Admission> {
+        Some(self.config.gate.admit(run_id, profile?).await)
+    }
+
+    /// Runs the phase the machine is in while the progress of the stage before is kept, and
+    /// passes a provider's pause of the stage's `profile` on to the pool.
+    #[allow(clippy::too_many_arguments)]
+    async fn run_phase<S: EventSink, L: ReviewLedger>(
+        &self,
+        run: &mut RunContext<'_>,
+        sink: &S,
+        ledger: &L,
+        (cancel, machine): (&CancellationToken, &RunMachine),
+        ahead: &mut Option<Ahead<R::Created>>,
+        progress: &mut Option<Checkpoint>,
+        profile: Option<&AgentProfile>,
+    ) -> Result<Input, PublishEvent> {
+        let run_id = run.job.run_id;
+        let stage = ahead.take();
+        let (input, ()) = tokio::join!(
+            self.phase_input(run, sink, ledger, cancel, machine, stage),
+            keep_progress(ledger, run_id, progress.take()),
+        );
+        if let (Some(pause), Some(profile)) = (run.pause.take(), profile) {
+            info!(profile = %profile.name, until = %pause.until, reason = %pause.reason, "the provider paused the profile");
+            self.config.gate.pause(run_id, &profile.name, &pause).await;
+            run.resume_at = Some(pause.until);
+        }
+        input
     }
 
     /// Runs the phase the machine is in and returns what happened, as the machine's input.
@@ -378,8 +509,12 @@ impl<R: ContainerRuntime> Engine<R> {
         let run_id = run.job.run_id;
         match run.checkpoint(machine, resume).await {
             Ok(checkpoint) => {
+                let resume_at = checkpoint.resume_at.clone();
                 publish(sink, run_id, EventKind::Checkpoint { checkpoint }).await?;
-                Ok(format!("{reason}; resume it with `forgepool resume {run_id}` once the provider is ready"))
+                Ok(match resume_at {
+                    Some(at) => format!("{reason}; it resumes by itself at {at} (or now with `forgepool resume {run_id}`)"),
+                    None => format!("{reason}; resume it with `forgepool resume {run_id}` once the provider is ready"),
+                })
             }
             Err(error) => {
                 warn!(%error, "cannot save the paused run's progress");
@@ -604,6 +739,19 @@ impl<R: ContainerRuntime> Engine<R> {
 }
 
 /// Keeps a run's `progress` in the ledger, if there is any.
+/// Why the run stops before its next stage: its stages reported more cost than its budget
+/// allows. A run about to deliver an approved change delivers it (delivery costs nothing).
+fn over_budget(run: &RunContext<'_>, machine: &RunMachine) -> Option<String> {
+    let (budget, usage) = (run.job.budget.as_ref()?, run.usage.as_ref()?);
+    if usage.cost_usd <= budget.max_cost_usd || matches!(machine.phase, Phase::Deliver { .. }) {
+        return None;
+    }
+    Some(format!(
+        "budget exceeded: the run's stages reported ${:.4}, over its budget of ${:.2} (budget.max_cost_usd); no further stage was started",
+        usage.cost_usd, budget.max_cost_usd
+    ))
+}
+
 async fn keep_progress<L: ReviewLedger>(ledger: &L, run_id: Uuid, progress: Option<Checkpoint>) {
     let Some(checkpoint) = progress else {
         return;

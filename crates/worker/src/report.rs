@@ -25,6 +25,8 @@ pub struct ReportInput<'a> {
     pub final_review: &'a str,
     /// Warnings from submission and from the run.
     pub warnings: &'a [String],
+    /// What the stages said they spent, when any said.
+    pub usage: Option<&'a proto::UsageTotals>,
 }
 
 /// Renders the report.
@@ -39,6 +41,7 @@ pub fn render(input: &ReportInput<'_>) -> String {
     implementation_rounds(&mut out, input);
     review_section(&mut out, input);
     let _ = writeln!(out, "## Final review\n\n{}\n", input.final_review);
+    usage_section(&mut out, input);
 
     if !input.warnings.is_empty() {
         let _ = writeln!(out, "## Warnings\n");
@@ -48,6 +51,36 @@ pub fn render(input: &ReportInput<'_>) -> String {
         out.push('\n');
     }
     out
+}
+
+/// What the agents said they spent, with the budget when the request set one.
+fn usage_section(out: &mut String, input: &ReportInput<'_>) {
+    let Some(usage) = input.usage else {
+        return;
+    };
+    let _ = writeln!(out, "## Usage\n");
+    let _ = writeln!(
+        out,
+        "| input tokens | output tokens | cache read | cache write | cost (USD) | stages |\n|---|---|---|---|---|---|\n| {} | {} | {} | {} | {:.4} | {} |\n",
+        usage.input_tokens,
+        usage.output_tokens,
+        usage.cache_read_tokens,
+        usage.cache_write_tokens,
+        usage.cost_usd,
+        usage.stages
+    );
+    if !usage.models.is_empty() {
+        // Model names come from agents: shown as code, never as Markdown.
+        let models: Vec<String> = usage
+            .models
+            .iter()
+            .map(|m| format!("`{}`", m.replace('`', "'")))
+            .collect();
+        let _ = writeln!(out, "Models: {}\n", models.join(", "));
+    }
+    if let Some(budget) = &input.job.budget {
+        let _ = writeln!(out, "Budget: ${:.2}\n", budget.max_cost_usd);
+    }
 }
 
 /// The verification table.

@@ -14,9 +14,12 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{debug, info, warn};
 
-use crate::amqp::{sweep, AmqpLedger, AmqpSink, Cancels, InFlight, JobFeed, Jobs, Leases};
+use crate::amqp::{
+    sweep, AmqpGate, AmqpLedger, AmqpSink, Cancels, InFlight, JobFeed, Jobs, Leases, PauseFeed,
+};
 pub use crate::config::WorkerConfig;
 use crate::engine::Engine;
+use crate::gate::Pauses;
 use crate::runtime::ContainerRuntime;
 
 /// A failure that stops the worker.
@@ -43,6 +46,26 @@ pub async fn run<R: ContainerRuntime>(
     amqp::declare_with_retry(&publisher, &topology, &shutdown).await?;
     let in_flight = Arc::new(InFlight::default());
     let instance = engine.runtime().instance().to_string();
+    let leases = Arc::new(Leases::new(
+        &config.amqp_url,
+        topology.clone(),
+        &instance,
+        Arc::clone(&in_flight),
+    ));
+    let pauses = Arc::new(Pauses::default());
+    let gate = Arc::new(AmqpGate::new(
+        Arc::clone(&leases),
+        Arc::clone(&publisher),
+        topology.clone(),
+        Arc::clone(&pauses),
+    ));
+    let engine = engine.with_gate(Arc::clone(&gate) as Arc<dyn crate::gate::ProfileGate>);
+    let pause_feed = PauseFeed::new(
+        &config.amqp_url,
+        topology.clone(),
+        pauses,
+        Arc::clone(&metrics),
+    );
     let jobs = Arc::new(Jobs {
         sink: AmqpSink::new(
             Arc::clone(&publisher),
@@ -56,12 +79,8 @@ pub async fn run<R: ContainerRuntime>(
             Arc::clone(&publisher),
             config.job_key.clone(),
         ),
-        leases: Leases::new(
-            &config.amqp_url,
-            topology.clone(),
-            &instance,
-            Arc::clone(&in_flight),
-        ),
+        leases,
+        gate,
         in_flight,
         metrics,
         config,
@@ -81,6 +100,7 @@ pub async fn run<R: ContainerRuntime>(
         Arc::clone(&jobs.in_flight),
     );
     background.spawn(cancels.listen(shutdown.clone()));
+    background.spawn(pause_feed.listen(shutdown.clone()));
     let swept = Arc::clone(&jobs);
     let sweep_shutdown = shutdown.clone();
     background.spawn(async move {

@@ -235,6 +235,9 @@ pub trait RunStore: Send + Sync + 'static {
     fn count_by_state(
         &self,
     ) -> impl Future<Output = Result<Vec<(RunState, u64)>, StoreError>> + Send;
+    /// The latest state reasons of the queued runs (at most 10,000): those of runs waiting for
+    /// a profile's cap name the profile.
+    fn queued_reasons(&self) -> impl Future<Output = Result<Vec<String>, StoreError>> + Send;
     /// Reads a run's events in the order they were stored, after position `after` (0 for all).
     /// Returns each event with its position.
     fn events(
@@ -355,6 +358,9 @@ impl RunStore for Store {
     async fn count_by_state(&self) -> Result<Vec<(RunState, u64)>, StoreError> {
         delegate!(self, s => s.count_by_state().await)
     }
+    async fn queued_reasons(&self) -> Result<Vec<String>, StoreError> {
+        delegate!(self, s => s.queued_reasons().await)
+    }
     async fn events(&self, run_id: Uuid, after: i64) -> Result<Vec<(i64, Event)>, StoreError> {
         delegate!(self, s => s.events(run_id, after).await)
     }
@@ -369,6 +375,18 @@ impl RunStore for Store {
 }
 
 /// The reason recorded with the first state of a run.
+/// The latest state reason of each queued run.
+const QUEUED_REASONS: &str = "SELECT (SELECT h.reason FROM state_history h WHERE h.run_id = r.run_id ORDER BY h.id DESC LIMIT 1) FROM runs r WHERE r.state = 'queued' LIMIT 10000";
+
+/// How many queued runs wait for each profile's cap, from their latest state reasons.
+pub fn waiting_by_profile(reasons: &[String]) -> Vec<(String, i64)> {
+    let mut counts = std::collections::BTreeMap::<String, i64>::new();
+    for profile in reasons.iter().filter_map(|r| proto::waiting_profile(r)) {
+        *counts.entry(profile.to_string()).or_default() += 1;
+    }
+    counts.into_iter().collect()
+}
+
 fn accepted_reason(job: &Job) -> String {
     if job.warnings.is_empty() {
         "accepted".to_string()

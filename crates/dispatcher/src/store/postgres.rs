@@ -521,6 +521,20 @@ impl RunStore for PostgresStore {
         .await
     }
 
+    async fn queued_reasons(&self) -> Result<Vec<String>, StoreError> {
+        self.bounded(async {
+            Ok(self
+                .client()
+                .await?
+                .query(super::QUEUED_REASONS, &[])
+                .await?
+                .iter()
+                .filter_map(|r| r.get::<_, Option<String>>(0))
+                .collect())
+        })
+        .await
+    }
+
     async fn events(&self, run_id: Uuid, after: i64) -> Result<Vec<(i64, Event)>, StoreError> {
         self.events_page(run_id, after, u32::MAX).await
     }

@@ -105,6 +105,7 @@ CREATE TABLE IF NOT EXISTS submission_keys (
     run_id TEXT NOT NULL,
     created_at TEXT NOT NULL
 );
+CREATE INDEX IF NOT EXISTS state_history_by_run ON state_history(run_id, id);
 CREATE INDEX IF NOT EXISTS submission_keys_by_age ON submission_keys(created_at);
 CREATE TABLE IF NOT EXISTS cycles (
     run_id TEXT NOT NULL REFERENCES runs(run_id),
@@ -432,6 +433,17 @@ impl RunStore for SqliteStore {
                 .into_iter()
                 .filter_map(|(state, n)| Some((RunState::parse(&state)?, n.max(0) as u64)))
                 .collect())
+        })
+        .await
+    }
+
+    async fn queued_reasons(&self) -> Result<Vec<String>, StoreError> {
+        self.with(|c| {
+            let mut statement = c.prepare(super::QUEUED_REASONS)?;
+            let rows = statement
+                .query_map([], |r| r.get::<_, Option<String>>(0))?
+                .collect::<Result<Vec<_>, _>>()?;
+            Ok(rows.into_iter().flatten().collect())
         })
         .await
     }

@@ -35,6 +35,10 @@ pub const HOLDS_HEADER: &str = "x-forgepool-holds";
 /// forgepool published again: a hand-over, a parked job, a run queued again). Only such a copy
 /// reads the progress kept on the broker; a first copy has none to read.
 pub const AGAIN_HEADER: &str = "x-forgepool-again";
+/// The header of a copy whose run waits for a cap slot of one of its profiles (the role's
+/// code: 1 implementer, 2 reviewer, 3 final reviewer): a worker takes the slot before it starts
+/// the run, and puts the copy back to wait, silently, while every slot is taken.
+pub const WAITS_HEADER: &str = "x-forgepool-waits-for";
 /// The most waits a copy's header may ask for; more is taken as this (a forged header must
 /// not hold a job back for long).
 pub const MAX_HOLDS: u32 = 10;
@@ -51,6 +55,8 @@ pub struct Carried {
     pub holds: u32,
     /// The copy may follow an earlier execution of its run.
     pub again: bool,
+    /// The code of the role whose profile's cap slot the run waits for; 0 for none.
+    pub waits_for: u8,
 }
 
 impl Carried {
@@ -61,6 +67,7 @@ impl Carried {
             lost: number(LOST_HEADER).map_or(0, |n| u32::try_from(n).unwrap_or(u32::MAX)),
             holds: number(HOLDS_HEADER).map_or(0, |n| n.min(u64::from(MAX_HOLDS)) as u32),
             again: number(AGAIN_HEADER).is_some_and(|n| n > 0),
+            waits_for: number(WAITS_HEADER).map_or(0, |n| u8::try_from(n).unwrap_or(0)),
         }
     }
 
@@ -81,6 +88,9 @@ impl Carried {
         }
         if self.again {
             text(AGAIN_HEADER, 1);
+        }
+        if self.waits_for > 0 {
+            text(WAITS_HEADER, u64::from(self.waits_for));
         }
         (!headers.inner().is_empty()).then_some(headers)
     }
@@ -433,6 +443,7 @@ mod carried_tests {
             lost: 3,
             holds: 4,
             again: true,
+            waits_for: 2,
         };
         let headers = carried.headers(Some("sig".into())).expect("headers");
         let properties = BasicProperties::default().with_headers(headers);

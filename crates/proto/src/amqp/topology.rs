@@ -110,6 +110,16 @@ impl Topology {
         format!("{}.done.{run_id}", self.prefix)
     }
 
+    /// The exclusive queue that holds cap slot `slot` of an agent profile (`max_concurrent`).
+    pub fn cap(&self, profile: &str, slot: u32) -> String {
+        format!("{}.cap.{profile}.{slot}", self.prefix)
+    }
+
+    /// The stream of profile pauses (`pause.json`) every worker reads: `{prefix}.pauses`.
+    pub fn pauses(&self) -> String {
+        format!("{}.pauses", self.prefix)
+    }
+
     /// The exclusive queue that says a worker instance is alive.
     pub fn presence(&self, instance: &str) -> String {
         format!("{}.presence.{instance}", self.prefix)
@@ -146,6 +156,7 @@ impl Topology {
             (self.submissions(), work()),
             (self.jobs_wait(), self.wait_arguments()),
             (self.dispatcher_events(), work()),
+            (self.pauses(), pause_stream()),
         ];
         for (name, arguments) in queues {
             channel
@@ -193,6 +204,25 @@ impl Topology {
         );
         wait
     }
+}
+
+/// The pause stream's arguments: a stream (every worker reads it whole, from the start of its
+/// retention), kept two days (a pause lasts at most one), in small segments.
+fn pause_stream() -> FieldTable {
+    let mut arguments = FieldTable::default();
+    arguments.insert(
+        "x-queue-type".into(),
+        AMQPValue::LongString(LongString::from("stream")),
+    );
+    arguments.insert(
+        "x-max-age".into(),
+        AMQPValue::LongString(LongString::from("2D")),
+    );
+    arguments.insert(
+        "x-stream-max-segment-size-bytes".into(),
+        AMQPValue::LongLongInt(1_000_000),
+    );
+    arguments
 }
 
 /// Quorum-queue arguments with an optional dead-letter exchange and delivery limit.

@@ -18,11 +18,13 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{info, info_span, warn, Instrument};
 
+use super::gate::AmqpGate;
 use super::lease::{Claim, InFlight, Leases, SWEEP_INTERVAL};
 use super::ledger::AmqpLedger;
 use super::sink::{AmqpSink, ObservedSink};
 use crate::config::WorkerConfig;
-use crate::engine::{Engine, RunControl};
+use crate::engine::{Engine, Execution, RunControl};
+use crate::gate::Role;
 use crate::runtime::ContainerRuntime;
 
 /// Everything a run needs from the worker: its settings, the engine, and the broker's parts.
@@ -40,7 +42,9 @@ pub struct Jobs<R: ContainerRuntime> {
     /// The final review ledger.
     pub ledger: AmqpLedger,
     /// Leases, done markers and presence.
-    pub leases: Leases,
+    pub leases: Arc<Leases>,
+    /// Profile caps and pauses across the pool.
+    pub gate: Arc<AmqpGate>,
     /// The runs this worker executes.
     pub in_flight: Arc<InFlight>,
     /// What `/metrics` serves.
@@ -207,6 +211,7 @@ fn after_loss(carried: Carried) -> Result<Carried, String> {
         // The park that follows the loss is the first wait.
         holds: GRACE_HOLDS - 1,
         again: true,
+        waits_for: carried.waits_for,
     })
 }
 
@@ -324,9 +329,32 @@ impl<R: ContainerRuntime> Jobs<R> {
                 return (Disposition::Requeue, both);
             }
         }
+        // A run that waits for a cap slot of one of its profiles takes the slot first, and
+        // waits again, silently and without a run slot, while every slot is taken.
+        if let Some(role) = Role::from_code(carried.waits_for) {
+            if !self.gate.reserve(run_id, role, job).await {
+                let waiting = Carried {
+                    holds: 0,
+                    again: true,
+                    ..carried
+                };
+                return (self.park(delivery, waiting).await, both);
+            }
+        }
         // A copy that was delivered again, or lost before, may follow an execution that pushed.
         let again = delivery.redelivered || carried.lost > 0 || carried.again;
-        let disposition = self.execute(job, claim, again).await;
+        let (disposition, waiting) = self.execute(job, claim, again).await;
+        self.gate.forget(run_id).await;
+        if let Some(role) = waiting {
+            info!(?role, "the run waits for its profile's cap");
+            let waiting = Carried {
+                holds: 0,
+                again: true,
+                waits_for: role.code(),
+                ..carried
+            };
+            return (self.park(delivery, waiting).await, both);
+        }
         if disposition == Disposition::Requeue && self.interrupt.is_cancelled() {
             // A drain hands the run over: a fresh copy of the job goes back, so the hand-over
             // does not count toward the poison limit, and the next execution continues from
@@ -372,8 +400,13 @@ impl<R: ContainerRuntime> Jobs<R> {
     }
 
     /// Executes a leased run with heartbeats beside it; a finished run is marked done before
-    /// its job is acknowledged.
-    async fn execute(&self, job: &Job, claim: Claim, redelivered: bool) -> Disposition {
+    /// its job is acknowledged. With a role, the run waits for that role's profile's cap.
+    async fn execute(
+        &self,
+        job: &Job,
+        claim: Claim,
+        redelivered: bool,
+    ) -> (Disposition, Option<Role>) {
         let sink = ObservedSink::new(&self.sink, &self.metrics, job);
         self.metrics.runs_in_progress().inc();
         // A lost claim, like a drain, stops the run without its final events.
@@ -382,7 +415,9 @@ impl<R: ContainerRuntime> Jobs<R> {
             interrupt: claim.lost,
             again: redelivered,
         };
-        let execution = self.engine.execute(job, &sink, &self.ledger, control);
+        let execution = self
+            .engine
+            .execute_in_pool(job, &sink, &self.ledger, control);
         // Heartbeats go out beside the run, never in its way.
         let heartbeats =
             self.sink
@@ -393,17 +428,18 @@ impl<R: ContainerRuntime> Jobs<R> {
         };
         self.metrics.runs_in_progress().dec();
         match outcome {
-            Ok(Some(result)) => {
+            Ok(Execution::Ended(result)) => {
                 crate::fault::point("ended");
                 self.leases.mark_done(&job.execution_key()).await;
                 crate::fault::point("marked-done");
                 info!(state = %result.state, "job done");
-                Disposition::Ack
+                (Disposition::Ack, None)
             }
-            Ok(None) => Disposition::Requeue,
+            Ok(Execution::Waiting(role)) => (Disposition::Ack, Some(role)),
+            Ok(Execution::HandedBack) => (Disposition::Requeue, None),
             Err(error) => {
                 warn!(%error, "final events not confirmed; handing the job back");
-                Disposition::Requeue
+                (Disposition::Requeue, None)
             }
         }
     }

@@ -119,6 +119,8 @@ pub struct Leases {
     /// The runs whose leases are taken again after a reconnection.
     in_flight: Arc<InFlight>,
     connection: Mutex<Option<Connection>>,
+    /// The cap slots held (their queue names), taken again after a reconnection.
+    slots: Mutex<std::collections::HashSet<String>>,
     /// Bumped each time the connection is opened (again): the sweep restarts its grace period
     /// after any reconnection, whoever made it.
     generation: AtomicU64,
@@ -139,6 +141,7 @@ impl Leases {
             instance: instance.to_string(),
             in_flight,
             connection: Mutex::new(None),
+            slots: Mutex::new(Default::default()),
             generation: AtomicU64::new(0),
         }
     }
@@ -167,6 +170,28 @@ impl Leases {
 
     /// Declares the run's exclusive lease queue; `false` when another live worker holds it.
     pub async fn acquire(&self, run_id: Uuid) -> Result<bool, AmqpError> {
+        self.acquire_named(&self.topology.lease(&run_id.to_string()))
+            .await
+    }
+
+    /// Takes a cap slot (its exclusive queue `name`); `false` when another live worker holds
+    /// it. A slot held is taken again after a reconnection.
+    pub async fn acquire_slot(&self, name: &str) -> Result<bool, AmqpError> {
+        let taken = self.acquire_named(name).await?;
+        if taken {
+            self.slots.lock().await.insert(name.to_string());
+        }
+        Ok(taken)
+    }
+
+    /// Gives a cap slot back.
+    pub async fn release_slot(&self, name: &str) {
+        self.slots.lock().await.remove(name);
+        self.release_named(name).await;
+    }
+
+    /// Declares the exclusive queue `name`; `false` when another live connection holds it.
+    async fn acquire_named(&self, lease: &str) -> Result<bool, AmqpError> {
         self.bounded(async {
             let channel = self.channel().await?;
             let exclusive = QueueDeclareOptions {
@@ -174,9 +199,8 @@ impl Leases {
                 auto_delete: false,
                 ..Default::default()
             };
-            let lease = self.topology.lease(&run_id.to_string());
             match channel
-                .queue_declare(&lease, exclusive, FieldTable::default())
+                .queue_declare(lease, exclusive, FieldTable::default())
                 .await
             {
                 Ok(_) => {
@@ -196,12 +220,16 @@ impl Leases {
     /// Deletes the run's lease queue through a fresh channel (the one that took it may be
     /// gone).
     pub async fn release(&self, run_id: Uuid) {
+        self.release_named(&self.topology.lease(&run_id.to_string()))
+            .await;
+    }
+
+    async fn release_named(&self, lease: &str) {
         let _ = self
             .bounded(async {
                 let channel = self.channel().await?;
-                let lease = self.topology.lease(&run_id.to_string());
                 let _ = channel
-                    .queue_delete(&lease, QueueDeleteOptions::default())
+                    .queue_delete(lease, QueueDeleteOptions::default())
                     .await;
                 let _ = channel.close(200, "released").await;
                 Ok(())
@@ -299,6 +327,16 @@ impl Leases {
             exclusive: true,
             ..Default::default()
         };
+        // A cap slot another worker took meanwhile stays theirs: the cap is exceeded by one
+        // until one of the two stages ends.
+        for slot in self.slots.lock().await.iter() {
+            if let Ok(channel) = connection.create_channel().await {
+                let _ = channel
+                    .queue_declare(slot, held, FieldTable::default())
+                    .await;
+                let _ = channel.close(200, "slot").await;
+            }
+        }
         for run_id in self.in_flight.ids().await {
             let lease = self.topology.lease(&run_id.to_string());
             let taken = match connection.create_channel().await {

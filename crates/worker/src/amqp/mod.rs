@@ -10,12 +10,14 @@
 
 pub mod consumer;
 pub mod control;
+pub mod gate;
 pub mod lease;
 pub mod ledger;
 pub mod sink;
 
 pub use consumer::{check_job, decode_job, trusted_job, JobFeed, Jobs};
 pub use control::Cancels;
+pub use gate::{AmqpGate, PauseFeed};
 pub use lease::{sweep, InFlight, Leases};
 pub use ledger::AmqpLedger;
 pub use sink::{AmqpSink, ObservedSink};

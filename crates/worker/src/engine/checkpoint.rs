@@ -40,6 +40,7 @@ impl RunContext<'_> {
         let mut machine = machine.state().clone();
         machine.phase = phase;
         let state = LoopState {
+            usage: self.usage.clone(),
             machine,
             history: self.history.clone(),
             rounds: self.rounds.clone(),
@@ -48,6 +49,7 @@ impl RunContext<'_> {
             stage_count: self.stage_count,
         };
         let checkpoint = Checkpoint {
+            resume_at: self.resume_at.clone(),
             sequence: self.job.resume.as_ref().map_or(1, |c| c.sequence + 1),
             base: self.base.clone(),
             tree,
@@ -110,6 +112,7 @@ impl RunContext<'_> {
         self.checks = snapshot.checks;
         self.cycles = snapshot.cycles;
         self.stage_count = snapshot.stage_count;
+        self.usage = snapshot.usage;
         self.write_workspace_history().await?;
         let machine = RunMachine::restored(snapshot.machine, self.limits());
         self.implementation_rounds = machine.implementation_rounds;

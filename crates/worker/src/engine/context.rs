@@ -27,6 +27,15 @@ pub(super) struct RunContext<'a> {
     pub(super) final_refusal: Option<String>,
     /// An earlier execution died during the final review: its outcome is unknown.
     pub(super) final_unknown: bool,
+    /// What the stages said they spent (`usage.json`), summed across executions.
+    pub(super) usage: Option<proto::UsageTotals>,
+    /// The provider's pause the last paused stage asked for (`pause.json`), or the pause of
+    /// its profile across the pool: the run resumes by itself at its end.
+    pub(super) pause: Option<proto::PauseRequest>,
+    /// When a pause of the run's profile ends: the paused run resumes by itself then.
+    pub(super) resume_at: Option<String>,
+    /// The role whose profile's cap the run waits for, once it handed itself back.
+    pub(super) waiting: Option<Role>,
 }
 
 impl<'a> RunContext<'a> {
@@ -50,6 +59,10 @@ impl<'a> RunContext<'a> {
             final_report: None,
             final_refusal: None,
             final_unknown: false,
+            usage: None,
+            pause: None,
+            resume_at: None,
+            waiting: None,
         }
     }
 
@@ -282,6 +295,7 @@ impl<'a> RunContext<'a> {
             review_exhausted: self.review_exhausted && state == RunState::DeliveredWithWarnings,
             final_review: &final_text,
             warnings: &warnings,
+            usage: self.usage.as_ref(),
         });
         let (branch, commit, tree) = match &self.delivered {
             Some((branch, commit, tree)) => (
@@ -292,6 +306,7 @@ impl<'a> RunContext<'a> {
             None => (None, None, self.rounds.last().map(|r| r.tree.clone())),
         };
         RunResult {
+            usage: self.usage.clone(),
             state,
             reason: reason.to_string(),
             branch,

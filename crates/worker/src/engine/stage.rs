@@ -147,6 +147,11 @@ impl<R: ContainerRuntime> Engine<R> {
             cycle,
         } = place;
         let run_id = run.job.run_id;
+        let output_dir = spec
+            .mounts
+            .iter()
+            .find(|m| m.target == "/forge/output")
+            .map(|m| m.source.clone());
         tracing::Span::current().record("stage", stage.as_str());
         for mount in spec.mounts.iter().filter(|m| !m.read_only) {
             self.hand_over(&mount.source).await;
@@ -221,7 +226,34 @@ impl<R: ContainerRuntime> Engine<R> {
             .await?;
         }
         self.sweep(run, sink).await?;
-        self.finish_stage(sink, run_id, place, outcome, disk_exceeded)
+        let paused = matches!(&outcome, Ok(o) if o.exit == StageExit::Exited(EXIT_PAUSED));
+        let (usage, pause) = match output_dir {
+            Some(dir) => {
+                let (usage, pause, notes) = read_outputs(dir, paused).await;
+                for note in notes {
+                    warn!(%note, "an agent's output file is ignored");
+                    let text = format!("[forgepool] {note}\n");
+                    let stream = proto::LogStream::Stderr;
+                    publish(
+                        sink,
+                        run_id,
+                        EventKind::Log {
+                            stage,
+                            stream,
+                            text,
+                        },
+                    )
+                    .await?;
+                }
+                (usage, pause)
+            }
+            None => (None, None),
+        };
+        if let Some(usage) = &usage {
+            run.usage.get_or_insert_with(Default::default).add(usage);
+        }
+        run.pause = pause;
+        self.finish_stage(sink, run_id, place, outcome, disk_exceeded, usage)
             .await
     }
 
@@ -248,6 +280,7 @@ impl<R: ContainerRuntime> Engine<R> {
         place: StagePlace,
         outcome: Result<StageOutput, RuntimeError>,
         disk_exceeded: Option<String>,
+        usage: Option<proto::Usage>,
     ) -> Result<Result<StageOutput, Input>, PublishEvent> {
         let StagePlace {
             stage,
@@ -265,6 +298,7 @@ impl<R: ContainerRuntime> Engine<R> {
             sink,
             run_id,
             EventKind::StageFinished {
+                usage,
                 stage,
                 round,
                 cycle,
@@ -317,6 +351,52 @@ impl<R: ContainerRuntime> Engine<R> {
         let dir = dir.to_path_buf();
         let _ = tokio::task::spawn_blocking(move || chown_tree(&dir, uid, gid)).await;
     }
+}
+
+/// The largest `usage.json` or `pause.json` read from `/forge/output`.
+const MAX_OUTPUT_NOTE_BYTES: u64 = 64 * 1024;
+
+/// Reads a finished stage's `usage.json`, and its `pause.json` when it `paused`: regular files
+/// only (never through a symlink), up to 64 KiB. Returns them and a note for each file that
+/// was there but could not be taken.
+async fn read_outputs(
+    dir: PathBuf,
+    paused: bool,
+) -> (
+    Option<proto::Usage>,
+    Option<proto::PauseRequest>,
+    Vec<String>,
+) {
+    tokio::task::spawn_blocking(move || {
+        let mut notes = Vec::new();
+        let mut read = |name: &str| match crate::confined::read_beneath(
+            &dir,
+            Path::new(name),
+            MAX_OUTPUT_NOTE_BYTES,
+        ) {
+            Ok(bytes) => Some(bytes),
+            Err(crate::confined::ReadError::Missing) => None,
+            Err(error) => {
+                notes.push(format!("/forge/output/{name} cannot be read: {error}"));
+                None
+            }
+        };
+        let usage = read("usage.json");
+        let pause = if paused { read("pause.json") } else { None };
+        let usage = usage.and_then(|bytes| {
+            proto::Usage::parse(&bytes)
+                .map_err(|error| notes.push(error))
+                .ok()
+        });
+        let pause = pause.and_then(|bytes| {
+            proto::PauseRequest::parse(&bytes, std::time::SystemTime::now())
+                .map_err(|error| notes.push(error))
+                .ok()
+        });
+        (usage, pause, notes)
+    })
+    .await
+    .unwrap_or_default()
 }
 
 /// How often a running stage's writable folders are measured against its disk allowance.

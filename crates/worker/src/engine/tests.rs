@@ -829,6 +829,7 @@ async fn the_unfinished_delivery_of_another_run_is_never_overwritten() {
     }))
     .unwrap();
     let progress = proto::Checkpoint {
+        resume_at: None,
         sequence: 1,
         base: "b".into(),
         tree: "t".into(),

@@ -1,0 +1,287 @@
+//! The pool's profile gate on the broker: cap slots and profile pauses shared by every
+//! worker.
+//!
+//! - a **cap slot** of a profile with `max_concurrent = N` is one of the exclusive queues
+//!   `{prefix}.cap.{profile}.{0..N}`: a worker declares one to start a stage and deletes it
+//!   when the stage ends; one held by a worker that dies goes with its connection;
+//! - a **pause** is a message on the stream `{prefix}.pauses`; every worker reads the stream
+//!   from the start of its retention (two days; a pause lasts at most one), so a worker that
+//!   starts later knows the pauses in force too.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicQosOptions};
+use lapin::types::{AMQPValue, FieldTable, LongString};
+use proto::amqp::{self, AmqpError, Consume, Delivery, Publisher, Session, Topology};
+use proto::{AgentProfile, PauseRequest, ProfilePause, SCHEMA_VERSION};
+use telemetry::Metrics;
+use tokio::sync::Mutex;
+use tokio_util::sync::CancellationToken;
+use tracing::{info, warn};
+use uuid::Uuid;
+
+use super::lease::Leases;
+use crate::gate::{Admission, GateFuture, Pauses, ProfileGate, Role, Ticket};
+
+/// The largest pause message read from the stream.
+const MAX_PAUSE_BYTES: usize = 4096;
+
+/// The worker's gate: cap slots and pauses on the broker.
+#[derive(Debug)]
+pub struct AmqpGate {
+    leases: Arc<Leases>,
+    publisher: Arc<Publisher>,
+    topology: Topology,
+    pauses: Arc<Pauses>,
+    /// Slots taken for a run before its execution started (its job waited for them).
+    reserved: Mutex<HashMap<Uuid, (String, Ticket)>>,
+}
+
+/// A cap slot on the broker; dropping it deletes its queue.
+struct BrokerSlot {
+    leases: Arc<Leases>,
+    name: String,
+}
+
+impl Drop for BrokerSlot {
+    fn drop(&mut self) {
+        let (leases, name) = (Arc::clone(&self.leases), std::mem::take(&mut self.name));
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            runtime.spawn(async move { leases.release_slot(&name).await });
+        }
+    }
+}
+
+impl AmqpGate {
+    /// A gate over the worker's leases connection and publisher; `pauses` is what
+    /// [`PauseFeed`] keeps.
+    pub fn new(
+        leases: Arc<Leases>,
+        publisher: Arc<Publisher>,
+        topology: Topology,
+        pauses: Arc<Pauses>,
+    ) -> AmqpGate {
+        AmqpGate {
+            leases,
+            publisher,
+            topology,
+            pauses,
+            reserved: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// Takes a free cap slot of `profile`: `Ok(None)` when every slot is taken.
+    async fn take_slot(
+        &self,
+        profile: &AgentProfile,
+        max: u32,
+    ) -> Result<Option<Ticket>, AmqpError> {
+        for slot in 0..max {
+            let name = self.topology.cap(&profile.name, slot);
+            if self.leases.acquire_slot(&name).await? {
+                let leases = Arc::clone(&self.leases);
+                return Ok(Some(Ticket::holding(BrokerSlot { leases, name })));
+            }
+        }
+        Ok(None)
+    }
+
+    /// For a job that waits for the cap of the profile in `role`: takes a slot for the run
+    /// before it starts (its first stage of that profile uses it). `false` while every slot is
+    /// taken, or the broker cannot say.
+    pub async fn reserve(&self, run_id: Uuid, role: Role, job: &proto::Job) -> bool {
+        let Some(profile) = role.profile(job) else {
+            return true;
+        };
+        let Some(max) = profile.max_concurrent else {
+            return true;
+        };
+        match self.take_slot(profile, max).await {
+            Ok(Some(ticket)) => {
+                let reserved = (profile.name.clone(), ticket);
+                self.reserved.lock().await.insert(run_id, reserved);
+                true
+            }
+            Ok(None) => false,
+            Err(error) => {
+                warn!(%error, "cannot take a cap slot; the job waits again");
+                false
+            }
+        }
+    }
+
+    /// Gives back a slot reserved for a run that did not use it.
+    pub async fn forget(&self, run_id: Uuid) {
+        self.reserved.lock().await.remove(&run_id);
+    }
+}
+
+impl ProfileGate for AmqpGate {
+    fn admit<'a>(&'a self, run_id: Uuid, profile: &'a AgentProfile) -> GateFuture<'a, Admission> {
+        Box::pin(async move {
+            if let Some(pause) = self.pauses.current(&profile.name, SystemTime::now()) {
+                self.forget(run_id).await;
+                return Admission::Paused(pause);
+            }
+            let Some(max) = profile.max_concurrent else {
+                return Admission::Go(Ticket::free());
+            };
+            let reserved = self.reserved.lock().await.remove(&run_id);
+            if let Some((name, ticket)) = reserved {
+                if name == profile.name {
+                    return Admission::Go(ticket);
+                }
+            }
+            match self.take_slot(profile, max).await {
+                Ok(Some(ticket)) => Admission::Go(ticket),
+                Ok(None) => Admission::Busy { max },
+                Err(error) => {
+                    warn!(%error, profile = %profile.name, "cannot take a cap slot; the run waits");
+                    Admission::Busy { max }
+                }
+            }
+        })
+    }
+
+    fn pause<'a>(
+        &'a self,
+        run_id: Uuid,
+        profile: &'a str,
+        pause: &'a PauseRequest,
+    ) -> GateFuture<'a, ()> {
+        Box::pin(async move {
+            // Known here at once; the stream tells every worker, this one included.
+            self.pauses.note(profile, pause.clone());
+            let message = ProfilePause {
+                schema_version: SCHEMA_VERSION,
+                profile: profile.to_string(),
+                until: pause.until.clone(),
+                reason: pause.reason.clone(),
+                run_id,
+            };
+            let payload = serde_json::to_vec(&message).unwrap_or_default();
+            if let Err(error) = self
+                .publisher
+                .publish("", &self.topology.pauses(), &payload, None)
+                .await
+            {
+                warn!(%error, profile, "cannot tell the pool of the profile's pause; other workers learn it from their own stages");
+            }
+        })
+    }
+}
+
+/// Reads the pause stream into the worker's [`Pauses`], and keeps
+/// `forgepool_profile_paused` true.
+#[derive(Debug)]
+pub struct PauseFeed {
+    amqp_url: String,
+    topology: Topology,
+    pauses: Arc<Pauses>,
+    metrics: Arc<Metrics>,
+}
+
+impl PauseFeed {
+    /// A feed from the broker at `amqp_url` into `pauses`.
+    pub fn new(
+        amqp_url: &str,
+        topology: Topology,
+        pauses: Arc<Pauses>,
+        metrics: Arc<Metrics>,
+    ) -> PauseFeed {
+        PauseFeed {
+            amqp_url: amqp_url.to_string(),
+            topology,
+            pauses,
+            metrics,
+        }
+    }
+
+    /// Reads pauses until `shutdown`, and ends them in the metrics when their time comes.
+    pub async fn listen(self, shutdown: CancellationToken) {
+        let expiry = async {
+            let mut ticker = tokio::time::interval(Duration::from_secs(1));
+            loop {
+                ticker.tick().await;
+                for profile in self.pauses.expire(SystemTime::now()) {
+                    info!(profile, "the profile's pause ended");
+                    self.metrics.set_profile_paused(&profile, false);
+                }
+            }
+        };
+        tokio::select! {
+            session = amqp::consume(&self, &shutdown) => {
+                if let Some(session) = session {
+                    session.close().await;
+                }
+            }
+            () = expiry => {}
+        }
+    }
+}
+
+impl Consume for PauseFeed {
+    fn name(&self) -> &str {
+        "forgepool-worker-pauses"
+    }
+
+    async fn open(&self, _again: bool) -> Result<Session, AmqpError> {
+        let broker = |operation| move |source| AmqpError::Broker { operation, source };
+        let opened = async {
+            let (connection, channel) = amqp::connect_channel(&self.amqp_url, self.name()).await?;
+            self.topology.declare(&channel).await?;
+            channel
+                .basic_qos(64, BasicQosOptions::default())
+                .await
+                .map_err(broker("set prefetch"))?;
+            // From the start of the stream's retention: every pause that may still be in force.
+            let mut arguments = FieldTable::default();
+            arguments.insert(
+                "x-stream-offset".into(),
+                AMQPValue::LongString(LongString::from("first")),
+            );
+            let consumer = channel
+                .basic_consume(
+                    &self.topology.pauses(),
+                    "pauses",
+                    BasicConsumeOptions::default(),
+                    arguments,
+                )
+                .await
+                .map_err(broker("consume pauses"))?;
+            Ok(Session {
+                connection,
+                channel,
+                consumer,
+                tag: "pauses".to_string(),
+            })
+        };
+        tokio::time::timeout(amqp::SESSION_TIMEOUT, opened)
+            .await
+            .map_err(|_| AmqpError::Pool("no pause stream consumer in time".into()))?
+    }
+
+    async fn handle(&self, delivery: Delivery) {
+        let now = SystemTime::now();
+        match proto::decode_message::<ProfilePause>(&delivery.data, MAX_PAUSE_BYTES)
+            .and_then(|pause| pause.check(now).map(|()| pause))
+        {
+            Ok(pause) if pause.ends().is_some_and(|ends| ends > now) => {
+                let request = PauseRequest {
+                    reason: pause.reason.clone(),
+                    until: pause.until.clone(),
+                };
+                if self.pauses.note(&pause.profile, request) {
+                    info!(profile = %pause.profile, until = %pause.until, reason = %pause.reason, run_id = %pause.run_id, "the profile is paused across the pool");
+                }
+                self.metrics.set_profile_paused(&pause.profile, true);
+            }
+            Ok(_) => {}
+            Err(reason) => warn!(%reason, "a pause message is ignored"),
+        }
+        // A stream keeps its messages: the ack only lets the next ones come.
+        let _ = delivery.acker.ack(BasicAckOptions::default()).await;
+    }
+}
