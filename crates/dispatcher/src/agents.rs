@@ -153,21 +153,7 @@ impl AgentBook {
 
 fn check_profile(name: &str, entry: ProfileEntry) -> Result<AgentProfile, String> {
     let key = |k: &str| format!("agents.{name}.{k}");
-    if !proto::names::is_profile_name(name) {
-        return Err(format!(
-            "agents.{name}: a profile name must be 1 to 64 letters, digits, `_`, `-` or `.`, beginning with a letter or digit"
-        ));
-    }
-    let max_concurrent = match entry.max_concurrent {
-        None => None,
-        Some(n) if (1..=1024).contains(&n) => Some(n as u32),
-        Some(n) => {
-            return Err(format!(
-                "{} must be a number of stages from 1 to 1024, got {n}",
-                key("max_concurrent")
-            ))
-        }
-    };
+    let max_concurrent = check_pool_keys(name, entry.max_concurrent)?;
     if entry.image.trim().is_empty() {
         return Err(format!("{} must name a container image", key("image")));
     }
@@ -262,6 +248,22 @@ fn check_profile(name: &str, entry: ProfileEntry) -> Result<AgentProfile, String
     })
 }
 
+/// The profile's name (it names queues on the broker) and its `max_concurrent`.
+fn check_pool_keys(name: &str, max_concurrent: Option<i64>) -> Result<Option<u32>, String> {
+    if !proto::names::is_profile_name(name) {
+        return Err(format!(
+            "agents.{name}: a profile name must be 1 to 64 letters, digits, `_`, `-` or `.`, beginning with a letter or digit"
+        ));
+    }
+    match max_concurrent {
+        None => Ok(None),
+        Some(n) if (1..=1024).contains(&n) => Ok(Some(n as u32)),
+        Some(n) => Err(format!(
+            "agents.{name}.max_concurrent must be a number of stages from 1 to 1024, got {n}"
+        )),
+    }
+}
+
 /// Parses `512m`, `4g`, `1024k` or a number of bytes. Docker refuses less than 6 MiB.
 fn parse_memory(text: &str) -> Option<u64> {
     let text = text.trim().to_ascii_lowercase();
@@ -308,6 +310,13 @@ mod tests {
         let a = book.get("a").unwrap();
         assert_eq!(a.network, Network::None);
         assert_eq!(a.timeout_seconds, DEFAULT_AGENT_TIMEOUT_SECONDS);
+        assert_eq!(a.max_concurrent, None, "unlimited unless set");
+        let capped = AgentBook::parse(
+            "[agents.a]\nimage = \"x\"\nmax_concurrent = 2\n",
+            Path::new("agents.toml"),
+        )
+        .unwrap();
+        assert_eq!(capped.get("a").unwrap().max_concurrent, Some(2));
     }
 
     #[test]
@@ -320,6 +329,14 @@ mod tests {
             (
                 "[agents.a]\nimage = \"x\"\nmemory = \"lots\"\n",
                 "agents.a.memory",
+            ),
+            (
+                "[agents.a]\nimage = \"x\"\nmax_concurrent = 0\n",
+                "agents.a.max_concurrent",
+            ),
+            (
+                "[agents.\"a b\"]\nimage = \"x\"\n",
+                "agents.a b: a profile name",
             ),
             (
                 "[agents.a]\nimage = \"x\"\nenv = [\"KEY=value\"]\n",

@@ -93,7 +93,7 @@ pub struct Dispatcher {
     pub streams: Arc<crate::streams::StreamCounts>,
     pub(crate) amqp_url: String,
     /// Paused runs that resume by themselves when their profile's pause ends.
-    pub(crate) resumes: crate::resumer::Schedule,
+    pub(crate) resumes: crate::schedule::Schedule,
 }
 
 impl Dispatcher {

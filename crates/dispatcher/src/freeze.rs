@@ -493,6 +493,14 @@ mod tests {
             ),
             ("repair_attempts", Box::new(|r| r.repair_attempts = Some(4))),
             (
+                "budget.max_cost_usd",
+                Box::new(|r| r.budget = Some(proto::Budget { max_cost_usd: 0.0 })),
+            ),
+            (
+                "budget.max_cost_usd",
+                Box::new(|r| r.budget = Some(proto::Budget { max_cost_usd: f64::NAN })),
+            ),
+            (
                 "repair_attempts",
                 Box::new(|r| r.repair_attempts = Some(-1)),
             ),

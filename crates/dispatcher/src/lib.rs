@@ -13,6 +13,7 @@ pub mod names;
 mod openapi;
 pub mod request;
 pub mod resumer;
+pub mod schedule;
 pub mod serve;
 pub mod service;
 pub mod skills;

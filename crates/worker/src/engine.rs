@@ -21,7 +21,7 @@ use uuid::Uuid;
 
 use crate::collector::{write_atomically, CycleCollector};
 use crate::final_review::FinalReport;
-use crate::gate::{Admission, LocalGate, ProfileGate, Role};
+use crate::gate::{LocalGate, ProfileGate};
 use crate::git;
 use crate::ledger::{Receipt, ReviewLedger};
 use crate::machine::{FailureSignature, Input, Limits, Phase, RoundReason, RunMachine};
@@ -38,6 +38,7 @@ mod checkpoint;
 mod context;
 mod deliver;
 mod final_review;
+mod gated;
 mod implement;
 mod prompt;
 mod review;
@@ -47,6 +48,8 @@ mod tests;
 mod verify;
 
 use context::RunContext;
+pub use gated::Execution;
+use gated::{over_budget, Gated};
 use stage::{agent_mounts, PreparedStage, StagePlace, StageRequest};
 
 /// The exit code with which a stage says its provider paused (quota, rate limit, login).
@@ -133,18 +136,6 @@ impl EngineConfig {
     }
 }
 
-/// How an execution of a run ended, for the worker that settles its job.
-#[derive(Debug)]
-pub enum Execution {
-    /// The run ended or paused; its final events are confirmed.
-    Ended(RunResult),
-    /// The run was interrupted (a drain, a lost claim): its job goes back.
-    HandedBack,
-    /// The run waits for a cap slot of the profile in this role: its job waits on the broker
-    /// and holds no run slot meanwhile.
-    Waiting(Role),
-}
-
 /// Runs jobs.
 #[derive(Debug)]
 pub struct Engine<R> {
@@ -185,7 +176,7 @@ impl<R: ContainerRuntime> Engine<R> {
     ) -> Result<Option<RunResult>, PublishEvent> {
         Ok(
             match self.execute_in_pool(job, sink, ledger, control).await? {
-                Execution::Ended(result) => Some(result),
+                Execution::Ended(result) => Some(*result),
                 Execution::HandedBack | Execution::Waiting(_) => None,
             },
         )
@@ -277,7 +268,7 @@ impl<R: ContainerRuntime> Engine<R> {
                 published?;
                 publish(sink, job.run_id, EventKind::State { state, reason }).await?;
                 info!(state = %result.state, rounds = result.implementation_rounds, "run ended");
-                Ok(Execution::Ended(result))
+                Ok(Execution::Ended(Box::new(result)))
             }
             .await;
             if let Err(error) = remove_dir(&root).await {
@@ -341,7 +332,6 @@ impl<R: ContainerRuntime> Engine<R> {
                 return Ok(Some(ended));
             }
         }
-        let run_id = run.job.run_id;
         let mut progress = None;
         loop {
             if let Some((state, reason)) = machine.finished() {
@@ -353,9 +343,6 @@ impl<R: ContainerRuntime> Engine<R> {
             if let Some(reason) = over_budget(run, &machine) {
                 return Ok(Some((RunState::Failed, reason)));
             }
-            let role = Role::of_phase(&machine.phase);
-            let profile = role.and_then(|role| role.profile(run.job));
-            let mut ticket = None;
             let input = if cancel_user.is_cancelled() {
                 Input::Cancelled
             } else if let Phase::Paused { reason, resume } = &machine.phase {
@@ -363,61 +350,16 @@ impl<R: ContainerRuntime> Engine<R> {
                     .pause(run, sink, &machine, reason, (**resume).clone())
                     .await?;
                 return Ok(Some((RunState::Paused, reason)));
-            } else if let Some(admission) = self.admit(run_id, profile).await {
-                match admission {
-                    Admission::Go(held) => {
-                        ticket = Some(held);
-                        self.run_phase(
-                            run,
-                            sink,
-                            ledger,
-                            (cancel, &machine),
-                            &mut ahead,
-                            &mut progress,
-                            profile,
-                        )
-                        .await?
-                    }
-                    Admission::Paused(pause) => {
-                        let profile = profile.map_or("", |p| p.name.as_str());
-                        let reason = format!(
-                            "agent profile `{profile}` is paused across the pool until {} ({})",
-                            pause.until, pause.reason
-                        );
-                        run.resume_at = Some(pause.until);
-                        Input::StagePaused { reason }
-                    }
-                    Admission::Busy { max } => {
-                        // The run waits without its slot: what it did so far is kept first.
-                        keep_progress(ledger, run_id, progress.take()).await;
-                        let profile = profile.map_or("", |p| p.name.as_str());
-                        let reason = proto::waiting_reason(profile, max);
-                        publish(
-                            sink,
-                            run_id,
-                            EventKind::State {
-                                state: RunState::Queued,
-                                reason,
-                            },
-                        )
-                        .await?;
-                        run.waiting = role;
-                        return Ok(None);
-                    }
-                }
             } else {
-                self.run_phase(
-                    run,
-                    sink,
-                    ledger,
-                    (cancel, &machine),
-                    &mut ahead,
-                    &mut progress,
-                    profile,
-                )
-                .await?
+                let place = (cancel, &machine);
+                match self
+                    .gated_input(run, sink, ledger, place, &mut ahead, &mut progress)
+                    .await?
+                {
+                    Gated::Input(input) => input,
+                    Gated::Waiting => return Ok(None),
+                }
             };
-            drop(ticket);
             if interrupt.is_cancelled() {
                 return Ok(None);
             }
@@ -429,39 +371,6 @@ impl<R: ContainerRuntime> Engine<R> {
             run.implementation_rounds = machine.implementation_rounds;
             progress = self.progress(run, &machine).await;
         }
-    }
-
-    /// Asks the gate whether an agent stage of `profile` may start; `None` for a phase that
-    /// runs no agent.
-    async fn admit(&self, run_id: Uuid, profile: Option<&AgentProfile>) -> Option<Admission> {
-        Some(self.config.gate.admit(run_id, profile?).await)
-    }
-
-    /// Runs the phase the machine is in while the progress of the stage before is kept, and
-    /// passes a provider's pause of the stage's `profile` on to the pool.
-    #[allow(clippy::too_many_arguments)]
-    async fn run_phase<S: EventSink, L: ReviewLedger>(
-        &self,
-        run: &mut RunContext<'_>,
-        sink: &S,
-        ledger: &L,
-        (cancel, machine): (&CancellationToken, &RunMachine),
-        ahead: &mut Option<Ahead<R::Created>>,
-        progress: &mut Option<Checkpoint>,
-        profile: Option<&AgentProfile>,
-    ) -> Result<Input, PublishEvent> {
-        let run_id = run.job.run_id;
-        let stage = ahead.take();
-        let (input, ()) = tokio::join!(
-            self.phase_input(run, sink, ledger, cancel, machine, stage),
-            keep_progress(ledger, run_id, progress.take()),
-        );
-        if let (Some(pause), Some(profile)) = (run.pause.take(), profile) {
-            info!(profile = %profile.name, until = %pause.until, reason = %pause.reason, "the provider paused the profile");
-            self.config.gate.pause(run_id, &profile.name, &pause).await;
-            run.resume_at = Some(pause.until);
-        }
-        input
     }
 
     /// Runs the phase the machine is in and returns what happened, as the machine's input.
@@ -493,32 +402,6 @@ impl<R: ContainerRuntime> Engine<R> {
             Phase::Deliver { tree } => Ok(self.deliver(run, ledger, &tree).await),
             Phase::Paused { .. } | Phase::Finished { .. } => {
                 unreachable!("the loop ends the run in these phases")
-            }
-        }
-    }
-
-    /// Saves a paused run's checkpoint and publishes it; returns the paused state's reason.
-    async fn pause<S: EventSink>(
-        &self,
-        run: &mut RunContext<'_>,
-        sink: &S,
-        machine: &RunMachine,
-        reason: &str,
-        resume: Phase,
-    ) -> Result<String, PublishEvent> {
-        let run_id = run.job.run_id;
-        match run.checkpoint(machine, resume).await {
-            Ok(checkpoint) => {
-                let resume_at = checkpoint.resume_at.clone();
-                publish(sink, run_id, EventKind::Checkpoint { checkpoint }).await?;
-                Ok(match resume_at {
-                    Some(at) => format!("{reason}; it resumes by itself at {at} (or now with `forgepool resume {run_id}`)"),
-                    None => format!("{reason}; resume it with `forgepool resume {run_id}` once the provider is ready"),
-                })
-            }
-            Err(error) => {
-                warn!(%error, "cannot save the paused run's progress");
-                Ok(format!("{reason}; its progress could not be saved ({error}), so it cannot be resumed: submit a new run"))
             }
         }
     }
@@ -739,19 +622,6 @@ impl<R: ContainerRuntime> Engine<R> {
 }
 
 /// Keeps a run's `progress` in the ledger, if there is any.
-/// Why the run stops before its next stage: its stages reported more cost than its budget
-/// allows. A run about to deliver an approved change delivers it (delivery costs nothing).
-fn over_budget(run: &RunContext<'_>, machine: &RunMachine) -> Option<String> {
-    let (budget, usage) = (run.job.budget.as_ref()?, run.usage.as_ref()?);
-    if usage.cost_usd <= budget.max_cost_usd || matches!(machine.phase, Phase::Deliver { .. }) {
-        return None;
-    }
-    Some(format!(
-        "budget exceeded: the run's stages reported ${:.4}, over its budget of ${:.2} (budget.max_cost_usd); no further stage was started",
-        usage.cost_usd, budget.max_cost_usd
-    ))
-}
-
 async fn keep_progress<L: ReviewLedger>(ledger: &L, run_id: Uuid, progress: Option<Checkpoint>) {
     let Some(checkpoint) = progress else {
         return;

@@ -52,20 +52,8 @@ pub async fn run<R: ContainerRuntime>(
         &instance,
         Arc::clone(&in_flight),
     ));
-    let pauses = Arc::new(Pauses::default());
-    let gate = Arc::new(AmqpGate::new(
-        Arc::clone(&leases),
-        Arc::clone(&publisher),
-        topology.clone(),
-        Arc::clone(&pauses),
-    ));
+    let (gate, pause_feed) = gate(&config, &topology, &leases, &publisher, &metrics);
     let engine = engine.with_gate(Arc::clone(&gate) as Arc<dyn crate::gate::ProfileGate>);
-    let pause_feed = PauseFeed::new(
-        &config.amqp_url,
-        topology.clone(),
-        pauses,
-        Arc::clone(&metrics),
-    );
     let jobs = Arc::new(Jobs {
         sink: AmqpSink::new(
             Arc::clone(&publisher),
@@ -134,6 +122,30 @@ pub async fn run<R: ContainerRuntime>(
     jobs.publisher.close().await;
     info!("worker stopped");
     Ok(())
+}
+
+/// The pool's profile gate on the broker, and the feed of profile pauses it reads.
+fn gate(
+    config: &WorkerConfig,
+    topology: &Topology,
+    leases: &Arc<Leases>,
+    publisher: &Arc<Publisher>,
+    metrics: &Arc<Metrics>,
+) -> (Arc<AmqpGate>, PauseFeed) {
+    let pauses = Arc::new(Pauses::default());
+    let gate = Arc::new(AmqpGate::new(
+        Arc::clone(leases),
+        Arc::clone(publisher),
+        topology.clone(),
+        Arc::clone(&pauses),
+    ));
+    let feed = PauseFeed::new(
+        &config.amqp_url,
+        topology.clone(),
+        pauses,
+        Arc::clone(metrics),
+    );
+    (gate, feed)
 }
 
 /// Waits for the runs in flight for the drain time, then interrupts them (they are handed

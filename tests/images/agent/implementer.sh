@@ -10,6 +10,10 @@
 #   sleep N     sleep N seconds, then change
 #   pause-at N  like change, but from round N on exit 75 (provider paused) unless
 #               $PROVIDER_READY is set: the provider is back once the test sets it
+#   usage COST  like change, and reports 1000 input and 200 output tokens costing COST dollars
+#               in /forge/output/usage.json
+#   quota-until EPOCH  before the Unix time EPOCH the provider's quota is spent: writes
+#               /forge/output/pause.json with the seconds left and exits 75; then like change
 #   sleep-from N S  like change, but from round N on it first sleeps S seconds unless
 #               $SLEEP_DONE is set (a test drains its workers meanwhile)
 #   attack KIND HOST_PATH [HOST_PATH2]
@@ -36,6 +40,19 @@ if [ "$mode" = pause-at ]; then
   if [ "$FORGE_ROUND" -ge "${2:-1}" ] && [ -z "${PROVIDER_READY:-}" ]; then
     echo "partial work that must not be kept" > partial.txt
     echo "429 rate limited by the provider" >&2
+    exit 75
+  fi
+  mode=change
+fi
+if [ "$mode" = usage ]; then
+  printf '{"input_tokens": 1000, "output_tokens": 200, "cache_read_tokens": 30, "cost_usd": %s, "model": "test-model"}' "${2:-0.5}" > /forge/output/usage.json
+  mode=change
+fi
+if [ "$mode" = quota-until ]; then
+  now="$(date +%s)"
+  if [ "$now" -lt "$2" ]; then
+    printf '{"reason": "rate_limit", "retry_after_seconds": %s}' "$(( $2 - now ))" > /forge/output/pause.json
+    echo "429 quota spent until $2" >&2
     exit 75
   fi
   mode=change

@@ -176,12 +176,18 @@ impl Leases {
 
     /// Takes a cap slot (its exclusive queue `name`); `false` when another live worker holds
     /// it. A slot held is taken again after a reconnection.
+    ///
+    /// An exclusive queue is exclusive per connection, and every run of this worker shares
+    /// one: a slot this process holds already is never taken twice.
     pub async fn acquire_slot(&self, name: &str) -> Result<bool, AmqpError> {
-        let taken = self.acquire_named(name).await?;
-        if taken {
-            self.slots.lock().await.insert(name.to_string());
+        if !self.slots.lock().await.insert(name.to_string()) {
+            return Ok(false);
         }
-        Ok(taken)
+        let taken = self.acquire_named(name).await;
+        if !matches!(taken, Ok(true)) {
+            self.slots.lock().await.remove(name);
+        }
+        taken
     }
 
     /// Gives a cap slot back.

@@ -35,7 +35,7 @@ pub(super) struct RunContext<'a> {
     /// When a pause of the run's profile ends: the paused run resumes by itself then.
     pub(super) resume_at: Option<String>,
     /// The role whose profile's cap the run waits for, once it handed itself back.
-    pub(super) waiting: Option<Role>,
+    pub(super) waiting: Option<crate::gate::Role>,
 }
 
 impl<'a> RunContext<'a> {

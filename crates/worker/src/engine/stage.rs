@@ -227,32 +227,7 @@ impl<R: ContainerRuntime> Engine<R> {
         }
         self.sweep(run, sink).await?;
         let paused = matches!(&outcome, Ok(o) if o.exit == StageExit::Exited(EXIT_PAUSED));
-        let (usage, pause) = match output_dir {
-            Some(dir) => {
-                let (usage, pause, notes) = read_outputs(dir, paused).await;
-                for note in notes {
-                    warn!(%note, "an agent's output file is ignored");
-                    let text = format!("[forgepool] {note}\n");
-                    let stream = proto::LogStream::Stderr;
-                    publish(
-                        sink,
-                        run_id,
-                        EventKind::Log {
-                            stage,
-                            stream,
-                            text,
-                        },
-                    )
-                    .await?;
-                }
-                (usage, pause)
-            }
-            None => (None, None),
-        };
-        if let Some(usage) = &usage {
-            run.usage.get_or_insert_with(Default::default).add(usage);
-        }
-        run.pause = pause;
+        let usage = take_outputs(run, sink, stage, output_dir, paused).await?;
         self.finish_stage(sink, run_id, place, outcome, disk_exceeded, usage)
             .await
     }
@@ -351,6 +326,42 @@ impl<R: ContainerRuntime> Engine<R> {
         let dir = dir.to_path_buf();
         let _ = tokio::task::spawn_blocking(move || chown_tree(&dir, uid, gid)).await;
     }
+}
+
+/// Takes a finished stage's `usage.json` into the run's sums, and its `pause.json` (when it
+/// paused) into the run; notes each file that was there but could not be taken in the run's
+/// log. Returns the stage's usage.
+async fn take_outputs<S: EventSink>(
+    run: &mut RunContext<'_>,
+    sink: &S,
+    stage: Stage,
+    output_dir: Option<PathBuf>,
+    paused: bool,
+) -> Result<Option<proto::Usage>, PublishEvent> {
+    let Some(dir) = output_dir else {
+        return Ok(None);
+    };
+    let (usage, pause, notes) = read_outputs(dir, paused).await;
+    for note in notes {
+        warn!(%note, "an agent's output file is ignored");
+        let text = format!("[forgepool] {note}\n");
+        let stream = proto::LogStream::Stderr;
+        publish(
+            sink,
+            run.job.run_id,
+            EventKind::Log {
+                stage,
+                stream,
+                text,
+            },
+        )
+        .await?;
+    }
+    if let Some(usage) = &usage {
+        run.usage.get_or_insert_with(Default::default).add(usage);
+    }
+    run.pause = pause;
+    Ok(usage)
 }
 
 /// The largest `usage.json` or `pause.json` read from `/forge/output`.

@@ -8,8 +8,9 @@ use std::sync::Mutex;
 use proto::{Event, EventKind, Job, RunResult, RunState, Stage, StageOutcome};
 use tokio_util::sync::CancellationToken;
 
-use super::{Engine, EngineConfig, RunControl, EXIT_PAUSED};
+use super::{Engine, EngineConfig, Execution, RunControl, EXIT_PAUSED};
 use crate::fake::{Act, FakeRuntime};
+use crate::gate::{Admission, LocalGate, ProfileGate, Role};
 use crate::ledger::{MemoryLedger, ReviewLedger};
 use crate::sink::{EventSink, PublishEvent};
 
@@ -31,6 +32,8 @@ struct Bench {
     dir: tempfile::TempDir,
     /// The ledger every execution of the bench's runs shares, as workers share the broker's.
     ledger: MemoryLedger,
+    /// The profile gate every execution shares, as workers share the broker's caps and pauses.
+    gate: std::sync::Arc<LocalGate>,
 }
 
 fn git(dir: &Path, args: &[&str]) -> String {
@@ -70,6 +73,7 @@ impl Bench {
         Bench {
             dir,
             ledger: MemoryLedger::default(),
+            gate: Default::default(),
         }
     }
 
@@ -168,9 +172,30 @@ impl Bench {
         cancel: CancellationToken,
         again: bool,
     ) -> Outcome {
+        let (execution, events, runtime) = self.pooled(root, runtime, job, cancel, again).await;
+        let Execution::Ended(result) = execution else {
+            panic!("the run is not interrupted, and waits for nothing: {execution:?}");
+        };
+        Outcome {
+            result: *result,
+            events,
+            runtime,
+        }
+    }
+
+    /// Executes `job` as a pool's worker does: the execution, its events and the runtime.
+    async fn pooled(
+        &self,
+        root: &str,
+        runtime: FakeRuntime,
+        job: &Job,
+        cancel: CancellationToken,
+        again: bool,
+    ) -> (Execution, Vec<Event>, std::sync::Arc<FakeRuntime>) {
         let runtime = std::sync::Arc::new(runtime);
         let mut config = EngineConfig::for_process(self.dir.path().join(root));
         config.can_chown = false;
+        config.gate = std::sync::Arc::clone(&self.gate) as std::sync::Arc<dyn ProfileGate>;
         let engine = Engine::new(std::sync::Arc::clone(&runtime), config);
         let events = Events::default();
         let interrupt = CancellationToken::new();
@@ -179,17 +204,11 @@ impl Bench {
             interrupt,
             again,
         };
-        let result = engine
-            .execute(job, &events, &self.ledger, control)
+        let execution = engine
+            .execute_in_pool(job, &events, &self.ledger, control)
             .await
-            .expect("events are published")
-            .expect("the run is not interrupted");
-        let events = events.0.into_inner().unwrap();
-        Outcome {
-            result,
-            events,
-            runtime,
-        }
+            .expect("events are published");
+        (execution, events.0.into_inner().unwrap(), runtime)
     }
 }
 
@@ -851,4 +870,216 @@ async fn the_unfinished_delivery_of_another_run_is_never_overwritten() {
         message.contains(&format!("Forgepool-Run: {}", older.run_id)),
         "{message}"
     );
+}
+
+fn usage(input: u64, output: u64, cost: f64, model: &str) -> (String, String) {
+    (
+        "/forge/output/usage.json".to_string(),
+        format!(
+            r#"{{"input_tokens": {input}, "output_tokens": {output}, "cache_read_tokens": 10, "cost_usd": {cost}, "model": "{model}"}}"#
+        ),
+    )
+}
+
+/// Catches: usage.json not read, not summed across stages, or missing from the result, the
+/// report or the stage events; a malformed one that fails the run instead of being noted.
+#[tokio::test(start_paused = true)]
+async fn the_stages_usage_is_summed_into_the_result_and_the_report() {
+    let implementer = Act::Exit {
+        code: 0,
+        stdout: String::new(),
+        files: vec![
+            ("/workspace/feature.txt".into(), "round 1\n".into()),
+            usage(1000, 200, 0.25, "model-a"),
+        ],
+    };
+    let rejecting = Act::Exit {
+        code: 0,
+        stdout: "Missing tests. REJECTED".into(),
+        files: vec![usage(300, 50, 0.125, "model-b")],
+    };
+    let malformed = Act::Exit {
+        code: 0,
+        stdout: String::new(),
+        files: vec![
+            ("/workspace/feature.txt".into(), "round 2\n".into()),
+            (
+                "/forge/output/usage.json".into(),
+                "{\"cost_usd\": -3}".into(),
+            ),
+        ],
+    };
+    let approving = Act::Exit {
+        code: 0,
+        stdout: "APPROVED".into(),
+        files: vec![usage(300, 50, 0.125, "model-b")],
+    };
+    let (_bench, outcome) = play(
+        vec![
+            (Stage::Implement, vec![implementer, malformed]),
+            (Stage::Review, vec![rejecting, approving]),
+        ],
+        Some((3, true)),
+        &[],
+        0,
+    )
+    .await;
+    outcome.assert_state(RunState::Delivered);
+    let totals = outcome.result.usage.clone().expect("the run's usage");
+    assert_eq!(
+        (
+            totals.input_tokens,
+            totals.output_tokens,
+            totals.cache_read_tokens,
+            totals.stages
+        ),
+        (1600, 300, 30, 3)
+    );
+    assert!((totals.cost_usd - 0.5).abs() < 1e-9, "{}", totals.cost_usd);
+    assert_eq!(totals.models, ["model-a", "model-b"]);
+    assert!(
+        outcome.result.report.contains("## Usage"),
+        "{}",
+        outcome.result.report
+    );
+    assert!(
+        outcome
+            .result
+            .report
+            .contains("| 1600 | 300 | 30 | 0 | 0.5000 | 3 |"),
+        "{}",
+        outcome.result.report
+    );
+    let reported: Vec<bool> = outcome
+        .events
+        .iter()
+        .filter_map(|e| match &e.kind {
+            EventKind::StageFinished { usage, .. } => Some(usage.is_some()),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(reported, [true, true, false, true]);
+    let noted = outcome.events.iter().any(|e| {
+        matches!(&e.kind, EventKind::Log { text, .. } if text.contains("usage.json: cost_usd must be"))
+    });
+    assert!(noted, "the malformed usage.json is noted in the run's log");
+}
+
+/// Catches: a budget that does not stop the run, or stops it before the stage that spent it
+/// had its result recorded.
+#[tokio::test(start_paused = true)]
+async fn a_run_over_its_budget_starts_no_further_stage() {
+    let bench = Bench::new();
+    let mut job = bench.job(Some((3, true)), &[], 0);
+    job.budget = Some(proto::Budget { max_cost_usd: 1.0 });
+    let implementer = Act::Exit {
+        code: 0,
+        stdout: String::new(),
+        files: vec![
+            ("/workspace/feature.txt".into(), "round 1\n".into()),
+            usage(10, 10, 1.5, "model-a"),
+        ],
+    };
+    let runtime = FakeRuntime::default()
+        .with(Stage::Implement, vec![implementer])
+        .with(Stage::Review, vec![Act::prints("APPROVED")]);
+    let outcome = bench.run(runtime, &job).await;
+    outcome.assert_state(RunState::Failed);
+    outcome.assert_reason(&["budget exceeded", "$1.5000", "$1.00", "budget.max_cost_usd"]);
+    assert_eq!(outcome.runtime.stages(), ["implement"]);
+    assert!(outcome.result.report.contains("Budget: $1.00"));
+    assert!(bench.pushes().is_empty(), "nothing is delivered");
+}
+
+/// Catches: a pause.json whose time is ignored (no resume time in the checkpoint, no pause of
+/// the profile), or a paused profile whose next run still starts a container.
+#[tokio::test(start_paused = true)]
+async fn a_pause_json_pauses_the_profile_and_the_run_resumes_at_its_time() {
+    let bench = Bench::new();
+    let job = bench.job(None, &[], 0);
+    let pausing = Act::Exit {
+        code: EXIT_PAUSED,
+        stdout: "429".into(),
+        files: vec![(
+            "/forge/output/pause.json".into(),
+            r#"{"reason": "rate_limit", "retry_after_seconds": 600}"#.into(),
+        )],
+    };
+    let outcome = bench
+        .run(
+            FakeRuntime::default().with(Stage::Implement, vec![pausing]),
+            &job,
+        )
+        .await;
+    outcome.assert_state(RunState::Paused);
+    outcome.assert_reason(&["resumes by itself at"]);
+    let resume_at = outcome
+        .events
+        .iter()
+        .find_map(|e| match &e.kind {
+            EventKind::Checkpoint { checkpoint } => checkpoint.resume_at.clone(),
+            _ => None,
+        })
+        .expect("the checkpoint says when the run resumes");
+    let at = proto::parse_time(&resume_at).unwrap();
+    let now = std::time::SystemTime::now();
+    assert!(
+        at > now + std::time::Duration::from_secs(590)
+            && at < now + std::time::Duration::from_secs(610)
+    );
+
+    // Another run of the profile pauses until the same time without starting a container.
+    let other = bench.job(None, &[], 0);
+    let runtime = FakeRuntime::default().with(Stage::Implement, vec![implements(1)]);
+    let second = bench.run(runtime, &other).await;
+    second.assert_state(RunState::Paused);
+    second.assert_reason(&[
+        "agent profile `implementer` is paused across the pool until",
+        "rate_limit",
+    ]);
+    assert!(
+        second.runtime.stages().is_empty(),
+        "no stage of a paused profile starts"
+    );
+    let second_at = second.events.iter().find_map(|e| match &e.kind {
+        EventKind::Checkpoint { checkpoint } => checkpoint.resume_at.clone(),
+        _ => None,
+    });
+    assert_eq!(second_at.as_deref(), Some(resume_at.as_str()));
+}
+
+/// Catches: a run that starts a stage of a profile whose cap is full, or that waits holding
+/// its slot instead of handing itself back with its progress kept.
+#[tokio::test(start_paused = true)]
+async fn a_run_whose_profile_is_at_its_cap_hands_itself_back_to_wait() {
+    let bench = Bench::new();
+    let mut job = bench.job(None, &[], 0);
+    job.implementer.max_concurrent = Some(1);
+    let held = bench
+        .gate
+        .admit(uuid::Uuid::new_v4(), &job.implementer)
+        .await;
+    assert!(matches!(held, Admission::Go(_)));
+    let runtime = FakeRuntime::default().with(Stage::Implement, vec![implements(1)]);
+    let (execution, events, runtime) = bench
+        .pooled("runs", runtime, &job, CancellationToken::new(), false)
+        .await;
+    assert!(
+        matches!(execution, Execution::Waiting(Role::Implementer)),
+        "{execution:?}"
+    );
+    assert!(runtime.stages().is_empty());
+    let waiting = events.iter().rev().find_map(|e| match &e.kind {
+        EventKind::State { state, reason } => Some((*state, reason.clone())),
+        _ => None,
+    });
+    let (state, reason) = waiting.expect("a state");
+    assert_eq!(state, RunState::Queued);
+    assert_eq!(proto::waiting_profile(&reason), Some("implementer"));
+
+    // Once the slot is given back, the run goes through.
+    drop(held);
+    let runtime = FakeRuntime::default().with(Stage::Implement, vec![implements(1)]);
+    let outcome = bench.run_again(runtime, &job).await;
+    outcome.assert_state(RunState::Delivered);
 }
