@@ -52,7 +52,8 @@ pub fn document() -> Value {
                                      "properties": {"argv": {"type": "array", "minItems": 1, "items": {"type": "string"}}, "timeout": {"type": "integer", "minimum": 1}}}},
                         "repair_attempts": {"type": "integer", "minimum": 0, "maximum": 3},
                         "agents": {"type": "object", "additionalProperties": false, "properties": {"implementer": {"type": "string"}, "reviewer": {"type": "string"}}},
-                        "assurance": {"type": "object", "additionalProperties": false, "properties": {"review_agent": {"type": "string"}}}
+                        "assurance": {"type": "object", "additionalProperties": false, "properties": {"review_agent": {"type": "string"}}},
+                        "budget": {"type": "object", "additionalProperties": false, "required": ["max_cost_usd"], "properties": {"max_cost_usd": {"type": "number", "exclusiveMinimum": 0}}}
                     }}
             }
         }
