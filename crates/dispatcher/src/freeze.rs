@@ -498,7 +498,11 @@ mod tests {
             ),
             (
                 "budget.max_cost_usd",
-                Box::new(|r| r.budget = Some(proto::Budget { max_cost_usd: f64::NAN })),
+                Box::new(|r| {
+                    r.budget = Some(proto::Budget {
+                        max_cost_usd: f64::NAN,
+                    })
+                }),
             ),
             (
                 "repair_attempts",
