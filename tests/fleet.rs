@@ -179,7 +179,11 @@ async fn a_quota_pause_stops_the_profile_on_every_worker_and_its_runs_resume_by_
         .as_str()
         .unwrap()
         .to_string();
-    assert!(reason.contains("resumes by itself at"), "{reason}");
+    assert!(reason.contains("asked to wait until"), "{reason}");
+    assert!(
+        reason.contains("a pool resumes it then by itself"),
+        "{reason}"
+    );
 
     // The worker that saw the pause goes away; a new one must know of the pause all the same.
     cluster.workers[0].terminate(Duration::from_secs(20));

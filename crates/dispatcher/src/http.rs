@@ -172,6 +172,7 @@ async fn read_body(
         .and_then(|v| v.trim().parse::<u64>().ok())
     {
         if announced > limit as u64 {
+            drain(body, announced).await;
             return Err(too_large(usize::try_from(announced).unwrap_or(usize::MAX)));
         }
     }
@@ -189,6 +190,32 @@ async fn read_body(
         // Over the limit, or the client went away mid-body.
         Ok(Err(_)) => Err(too_large(limit + 1)),
     }
+}
+
+/// The most of a refused body read and dropped before the answer.
+const DRAIN_BYTES: u64 = 8 * 1024 * 1024;
+/// How long a refused body is read before the answer.
+const DRAIN_TIME: Duration = Duration::from_secs(2);
+
+/// Reads and drops a refused body of `announced` bytes when it is at most [`DRAIN_BYTES`],
+/// for at most [`DRAIN_TIME`], holding no more than one chunk: a client that sends a body a
+/// little over the limit finishes writing and reads the answer, instead of a broken pipe.
+async fn drain(body: axum::body::Body, announced: u64) {
+    use futures_util::StreamExt;
+    if announced > DRAIN_BYTES {
+        return;
+    }
+    let mut chunks = body.into_data_stream();
+    let _ = tokio::time::timeout(DRAIN_TIME, async {
+        let mut read = 0u64;
+        while let Some(Ok(chunk)) = chunks.next().await {
+            read += chunk.len() as u64;
+            if read > DRAIN_BYTES {
+                break;
+            }
+        }
+    })
+    .await;
 }
 
 async fn submit(

@@ -9,27 +9,37 @@ use std::time::{Duration, SystemTime};
 use proto::RunState;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
-use uuid::Uuid;
 
 use crate::dispatcher::Dispatcher;
+use crate::schedule::Due;
 use crate::store::{RunFilter, RunStore};
 
 /// How often the schedule is looked at.
 const TICK: Duration = Duration::from_secs(1);
 
-/// Rebuilds the schedule from the paused runs, then resumes each run when its time comes,
-/// until `shutdown`.
+/// How long a run whose resume came due may take to reach `paused` (its checkpoint is
+/// stored just before its `paused` state): tried every second this many times.
+const NOT_YET_PAUSED_ATTEMPTS: u32 = 60;
+
+/// Rebuilds the schedule from the paused runs (trying again until the store answers), then
+/// resumes each run when its time comes, until `shutdown`.
 pub async fn resume_when_due(dispatcher: Arc<Dispatcher>, shutdown: CancellationToken) {
-    if let Err(error) = rebuild(&dispatcher).await {
-        warn!(%error, "cannot read the paused runs; only runs paused from now on resume by themselves");
+    let mut backoff = Duration::from_secs(1);
+    while let Err(error) = rebuild(&dispatcher).await {
+        warn!(%error, "cannot read the paused runs yet; trying again");
+        tokio::select! {
+            () = tokio::time::sleep(backoff) => {},
+            () = shutdown.cancelled() => return,
+        }
+        backoff = (backoff * 2).min(Duration::from_secs(30));
     }
     loop {
         tokio::select! {
             () = tokio::time::sleep(TICK) => {},
             () = shutdown.cancelled() => return,
         }
-        for (run_id, sequence) in dispatcher.resumes.due(SystemTime::now()) {
-            resume_one(&dispatcher, run_id, sequence).await;
+        for due in dispatcher.resumes.due(SystemTime::now()) {
+            resume_one(&dispatcher, due).await;
         }
     }
 }
@@ -58,15 +68,24 @@ async fn rebuild(dispatcher: &Dispatcher) -> Result<(), crate::store::StoreError
     }
 }
 
-/// Resumes `run_id` if it is still paused at checkpoint `sequence`; a failure to queue it is
-/// tried again a little later.
-async fn resume_one(dispatcher: &Dispatcher, run_id: Uuid, sequence: u32) {
+/// Resumes a run that came due if it is still paused at the entry's checkpoint; a run not
+/// paused yet (its `paused` state follows its checkpoint) and a failure to queue it are tried
+/// again a little later.
+async fn resume_one(dispatcher: &Dispatcher, due: Due) {
+    let (run_id, sequence, attempts) = due;
     let record = match dispatcher.store.get_run(run_id).await {
         Ok(Some(record)) if record.state == RunState::Paused => record,
+        Ok(Some(record))
+            if matches!(record.state, RunState::Running | RunState::Queued)
+                && attempts < NOT_YET_PAUSED_ATTEMPTS =>
+        {
+            dispatcher.resumes.retry(due, Duration::from_secs(1));
+            return;
+        }
         Ok(_) => return,
         Err(error) => {
             warn!(%run_id, %error, "cannot read a run due to resume; trying again");
-            dispatcher.resumes.retry(run_id, sequence);
+            dispatcher.resumes.retry(due, Duration::from_secs(5));
             return;
         }
     };
@@ -77,7 +96,7 @@ async fn resume_one(dispatcher: &Dispatcher, run_id: Uuid, sequence: u32) {
         Ok(false) => {}
         Err(error) => {
             warn!(%run_id, %error, "cannot resume the run by itself yet; trying again");
-            dispatcher.resumes.retry(run_id, sequence);
+            dispatcher.resumes.retry(due, Duration::from_secs(5));
         }
     }
 }

@@ -99,7 +99,7 @@ pub async fn run(
         metrics: Metrics::new(telemetry::Role::Dispatcher),
         streams: Arc::default(),
         amqp_url: config.amqp_url,
-        resumes: Default::default(),
+        resumes: crate::schedule::Schedule::new(config.auto_resume),
     });
     // The API answers from the start, so that nobody waits on a bound socket while RabbitMQ is
     // set up: `/readyz` says 503 until the events consumer is connected, and a run submitted

@@ -349,8 +349,8 @@ impl Metrics {
             .set(i64::from(paused));
     }
 
-    /// Sets `forgepool_runs_waiting_for_profile` for every profile at once (profiles seen
-    /// before and absent from `counts` are 0).
+    /// Sets `forgepool_runs_waiting_for_profile` for every profile at once (a profile absent
+    /// from `counts` has no series until runs wait for it again).
     pub fn set_runs_waiting(&self, counts: &[(String, i64)]) {
         self.runs_waiting.reset();
         for (profile, count) in counts {

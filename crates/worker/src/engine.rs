@@ -305,7 +305,7 @@ impl<R: ContainerRuntime> Engine<R> {
         // meanwhile too; a first copy has none.
         let (job, again) = (run.job, run.again);
         let kept = async move {
-            if !again || job.resume.is_some() {
+            if !again {
                 return Ok(None);
             }
             ledger.progress(&job.run_id.to_string()).await
@@ -444,9 +444,15 @@ impl<R: ContainerRuntime> Engine<R> {
         run: &mut RunContext<'_>,
         kept: Result<Option<Checkpoint>, crate::ledger::LedgerError>,
     ) -> Result<(RunMachine, bool), String> {
-        let (checkpoint, what) = match run.job.resume.clone() {
-            Some(checkpoint) => (checkpoint, "checkpoint"),
-            None => match kept {
+        // A resumed job's own executions keep progress numbered after its checkpoint; older
+        // progress (from before the pause) is not its own.
+        let resumed_at = run.job.resume.as_ref().map(|c| c.sequence);
+        let kept = kept
+            .map(|kept| kept.filter(|progress| resumed_at.is_none_or(|at| progress.sequence > at)));
+        let (checkpoint, what) = match (run.job.resume.clone(), kept) {
+            (_, Ok(Some(progress))) => (progress, "progress"),
+            (Some(checkpoint), _) => (checkpoint, "checkpoint"),
+            (None, kept) => match kept {
                 Ok(Some(progress)) => (progress, "progress"),
                 Ok(None) => return Ok((RunMachine::new(run.limits()), false)),
                 Err(error) => {

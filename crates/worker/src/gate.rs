@@ -85,9 +85,15 @@ pub enum Admission {
     },
 }
 
-/// A cap slot held; dropping it gives the slot back.
+/// A cap slot of a profile.
+pub trait Slot: Send + Sync {
+    /// Gives the slot back; done when it is free for others.
+    fn release(self: Box<Self>) -> GateFuture<'static, ()>;
+}
+
+/// A cap slot held: [`Ticket::release`] gives it back (dropping it does too, later).
 #[derive(Default)]
-pub struct Ticket(Option<Box<dyn Send + Sync>>);
+pub struct Ticket(Option<Box<dyn Slot>>);
 
 impl Ticket {
     /// A ticket for a profile with no cap: it holds nothing.
@@ -95,9 +101,17 @@ impl Ticket {
         Ticket(None)
     }
 
-    /// A ticket holding `slot`, which gives the slot back when dropped.
-    pub fn holding(slot: impl Send + Sync + 'static) -> Ticket {
+    /// A ticket holding `slot`.
+    pub fn holding(slot: impl Slot + 'static) -> Ticket {
         Ticket(Some(Box::new(slot)))
+    }
+
+    /// Gives the slot back, and returns once it is free: the run's next stage of the same
+    /// profile may take it at once.
+    pub async fn release(mut self) {
+        if let Some(slot) = self.0.take() {
+            slot.release().await;
+        }
     }
 }
 
@@ -182,6 +196,13 @@ pub struct LocalGate {
 struct LocalSlot {
     running: Arc<Mutex<HashMap<String, u32>>>,
     profile: String,
+}
+
+impl Slot for LocalSlot {
+    fn release(self: Box<Self>) -> GateFuture<'static, ()> {
+        drop(self);
+        Box::pin(std::future::ready(()))
+    }
 }
 
 impl Drop for LocalSlot {

@@ -138,12 +138,15 @@ fn gate(
         Arc::clone(publisher),
         topology.clone(),
         Arc::clone(&pauses),
+        config.job_key.clone(),
     ));
+    let profiles = config.profiles.keys().cloned().collect();
     let feed = PauseFeed::new(
         &config.amqp_url,
         topology.clone(),
         pauses,
         Arc::clone(metrics),
+        (config.job_key.clone(), profiles),
     );
     (gate, feed)
 }

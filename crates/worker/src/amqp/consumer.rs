@@ -341,6 +341,11 @@ impl<R: ContainerRuntime> Jobs<R> {
                 return (self.park(delivery, waiting).await, both);
             }
         }
+        // The wait is over: no later copy of this job (a hand-over) waits for that slot again.
+        let carried = Carried {
+            waits_for: 0,
+            ..carried
+        };
         // A copy that was delivered again, or lost before, may follow an execution that pushed.
         let again = delivery.redelivered || carried.lost > 0 || carried.again;
         let (disposition, waiting) = self.execute(job, claim, again).await;

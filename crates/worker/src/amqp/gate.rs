@@ -8,14 +8,14 @@
 //!   from the start of its retention (two days; a pause lasts at most one), so a worker that
 //!   starts later knows the pauses in force too.
 
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicQosOptions};
 use lapin::types::{AMQPValue, FieldTable, LongString};
 use proto::amqp::{self, AmqpError, Consume, Delivery, Publisher, Session, Topology};
-use proto::{AgentProfile, PauseRequest, ProfilePause, SCHEMA_VERSION};
+use proto::{AgentProfile, JobKey, PauseRequest, ProfilePause, SCHEMA_VERSION};
 use telemetry::Metrics;
 use tokio::sync::Mutex;
 use tokio_util::sync::CancellationToken;
@@ -23,7 +23,8 @@ use tracing::{info, warn};
 use uuid::Uuid;
 
 use super::lease::Leases;
-use crate::gate::{Admission, GateFuture, Pauses, ProfileGate, Role, Ticket};
+use super::ledger::bound;
+use crate::gate::{Admission, GateFuture, Pauses, ProfileGate, Role, Slot, Ticket};
 
 /// The largest pause message read from the stream.
 const MAX_PAUSE_BYTES: usize = 4096;
@@ -35,6 +36,9 @@ pub struct AmqpGate {
     publisher: Arc<Publisher>,
     topology: Topology,
     pauses: Arc<Pauses>,
+    /// Signs pauses (over the stream's name and the body), as workers sign what they keep
+    /// on the broker for each other.
+    key: JobKey,
     /// Slots taken for a run before its execution started (its job waited for them).
     reserved: Mutex<HashMap<Uuid, (String, Ticket)>>,
 }
@@ -45,8 +49,20 @@ struct BrokerSlot {
     name: String,
 }
 
+impl Slot for BrokerSlot {
+    fn release(mut self: Box<Self>) -> GateFuture<'static, ()> {
+        let (leases, name) = (Arc::clone(&self.leases), std::mem::take(&mut self.name));
+        Box::pin(async move { leases.release_slot(&name).await })
+    }
+}
+
+/// A slot dropped without [`Ticket::release`] (a run that ended by an error) is given back
+/// by a task.
 impl Drop for BrokerSlot {
     fn drop(&mut self) {
+        if self.name.is_empty() {
+            return;
+        }
         let (leases, name) = (Arc::clone(&self.leases), std::mem::take(&mut self.name));
         if let Ok(runtime) = tokio::runtime::Handle::try_current() {
             runtime.spawn(async move { leases.release_slot(&name).await });
@@ -62,12 +78,14 @@ impl AmqpGate {
         publisher: Arc<Publisher>,
         topology: Topology,
         pauses: Arc<Pauses>,
+        key: JobKey,
     ) -> AmqpGate {
         AmqpGate {
             leases,
             publisher,
             topology,
             pauses,
+            key,
             reserved: Mutex::new(HashMap::new()),
         }
     }
@@ -114,25 +132,38 @@ impl AmqpGate {
 
     /// Gives back a slot reserved for a run that did not use it.
     pub async fn forget(&self, run_id: Uuid) {
-        self.reserved.lock().await.remove(&run_id);
+        let reserved = self.reserved.lock().await.remove(&run_id);
+        if let Some((_, ticket)) = reserved {
+            ticket.release().await;
+        }
     }
 }
 
 impl ProfileGate for AmqpGate {
     fn admit<'a>(&'a self, run_id: Uuid, profile: &'a AgentProfile) -> GateFuture<'a, Admission> {
         Box::pin(async move {
+            // A slot reserved for the run serves its first gated stage, if that stage is of
+            // the reserved profile; otherwise it goes back at once.
+            let reserved = self.reserved.lock().await.remove(&run_id);
+            let (reserved, other) = match reserved {
+                Some((name, ticket)) if name == profile.name => (Some(ticket), None),
+                Some((_, ticket)) => (None, Some(ticket)),
+                None => (None, None),
+            };
+            if let Some(ticket) = other {
+                ticket.release().await;
+            }
             if let Some(pause) = self.pauses.current(&profile.name, SystemTime::now()) {
-                self.forget(run_id).await;
+                if let Some(ticket) = reserved {
+                    ticket.release().await;
+                }
                 return Admission::Paused(pause);
             }
             let Some(max) = profile.max_concurrent else {
                 return Admission::Go(Ticket::free());
             };
-            let reserved = self.reserved.lock().await.remove(&run_id);
-            if let Some((name, ticket)) = reserved {
-                if name == profile.name {
-                    return Admission::Go(ticket);
-                }
+            if let Some(ticket) = reserved {
+                return Admission::Go(ticket);
             }
             match self.take_slot(profile, max).await {
                 Ok(Some(ticket)) => Admission::Go(ticket),
@@ -162,9 +193,16 @@ impl ProfileGate for AmqpGate {
                 run_id,
             };
             let payload = serde_json::to_vec(&message).unwrap_or_default();
+            let stream = self.topology.pauses();
+            let signature = self.key.sign(&bound(&stream, &payload));
             if let Err(error) = self
                 .publisher
-                .publish("", &self.topology.pauses(), &payload, None)
+                .publish(
+                    "",
+                    &stream,
+                    &payload,
+                    Some(amqp::signature_headers(signature)),
+                )
                 .await
             {
                 warn!(%error, profile, "cannot tell the pool of the profile's pause; other workers learn it from their own stages");
@@ -181,6 +219,10 @@ pub struct PauseFeed {
     topology: Topology,
     pauses: Arc<Pauses>,
     metrics: Arc<Metrics>,
+    /// Only pauses signed with the cluster's key are taken.
+    key: JobKey,
+    /// The profiles of this worker's agents file: a pause of another name is ignored.
+    profiles: BTreeSet<String>,
 }
 
 impl PauseFeed {
@@ -190,12 +232,15 @@ impl PauseFeed {
         topology: Topology,
         pauses: Arc<Pauses>,
         metrics: Arc<Metrics>,
+        (key, profiles): (JobKey, BTreeSet<String>),
     ) -> PauseFeed {
         PauseFeed {
             amqp_url: amqp_url.to_string(),
             topology,
             pauses,
             metrics,
+            key,
+            profiles,
         }
     }
 
@@ -265,9 +310,24 @@ impl Consume for PauseFeed {
 
     async fn handle(&self, delivery: Delivery) {
         let now = SystemTime::now();
-        match proto::decode_message::<ProfilePause>(&delivery.data, MAX_PAUSE_BYTES)
+        let signature = amqp::header_text(&delivery.properties, proto::SIGNATURE_HEADER);
+        let signed = self
+            .key
+            .verify(
+                &bound(&self.topology.pauses(), &delivery.data),
+                signature.as_deref(),
+            )
+            .map_err(|reason| format!("not signed by the cluster: {reason}"));
+        match signed
+            .and_then(|()| proto::decode_message::<ProfilePause>(&delivery.data, MAX_PAUSE_BYTES))
             .and_then(|pause| pause.check(now).map(|()| pause))
-        {
+            .and_then(|pause| match self.profiles.contains(&pause.profile) {
+                true => Ok(pause),
+                false => Err(format!(
+                    "profile `{}` is not in this worker's agents file",
+                    pause.profile
+                )),
+            }) {
             Ok(pause) if pause.ends().is_some_and(|ends| ends > now) => {
                 let request = PauseRequest {
                     reason: pause.reason.clone(),

@@ -190,10 +190,11 @@ impl Leases {
         taken
     }
 
-    /// Gives a cap slot back.
+    /// Gives a cap slot back: its queue is deleted before this process may take it again
+    /// (a declare meanwhile would succeed on this same connection, then be deleted).
     pub async fn release_slot(&self, name: &str) {
-        self.slots.lock().await.remove(name);
         self.release_named(name).await;
+        self.slots.lock().await.remove(name);
     }
 
     /// Declares the exclusive queue `name`; `false` when another live connection holds it.

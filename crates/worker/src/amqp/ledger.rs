@@ -14,7 +14,7 @@ use crate::ledger::{Entry, LedgerError, Receipt, ReviewLedger};
 
 /// What a ledger message's signature covers: its queue and its body, so that a message
 /// signed for one run cannot be moved to another's queue.
-fn bound(queue: &str, body: &[u8]) -> Vec<u8> {
+pub(super) fn bound(queue: &str, body: &[u8]) -> Vec<u8> {
     let mut signed = Vec::with_capacity(queue.len() + 1 + body.len());
     signed.extend_from_slice(queue.as_bytes());
     signed.push(b'\n');

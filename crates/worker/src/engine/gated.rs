@@ -51,9 +51,9 @@ impl<R: ContainerRuntime> Engine<R> {
             Admission::Go(ticket) => {
                 let input = self
                     .run_phase(run, sink, ledger, place, ahead, progress, profile)
-                    .await?;
-                drop(ticket);
-                Ok(Gated::Input(input))
+                    .await;
+                ticket.release().await;
+                Ok(Gated::Input(input?))
             }
             Admission::Paused(pause) => {
                 let reason = format!(
@@ -123,7 +123,7 @@ impl<R: ContainerRuntime> Engine<R> {
                 let resume_at = checkpoint.resume_at.clone();
                 publish(sink, run_id, EventKind::Checkpoint { checkpoint }).await?;
                 Ok(match resume_at {
-                    Some(at) => format!("{reason}; it resumes by itself at {at} (or now with `forgepool resume {run_id}`)"),
+                    Some(at) => format!("{reason}; the provider asked to wait until {at}: a pool resumes it then by itself (unless FORGEPOOL_AUTO_RESUME=false), or `forgepool resume {run_id}` does at any time"),
                     None => format!("{reason}; resume it with `forgepool resume {run_id}` once the provider is ready"),
                 })
             }

@@ -1012,7 +1012,7 @@ async fn a_pause_json_pauses_the_profile_and_the_run_resumes_at_its_time() {
         )
         .await;
     outcome.assert_state(RunState::Paused);
-    outcome.assert_reason(&["resumes by itself at"]);
+    outcome.assert_reason(&["asked to wait until", "resumes it then by itself"]);
     let resume_at = outcome
         .events
         .iter()
@@ -1082,4 +1082,54 @@ async fn a_run_whose_profile_is_at_its_cap_hands_itself_back_to_wait() {
     let runtime = FakeRuntime::default().with(Stage::Implement, vec![implements(1)]);
     let outcome = bench.run_again(runtime, &job).await;
     outcome.assert_state(RunState::Delivered);
+}
+
+/// Catches: a resumed run that waits for its reviewer's cap and then starts again from its
+/// pause's checkpoint (its implementer would run, and be paid for, once per wait).
+#[tokio::test(start_paused = true)]
+async fn a_resumed_run_that_waits_continues_from_its_own_progress() {
+    let bench = Bench::new();
+    let mut job = bench.job(Some((3, true)), &[], 0);
+    if let Some(reviewer) = job.reviewer.as_mut() {
+        reviewer.max_concurrent = Some(1);
+    }
+    let paused = bench
+        .run(
+            FakeRuntime::default().with(Stage::Implement, vec![Act::exits(EXIT_PAUSED, "429")]),
+            &job,
+        )
+        .await;
+    paused.assert_state(RunState::Paused);
+    let checkpoint = paused
+        .events
+        .iter()
+        .find_map(|e| match &e.kind {
+            EventKind::Checkpoint { checkpoint } => Some(checkpoint.clone()),
+            _ => None,
+        })
+        .expect("a checkpoint");
+    job.resume = Some(checkpoint);
+    let reviewer = job.reviewer.clone().expect("a reviewer");
+    let held = bench.gate.admit(uuid::Uuid::new_v4(), &reviewer).await;
+    let runtime = FakeRuntime::default().with(Stage::Implement, vec![implements(1)]);
+    let (execution, _, runtime) = bench
+        .pooled("runs", runtime, &job, CancellationToken::new(), true)
+        .await;
+    assert!(
+        matches!(execution, Execution::Waiting(Role::Reviewer)),
+        "{execution:?}"
+    );
+    assert_eq!(runtime.stages(), ["implement"]);
+    drop(held);
+    let runtime = FakeRuntime::default()
+        .with(Stage::Implement, vec![implements(2)])
+        .with(Stage::Review, vec![Act::prints("APPROVED")]);
+    let outcome = bench.run_again(runtime, &job).await;
+    outcome.assert_state(RunState::Delivered);
+    assert_eq!(
+        outcome.runtime.stages(),
+        ["review"],
+        "the implementer does not run again"
+    );
+    assert_eq!(bench.delivered("feature.txt").as_deref(), Some("round 1\n"));
 }
