@@ -329,17 +329,8 @@ impl<R: ContainerRuntime> Jobs<R> {
                 return (Disposition::Requeue, both);
             }
         }
-        // A run that waits for a cap slot of one of its profiles takes the slot first, and
-        // waits again, silently and without a run slot, while every slot is taken.
-        if let Some(role) = Role::from_code(carried.waits_for) {
-            if !self.gate.reserve(run_id, role, job).await {
-                let waiting = Carried {
-                    holds: 0,
-                    again: true,
-                    ..carried
-                };
-                return (self.park(delivery, waiting).await, both);
-            }
+        if let Some(parked) = self.still_waiting(job, delivery, carried).await {
+            return (parked, both);
         }
         // The wait is over: no later copy of this job (a hand-over) waits for that slot again.
         let carried = Carried {
@@ -376,6 +367,26 @@ impl<R: ContainerRuntime> Jobs<R> {
             );
         }
         (disposition, both)
+    }
+
+    /// A run that waits for a cap slot of one of its profiles takes the slot first; while
+    /// every slot is taken its job waits again, silently and without a run slot (`Some`).
+    async fn still_waiting(
+        &self,
+        job: &Job,
+        delivery: &Delivery,
+        carried: Carried,
+    ) -> Option<Disposition> {
+        let role = Role::from_code(carried.waits_for)?;
+        if self.gate.reserve(job.run_id, role, job).await {
+            return None;
+        }
+        let waiting = Carried {
+            holds: 0,
+            again: true,
+            ..carried
+        };
+        Some(self.park(delivery, waiting).await)
     }
 
     /// Puts a job whose run is held elsewhere, or whose grace after a loss has not passed, into
