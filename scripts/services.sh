@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs (when missing) and starts the services forgepool's tests and examples use:
-# the Docker engine, RabbitMQ and PostgreSQL (for the PostgreSQL run store). Safe to run again: running services are left alone.
+# the Docker engine, RabbitMQ and PostgreSQL (for the PostgreSQL run store); installs the
+# forge tests' servers (nginx with fcgiwrap, openssh-server), which the tests start themselves. Safe to run again: running services are left alone.
 # RABBITMQ_CONSUMER_TIMEOUT_MS sets the broker's consumer acknowledgement timeout (default:
 # RabbitMQ's own, 30 minutes).
 # Needs root on Debian 12.
@@ -23,6 +24,12 @@ command -v git >/dev/null || missing+=(git)
 command -v curl >/dev/null || missing+=(curl)
 command -v pg_ctlcluster >/dev/null || missing+=(postgresql)
 (ldd /bin/busybox 2>&1 || true) | grep -q "not a dynamic" || missing+=(busybox-static)
+# Real forges for the forge tests: git over HTTPS (nginx, fcgiwrap, a test CA from openssl) and
+# over SSH (openssh-server); the tests start their own instances on loopback.
+command -v nginx >/dev/null || missing+=(nginx-light)
+command -v fcgiwrap >/dev/null || missing+=(fcgiwrap)
+command -v openssl >/dev/null || missing+=(openssl)
+[ -x /usr/sbin/sshd ] || missing+=(openssh-server)
 if [ ${#missing[@]} -gt 0 ]; then
   log "installing ${missing[*]}"
   apt_install "${missing[@]}"

@@ -28,6 +28,8 @@ pub const ENV_CACHE_DIR: &str = "FORGEPOOL_CACHE_DIR";
 pub const ENV_CACHE_MAX_GIB: &str = "FORGEPOOL_CACHE_MAX_GIB";
 /// Compatibility: the cycle-file poll interval in seconds.
 pub const ENV_POLL_INTERVAL: &str = "AUTO_REVIEW_POLL_INTERVAL";
+/// How forgepool's git reaches each repository host (SPEC 9).
+pub const ENV_FORGES_FILE: &str = "FORGEPOOL_FORGES_FILE";
 
 /// `forgepool run FILE`.
 #[derive(Debug, Args)]
@@ -63,9 +65,33 @@ pub struct StageArgs {
     /// The repository cache's size limit in GiB; the least recently used mirrors go first.
     #[arg(long = "cache-max-gib", env = ENV_CACHE_MAX_GIB, default_value = "20")]
     pub cache_max_gib: u64,
+    /// The forges file: credentials (HTTPS tokens, SSH deploy keys, CA files) per repository
+    /// host for forgepool's own git; unset, git pushes with no credentials of forgepool's.
+    #[arg(long = "forges", env = ENV_FORGES_FILE)]
+    pub forges_file: Option<PathBuf>,
 }
 
 impl StageArgs {
+    /// Loads the forges file (an error names the file, the entry and the key) and gives it to
+    /// forgepool's git, with its ssh configuration under `workspace_root`.
+    pub fn install_forges(&self, workspace_root: &std::path::Path) -> Result<(), String> {
+        let Some(path) = &self.forges_file else {
+            return Ok(());
+        };
+        let mut forges = worker::forges::Forges::load(path, |name| std::env::var(name).ok())?;
+        forges
+            .write_ssh_config(&workspace_root.join(".forgepool-ssh"))
+            .map_err(|e| {
+                format!(
+                    "forges file {}: cannot write the ssh configuration under {}: {e}",
+                    path.display(),
+                    workspace_root.display()
+                )
+            })?;
+        worker::forges::set_forges(forges);
+        Ok(())
+    }
+
     /// The repository cache for runs under `workspace_root`.
     pub fn cache(&self, workspace_root: &std::path::Path) -> worker::cache::RepoCache {
         let dir = self

@@ -138,6 +138,10 @@ async fn execute(store: &Store, job: proto::Job, local: &LocalArgs) -> i32 {
             return EXIT_INVALID;
         }
     };
+    if let Err(message) = local.stages.install_forges(&workspace_root) {
+        eprintln!("error: {message}");
+        return EXIT_INVALID;
+    }
 
     // Every embedded run on a host shares one worker name, so a run removes the containers
     // that an earlier, killed run left behind (and never those of a live one).

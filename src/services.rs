@@ -88,6 +88,9 @@ pub async fn worker(args: WorkerArgs) -> i32 {
         Ok(root) => root,
         Err(message) => return invalid(message),
     };
+    if let Err(message) = args.stages.install_forges(&workspace_root) {
+        return invalid(message);
+    }
     let job_key = match args.job_key.required() {
         Ok(key) => key,
         Err(message) => return invalid(message),

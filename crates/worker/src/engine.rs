@@ -679,6 +679,7 @@ fn run_secrets(job: &Job) -> Vec<String> {
     .flatten()
     .flat_map(|profile| profile.env.iter())
     .filter_map(|name| std::env::var(name).ok())
+    .chain(crate::forges::forges().secrets())
     .collect()
 }
 

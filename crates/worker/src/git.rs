@@ -182,6 +182,8 @@ fn hardening() -> Vec<String> {
     for scheme in allowed_schemes() {
         args.push(format!("protocol.{scheme}.allow=always"));
     }
+    // After `credential.helper=`: a forge's helper is the only one git asks.
+    args.extend(crate::forges::forges().git_config());
     args.into_iter()
         .flat_map(|a| ["-c".to_string(), a])
         .collect()
@@ -230,7 +232,11 @@ async fn run_git(
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
         .kill_on_drop(true);
-    for name in GIT_ENVIRONMENT {
+    for name in GIT_ENVIRONMENT
+        .iter()
+        .copied()
+        .chain(crate::forges::forges().overridden_environment())
+    {
         command.env_remove(name);
     }
     for (name, value) in env {
@@ -259,9 +265,14 @@ async fn run_git(
     if !output.status.success() {
         let stderr = String::from_utf8_lossy(&output.stderr);
         let stderr = crate::runtime::tail(stderr.trim(), MAX_STDERR);
+        // A configured forge that refused forgepool's credentials is named with its setting.
+        let stderr = match crate::forges::forges().explain(stderr) {
+            Some(explained) => format!("{explained}: {stderr}"),
+            None => stderr.to_string(),
+        };
         return Err(GitError::Failed {
             command: shown,
-            stderr: stderr.to_string(),
+            stderr,
         });
     }
     Ok(String::from_utf8_lossy(&output.stdout).trim().to_string())

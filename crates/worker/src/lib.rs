@@ -17,6 +17,7 @@ pub mod engine;
 pub(crate) mod fake;
 pub mod fault;
 pub mod final_review;
+pub mod forges;
 pub mod gate;
 pub mod git;
 pub mod ledger;

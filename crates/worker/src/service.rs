@@ -15,7 +15,7 @@ use tokio_util::task::TaskTracker;
 use tracing::{debug, info, warn};
 
 use crate::amqp::{
-    sweep, AmqpGate, AmqpLedger, AmqpSink, Cancels, InFlight, JobFeed, Jobs, Leases, PauseFeed,
+    sweep, AmqpGate, AmqpLedger, AmqpSink, Cancels, InFlight, JobFeed, Jobs, Leases, PauseBook,
 };
 pub use crate::config::WorkerConfig;
 use crate::engine::Engine;
@@ -52,7 +52,7 @@ pub async fn run<R: ContainerRuntime>(
         &instance,
         Arc::clone(&in_flight),
     ));
-    let (gate, pause_feed) = gate(&config, &topology, &leases, &publisher, &metrics);
+    let (gate, pause_book) = gate(&config, &topology, &leases, &publisher, &metrics);
     let engine = engine.with_gate(Arc::clone(&gate) as Arc<dyn crate::gate::ProfileGate>);
     let jobs = Arc::new(Jobs {
         sink: AmqpSink::new(
@@ -87,8 +87,8 @@ pub async fn run<R: ContainerRuntime>(
         jobs.topology.clone(),
         Arc::clone(&jobs.in_flight),
     );
-    background.spawn(cancels.listen(shutdown.clone()));
-    background.spawn(pause_feed.listen(shutdown.clone()));
+    background.spawn(Arc::clone(&pause_book).expire(shutdown.clone()));
+    background.spawn(cancels.with_pauses(pause_book).listen(shutdown.clone()));
     let swept = Arc::clone(&jobs);
     let sweep_shutdown = shutdown.clone();
     background.spawn(async move {
@@ -124,14 +124,14 @@ pub async fn run<R: ContainerRuntime>(
     Ok(())
 }
 
-/// The pool's profile gate on the broker, and the feed of profile pauses it reads.
+/// The pool's profile gate on the broker, and the book of profile pauses it reads.
 fn gate(
     config: &WorkerConfig,
     topology: &Topology,
     leases: &Arc<Leases>,
     publisher: &Arc<Publisher>,
     metrics: &Arc<Metrics>,
-) -> (Arc<AmqpGate>, PauseFeed) {
+) -> (Arc<AmqpGate>, Arc<PauseBook>) {
     let pauses = Arc::new(Pauses::default());
     let gate = Arc::new(AmqpGate::new(
         Arc::clone(leases),
@@ -141,14 +141,13 @@ fn gate(
         config.job_key.clone(),
     ));
     let profiles = config.profiles.keys().cloned().collect();
-    let feed = PauseFeed::new(
-        &config.amqp_url,
+    let book = PauseBook::new(
         topology.clone(),
         pauses,
         Arc::clone(metrics),
         (config.job_key.clone(), profiles),
     );
-    (gate, feed)
+    (gate, Arc::new(book))
 }
 
 /// Waits for the runs in flight for the drain time, then interrupts them (they are handed

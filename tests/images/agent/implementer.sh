@@ -10,6 +10,8 @@
 #   sleep N     sleep N seconds, then change
 #   pause-at N  like change, but from round N on exit 75 (provider paused) unless
 #               $PROVIDER_READY is set: the provider is back once the test sets it
+#   env-dump    like change, and writes its environment (env.txt) and mounts (mounts.txt) into
+#               the workspace (the tests look for credentials there)
 #   usage COST  like change, and reports 1000 input and 200 output tokens costing COST dollars
 #               in /forge/output/usage.json
 #   quota-until EPOCH  before the Unix time EPOCH the provider's quota is spent: writes
@@ -42,6 +44,11 @@ if [ "$mode" = pause-at ]; then
     echo "429 rate limited by the provider" >&2
     exit 75
   fi
+  mode=change
+fi
+if [ "$mode" = env-dump ]; then
+  env > /workspace/env.txt
+  cat /proc/self/mounts > /workspace/mounts.txt
   mode=change
 fi
 if [ "$mode" = usage ]; then

@@ -80,7 +80,8 @@ impl Topology {
         format!("{}.dispatcher.events", self.prefix)
     }
 
-    /// The control topic exchange (cancel requests): `{prefix}.control`.
+    /// The control topic exchange (cancel requests `cancel.{run}`, profile pauses
+    /// `pause.{profile}`): `{prefix}.control`.
     pub fn control(&self) -> String {
         format!("{}.control", self.prefix)
     }
@@ -170,6 +171,7 @@ impl Topology {
             (self.dispatcher_dead(), self.dead(), ""),
             (self.submissions(), self.submit(), ""),
             (self.dispatcher_events(), self.events(), "run.#"),
+            (self.pauses(), self.control(), "pause.*"),
         ];
         for (queue, exchange, key) in bindings {
             channel

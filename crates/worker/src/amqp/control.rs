@@ -8,16 +8,19 @@ use lapin::types::FieldTable;
 use proto::amqp::{self, AmqpError, Consume, Delivery, Session, Topology};
 use proto::{Control, ControlAction};
 use tokio_util::sync::CancellationToken;
-use tracing::info;
+use tracing::{info, warn};
 
+use super::gate::PauseBook;
 use super::lease::InFlight;
 
-/// Receives cancel requests on an exclusive queue of its own bound to `cancel.*`.
+/// Receives cancel requests and profile pauses on an exclusive queue of its own bound to
+/// `cancel.*` and `pause.*`, and catches up with the pause stream each time it connects.
 #[derive(Debug)]
 pub struct Cancels {
     amqp_url: String,
     topology: Topology,
     in_flight: Arc<InFlight>,
+    pauses: Option<Arc<PauseBook>>,
 }
 
 impl Cancels {
@@ -27,7 +30,14 @@ impl Cancels {
             amqp_url: amqp_url.to_string(),
             topology,
             in_flight,
+            pauses: None,
         }
+    }
+
+    /// The same consumer keeping `book` of the profiles' pauses.
+    pub fn with_pauses(mut self, book: Arc<PauseBook>) -> Cancels {
+        self.pauses = Some(book);
+        self
     }
 
     /// Receives cancel requests until `shutdown`.
@@ -51,16 +61,24 @@ impl Consume for Cancels {
                 .queue_declare("", amqp::exclusive_queue(), FieldTable::default())
                 .await
                 .map_err(broker("declare control queue"))?;
-            channel
-                .queue_bind(
-                    queue.name().as_str(),
-                    &self.topology.control(),
-                    "cancel.*",
-                    QueueBindOptions::default(),
-                    FieldTable::default(),
-                )
-                .await
-                .map_err(broker("bind control queue"))?;
+            for key in ["cancel.*", "pause.*"] {
+                channel
+                    .queue_bind(
+                        queue.name().as_str(),
+                        &self.topology.control(),
+                        key,
+                        QueueBindOptions::default(),
+                        FieldTable::default(),
+                    )
+                    .await
+                    .map_err(broker("bind control queue"))?;
+            }
+            // Bound first, then caught up: no pause falls between the two.
+            if let Some(book) = &self.pauses {
+                if let Err(error) = book.catch_up(&connection).await {
+                    warn!(%error, "cannot read the pause stream; pauses from now on are known");
+                }
+            }
             let no_ack = BasicConsumeOptions {
                 no_ack: true,
                 ..Default::default()
@@ -87,6 +105,12 @@ impl Consume for Cancels {
     }
 
     async fn handle(&self, delivery: Delivery) {
+        if delivery.routing_key.as_str().starts_with("pause.") {
+            if let Some(book) = &self.pauses {
+                book.take(&delivery);
+            }
+            return;
+        }
         let Ok(control) = serde_json::from_slice::<Control>(&delivery.data) else {
             return;
         };

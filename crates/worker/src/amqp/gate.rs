@@ -12,9 +12,10 @@ use std::collections::{BTreeSet, HashMap};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
+use futures_util::StreamExt;
 use lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicQosOptions};
 use lapin::types::{AMQPValue, FieldTable, LongString};
-use proto::amqp::{self, AmqpError, Consume, Delivery, Publisher, Session, Topology};
+use proto::amqp::{self, AmqpError, Delivery, Publisher, Topology};
 use proto::{AgentProfile, JobKey, PauseRequest, ProfilePause, SCHEMA_VERSION};
 use telemetry::Metrics;
 use tokio::sync::Mutex;
@@ -72,7 +73,7 @@ impl Drop for BrokerSlot {
 
 impl AmqpGate {
     /// A gate over the worker's leases connection and publisher; `pauses` is what
-    /// [`PauseFeed`] keeps.
+    /// [`PauseBook`] keeps.
     pub fn new(
         leases: Arc<Leases>,
         publisher: Arc<Publisher>,
@@ -211,11 +212,13 @@ impl ProfileGate for AmqpGate {
     }
 }
 
-/// Reads the pause stream into the worker's [`Pauses`], and keeps
+/// The pauses this worker knows, as the broker tells them: live through the control
+/// exchange (`pause.{profile}`, on the control consumer's queue), and, whenever that consumer
+/// connects, caught up from the stream `{prefix}.pauses` (kept two days; a pause lasts at most
+/// one), so a worker that starts later knows every pause in force. Keeps
 /// `forgepool_profile_paused` true.
 #[derive(Debug)]
-pub struct PauseFeed {
-    amqp_url: String,
+pub struct PauseBook {
     topology: Topology,
     pauses: Arc<Pauses>,
     metrics: Arc<Metrics>,
@@ -225,17 +228,20 @@ pub struct PauseFeed {
     profiles: BTreeSet<String>,
 }
 
-impl PauseFeed {
-    /// A feed from the broker at `amqp_url` into `pauses`.
+/// How long the catch-up waits for the stream's next message before it takes it as read.
+const CATCH_UP_IDLE: Duration = Duration::from_millis(300);
+/// The longest catch-up.
+const CATCH_UP_LIMIT: Duration = Duration::from_secs(10);
+
+impl PauseBook {
+    /// A book of `pauses`, checked with `key` against this worker's `profiles`.
     pub fn new(
-        amqp_url: &str,
         topology: Topology,
         pauses: Arc<Pauses>,
         metrics: Arc<Metrics>,
         (key, profiles): (JobKey, BTreeSet<String>),
-    ) -> PauseFeed {
-        PauseFeed {
-            amqp_url: amqp_url.to_string(),
+    ) -> PauseBook {
+        PauseBook {
             topology,
             pauses,
             metrics,
@@ -244,71 +250,9 @@ impl PauseFeed {
         }
     }
 
-    /// Reads pauses until `shutdown`, and ends them in the metrics when their time comes.
-    pub async fn listen(self, shutdown: CancellationToken) {
-        let expiry = async {
-            let mut ticker = tokio::time::interval(Duration::from_secs(1));
-            loop {
-                ticker.tick().await;
-                for profile in self.pauses.expire(SystemTime::now()) {
-                    info!(profile, "the profile's pause ended");
-                    self.metrics.set_profile_paused(&profile, false);
-                }
-            }
-        };
-        tokio::select! {
-            session = amqp::consume(&self, &shutdown) => {
-                if let Some(session) = session {
-                    session.close().await;
-                }
-            }
-            () = expiry => {}
-        }
-    }
-}
-
-impl Consume for PauseFeed {
-    fn name(&self) -> &str {
-        "forgepool-worker-pauses"
-    }
-
-    async fn open(&self, _again: bool) -> Result<Session, AmqpError> {
-        let broker = |operation| move |source| AmqpError::Broker { operation, source };
-        let opened = async {
-            let (connection, channel) = amqp::connect_channel(&self.amqp_url, self.name()).await?;
-            self.topology.declare(&channel).await?;
-            channel
-                .basic_qos(64, BasicQosOptions::default())
-                .await
-                .map_err(broker("set prefetch"))?;
-            // From the start of the stream's retention: every pause that may still be in force.
-            let mut arguments = FieldTable::default();
-            arguments.insert(
-                "x-stream-offset".into(),
-                AMQPValue::LongString(LongString::from("first")),
-            );
-            let consumer = channel
-                .basic_consume(
-                    &self.topology.pauses(),
-                    "pauses",
-                    BasicConsumeOptions::default(),
-                    arguments,
-                )
-                .await
-                .map_err(broker("consume pauses"))?;
-            Ok(Session {
-                connection,
-                channel,
-                consumer,
-                tag: "pauses".to_string(),
-            })
-        };
-        tokio::time::timeout(amqp::SESSION_TIMEOUT, opened)
-            .await
-            .map_err(|_| AmqpError::Pool("no pause stream consumer in time".into()))?
-    }
-
-    async fn handle(&self, delivery: Delivery) {
+    /// Takes one pause message: signed by the cluster (over the stream's name and the body),
+    /// well formed, at most a day ahead, of a profile of this worker.
+    pub fn take(&self, delivery: &Delivery) {
         let now = SystemTime::now();
         let signature = amqp::header_text(&delivery.properties, proto::SIGNATURE_HEADER);
         let signed = self
@@ -318,7 +262,7 @@ impl Consume for PauseFeed {
                 signature.as_deref(),
             )
             .map_err(|reason| format!("not signed by the cluster: {reason}"));
-        match signed
+        let taken = signed
             .and_then(|()| proto::decode_message::<ProfilePause>(&delivery.data, MAX_PAUSE_BYTES))
             .and_then(|pause| pause.check(now).map(|()| pause))
             .and_then(|pause| match self.profiles.contains(&pause.profile) {
@@ -327,7 +271,8 @@ impl Consume for PauseFeed {
                     "profile `{}` is not in this worker's agents file",
                     pause.profile
                 )),
-            }) {
+            });
+        match taken {
             Ok(pause) if pause.ends().is_some_and(|ends| ends > now) => {
                 let request = PauseRequest {
                     reason: pause.reason.clone(),
@@ -341,7 +286,62 @@ impl Consume for PauseFeed {
             Ok(_) => {}
             Err(reason) => warn!(%reason, "a pause message is ignored"),
         }
-        // A stream keeps its messages: the ack only lets the next ones come.
-        let _ = delivery.acker.ack(BasicAckOptions::default()).await;
+    }
+
+    /// Reads the stream from the start of its retention on a channel of `connection`, until
+    /// it has nothing more to say (bounded).
+    pub async fn catch_up(&self, connection: &lapin::Connection) -> Result<(), AmqpError> {
+        let broker = |operation| move |source| AmqpError::Broker { operation, source };
+        let read = async {
+            let channel = connection
+                .create_channel()
+                .await
+                .map_err(broker("open channel"))?;
+            channel
+                .basic_qos(64, BasicQosOptions::default())
+                .await
+                .map_err(broker("set prefetch"))?;
+            let mut arguments = FieldTable::default();
+            arguments.insert(
+                "x-stream-offset".into(),
+                AMQPValue::LongString(LongString::from("first")),
+            );
+            let mut consumer = channel
+                .basic_consume(
+                    &self.topology.pauses(),
+                    "pauses-catch-up",
+                    BasicConsumeOptions::default(),
+                    arguments,
+                )
+                .await
+                .map_err(broker("read the pause stream"))?;
+            while let Ok(Some(Ok(delivery))) =
+                tokio::time::timeout(CATCH_UP_IDLE, consumer.next()).await
+            {
+                self.take(&delivery);
+                // A stream keeps its messages: the ack only lets the next ones come.
+                let _ = delivery.acker.ack(BasicAckOptions::default()).await;
+            }
+            let _ = channel.close(200, "caught up").await;
+            Ok(())
+        };
+        tokio::time::timeout(CATCH_UP_LIMIT, read)
+            .await
+            .map_err(|_| AmqpError::Pool("the pause stream was not read in time".into()))?
+    }
+
+    /// Ends pauses in the metrics when their time comes, until `shutdown`.
+    pub async fn expire(self: Arc<Self>, shutdown: CancellationToken) {
+        let mut ticker = tokio::time::interval(Duration::from_secs(1));
+        loop {
+            tokio::select! {
+                _ = ticker.tick() => {}
+                () = shutdown.cancelled() => return,
+            }
+            for profile in self.pauses.expire(SystemTime::now()) {
+                info!(profile, "the profile's pause ended");
+                self.metrics.set_profile_paused(&profile, false);
+            }
+        }
     }
 }

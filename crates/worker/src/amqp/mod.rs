@@ -17,7 +17,7 @@ pub mod sink;
 
 pub use consumer::{check_job, decode_job, trusted_job, JobFeed, Jobs};
 pub use control::Cancels;
-pub use gate::{AmqpGate, PauseFeed};
+pub use gate::{AmqpGate, PauseBook};
 pub use lease::{sweep, InFlight, Leases};
 pub use ledger::AmqpLedger;
 pub use sink::{AmqpSink, ObservedSink};
