@@ -228,6 +228,9 @@ pub struct DispatcherArgs {
     /// (`pause.json`) ends; `false` leaves them to `forgepool resume`.
     #[arg(long = "auto-resume", env = "FORGEPOOL_AUTO_RESUME", default_value = "true", action = clap::ArgAction::Set)]
     pub auto_resume: bool,
+    /// The webhooks told of runs that end (SPEC 9).
+    #[arg(long = "webhooks", env = "FORGEPOOL_WEBHOOKS_FILE")]
+    pub webhooks_file: Option<PathBuf>,
     #[command(flatten)]
     pub job_key: JobKeyArgs,
     #[command(flatten)]

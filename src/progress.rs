@@ -72,6 +72,12 @@ fn raw_line(kind: &EventKind) -> Option<String> {
         } => None,
         EventKind::State { state, reason } => Some(format!("Run {state}: {reason}")),
         EventKind::CancelRequested { reason } => Some(format!("Cancel requested: {reason}")),
+        EventKind::Webhook {
+            hook,
+            attempt,
+            outcome,
+            ..
+        } => Some(format!("Webhook {hook}: attempt {attempt}, {outcome}")),
         EventKind::Checkpoint { checkpoint } => Some(format!(
             "Progress saved (checkpoint {}, tree {})",
             checkpoint.sequence,

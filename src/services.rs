@@ -54,6 +54,13 @@ pub async fn dispatcher(args: DispatcherArgs) -> i32 {
             ))
         }
     };
+    let webhooks = match &args.webhooks_file {
+        None => None,
+        Some(path) => match dispatcher::webhooks::Webhooks::load(path, |n| std::env::var(n).ok()) {
+            Ok(webhooks) => Some(webhooks),
+            Err(message) => return invalid(message),
+        },
+    };
     let config = DispatcherConfig {
         amqp_url: args.broker.amqp_url,
         prefix: args.broker.prefix,
@@ -65,6 +72,7 @@ pub async fn dispatcher(args: DispatcherArgs) -> i32 {
         allowed_schemes: args.stages.allowed_schemes.0,
         silent_after: Duration::from_secs(args.silent_run_seconds),
         auto_resume: args.auto_resume,
+        webhooks,
     };
     let shutdown = shutdown_on_signal();
     // The line tests and scripts wait for: printed once the broker topology exists.

@@ -313,3 +313,307 @@ fn a_token_from_the_forges_file_pushes_over_https_and_is_kept_nowhere() {
     );
     assert!(unset.stderr.contains("forges.toml"), "{}", unset.stderr);
 }
+
+/// Debian's sshd on a loopback port, letting in one deploy key as root (the repositories are
+/// root's), with a host key of its own.
+struct GitSsh {
+    child: Child,
+    port: u16,
+    /// `[127.0.0.1]:PORT ssh-ed25519 …`: the line a pinned `known_hosts` holds.
+    host_line: String,
+}
+
+impl Drop for GitSsh {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl GitSsh {
+    fn start(dir: &Path, deploy_public_key: &Path) -> GitSsh {
+        assert!(
+            Path::new("/usr/sbin/sshd").exists(),
+            "/usr/sbin/sshd is missing: run scripts/services.sh (it installs openssh-server)"
+        );
+        run(
+            dir,
+            "ssh-keygen",
+            &["-q", "-t", "ed25519", "-N", "", "-f", "host_key"],
+        );
+        std::fs::copy(deploy_public_key, dir.join("authorized_keys")).unwrap();
+        std::fs::create_dir_all("/run/sshd").unwrap();
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        std::fs::write(
+            dir.join("sshd_config"),
+            format!(
+                "Port {port}\nListenAddress 127.0.0.1\nHostKey {d}/host_key\nPidFile {d}/sshd.pid\nAuthorizedKeysFile {d}/authorized_keys\nStrictModes no\nUsePAM no\nPasswordAuthentication no\nKbdInteractiveAuthentication no\nPermitRootLogin prohibit-password\n",
+                d = dir.display()
+            ),
+        )
+        .unwrap();
+        let child = Command::new("/usr/sbin/sshd")
+            .args([
+                "-D",
+                "-e",
+                "-f",
+                &dir.join("sshd_config").display().to_string(),
+            ])
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(dir.join("sshd.log")).unwrap())
+            .spawn()
+            .expect("sshd starts");
+        let key = std::fs::read_to_string(dir.join("host_key.pub")).unwrap();
+        let key: Vec<&str> = key.split_whitespace().take(2).collect();
+        let server = GitSsh {
+            child,
+            port,
+            host_line: format!("[127.0.0.1]:{port} {}\n", key.join(" ")),
+        };
+        let started = Instant::now();
+        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+            assert!(
+                started.elapsed() < Duration::from_secs(20),
+                "sshd did not listen: {}",
+                std::fs::read_to_string(dir.join("sshd.log")).unwrap_or_default()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        server
+    }
+}
+
+/// Catches: a deploy key that forgepool's git does not use (the push is refused), and an
+/// unknown host key that is learned instead of refused.
+#[test]
+fn a_deploy_key_pushes_over_ssh_to_a_pinned_host_and_an_unknown_host_key_is_refused() {
+    let fixture = Fixture::new(None, &["change"], &["approve"]);
+    let keys = fixture.dir.path().join("keys");
+    std::fs::create_dir_all(&keys).unwrap();
+    run(
+        &keys,
+        "ssh-keygen",
+        &["-q", "-t", "ed25519", "-N", "", "-f", "deploy_key"],
+    );
+    let server = GitSsh::start(&keys, &keys.join("deploy_key.pub"));
+    let pinned = keys.join("known_hosts");
+    std::fs::write(&pinned, &server.host_line).unwrap();
+    // Another key for the same host: what a man in the middle would show.
+    run(
+        &keys,
+        "ssh-keygen",
+        &["-q", "-t", "ed25519", "-N", "", "-f", "other_key"],
+    );
+    let other = std::fs::read_to_string(keys.join("other_key.pub")).unwrap();
+    let other: Vec<&str> = other.split_whitespace().take(2).collect();
+    let wrong = keys.join("wrong_known_hosts");
+    std::fs::write(
+        &wrong,
+        format!("[127.0.0.1]:{} {}\n", server.port, other.join(" ")),
+    )
+    .unwrap();
+
+    let run_with = |ticket: &str, known_hosts: &Path| {
+        let forges = fixture.dir.path().join(format!("forges-{ticket}.toml"));
+        std::fs::write(
+            &forges,
+            format!(
+                "[[forge]]\nhost = \"127.0.0.1:{}\"\nkind = \"gitea\"\napi_url = \"http://127.0.0.1:9/\"\nssh_key_file = \"{}\"\nknown_hosts_file = \"{}\"\n",
+                server.port,
+                keys.join("deploy_key").display(),
+                known_hosts.display()
+            ),
+        )
+        .unwrap();
+        let file = fixture.dir.path().join(format!("{ticket}.toml"));
+        std::fs::write(
+            &file,
+            format!(
+                "ticket = \"{ticket}\"\nskill = \"implement-task\"\nbrief = \"Add the feature\"\n[repository]\nurl = \"ssh://root@127.0.0.1:{}{}\"\nref = \"main\"\n",
+                server.port,
+                fixture.bare.display()
+            ),
+        )
+        .unwrap();
+        let mut command = fixture.command();
+        command
+            .arg("run")
+            .arg(&file)
+            .arg("--skills")
+            .arg(&fixture.skills)
+            .arg("--agents")
+            .arg(&fixture.agents)
+            .env("FORGEPOOL_FORGES_FILE", &forges);
+        fixture.outcome(command)
+    };
+
+    let delivered = run_with("SSH-1", &pinned);
+    assert_eq!(
+        delivered.code, 0,
+        "{}\n{}",
+        delivered.stdout, delivered.stderr
+    );
+    assert_eq!(fixture.pushes("forge/ssh-1"), 1);
+
+    let refused = run_with("SSH-2", &wrong);
+    assert_eq!(refused.code, 1, "{}\n{}", refused.stdout, refused.stderr);
+    let reason = refused.record().states.last().unwrap().1.clone();
+    assert!(reason.contains("is not the one pinned in"), "{reason}");
+    assert!(reason.contains("known_hosts_file"), "{reason}");
+    assert_eq!(fixture.pushes("forge/ssh-2"), 0);
+    let learned = std::fs::read_to_string(&wrong).unwrap();
+    assert!(
+        !learned.contains(&server.host_line),
+        "the host key was not learned"
+    );
+}
+
+/// The requests a receiver took: headers (lowercased) and body.
+type Taken =
+    std::sync::Arc<std::sync::Mutex<Vec<(std::collections::HashMap<String, String>, Vec<u8>)>>>;
+
+/// A webhook receiver on loopback: each request's headers (lowercased) and body, answered
+/// with the next status of its script (then 200).
+struct Receiver {
+    port: u16,
+    requests: Taken,
+}
+
+impl Receiver {
+    fn start(mut statuses: std::collections::VecDeque<u16>) -> Receiver {
+        use std::io::{BufRead, BufReader, Read, Write};
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let requests = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let kept = std::sync::Arc::clone(&requests);
+        std::thread::spawn(move || {
+            for stream in listener.incoming().flatten() {
+                let _ = stream.set_read_timeout(Some(Duration::from_secs(10)));
+                let mut reader = BufReader::new(stream.try_clone().unwrap());
+                let mut headers = std::collections::HashMap::new();
+                let mut line = String::new();
+                let _ = reader.read_line(&mut line);
+                loop {
+                    line.clear();
+                    if reader.read_line(&mut line).unwrap_or(0) == 0 || line.trim().is_empty() {
+                        break;
+                    }
+                    if let Some((name, value)) = line.split_once(':') {
+                        headers.insert(name.trim().to_ascii_lowercase(), value.trim().to_string());
+                    }
+                }
+                let length = headers
+                    .get("content-length")
+                    .and_then(|v| v.parse::<usize>().ok())
+                    .unwrap_or(0);
+                let mut body = vec![0; length];
+                let _ = reader.read_exact(&mut body);
+                kept.lock().unwrap().push((headers, body));
+                let status = statuses.pop_front().unwrap_or(200);
+                let mut stream = stream;
+                let _ = write!(
+                    stream,
+                    "HTTP/1.1 {status} X\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+                );
+            }
+        });
+        Receiver { port, requests }
+    }
+}
+
+/// Catches: no webhook on a terminal state, a body without the run's outcome, a signature a
+/// receiver cannot check, a failing receiver not retried, and attempts not recorded with the
+/// run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_webhook_is_signed_retried_and_each_attempt_recorded() {
+    const SECRET: &str = "webhook-secret-0123456789";
+    let receiver = Receiver::start([503].into_iter().collect());
+    let fixture = Fixture::new(None, &["change"], &["approve"]);
+    let hooks = fixture.dir.path().join("webhooks.toml");
+    std::fs::write(
+        &hooks,
+        format!(
+            "[[webhook]]\nname = \"ci-bot\"\nurl = \"http://127.0.0.1:{}/hook\"\nsecret_env = \"HOOK_SECRET\"\n",
+            receiver.port
+        ),
+    )
+    .unwrap();
+    let options = common::cluster::Options {
+        env: vec![
+            (
+                "FORGEPOOL_WEBHOOKS_FILE".into(),
+                hooks.display().to_string(),
+            ),
+            ("HOOK_SECRET".into(), SECRET.into()),
+        ],
+        ..Default::default()
+    };
+    let cluster = common::cluster::Cluster::start_with(fixture, 1, 1, None, options).await;
+    let run_id = cluster.submit("HOOK-1").await;
+    let (view, _) = cluster.wait_one(&run_id, Duration::from_secs(60)).await;
+    assert_eq!(view["state"], "delivered");
+    let started = Instant::now();
+    while receiver.requests.lock().unwrap().len() < 2 {
+        assert!(
+            started.elapsed() < Duration::from_secs(30),
+            "the webhook was not retried"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let requests = receiver.requests.lock().unwrap().clone();
+    assert_eq!(requests.len(), 2, "one failure, one delivery");
+    let key = proto::JobKey::new(SECRET).unwrap();
+    for (headers, body) in &requests {
+        assert_eq!(
+            headers.get("x-forgepool-signature-256"),
+            Some(&key.sign(body)),
+            "the signature checks"
+        );
+        let body: serde_json::Value = serde_json::from_slice(body).unwrap();
+        assert_eq!(body["run_id"], run_id.as_str());
+        assert_eq!(body["ticket"], "HOOK-1");
+        assert_eq!(body["state"], "delivered");
+        assert_eq!(body["branch"], "forge/hook-1");
+        assert_eq!(body["commit"], view["result"]["commit"]);
+    }
+    assert_eq!(
+        requests[0].0.get("x-forgepool-delivery"),
+        requests[1].0.get("x-forgepool-delivery"),
+        "both attempts are one notification"
+    );
+    let mut attempts = Vec::new();
+    let started = Instant::now();
+    while attempts.len() < 2 && started.elapsed() < Duration::from_secs(10) {
+        attempts = cluster
+            .event_stream(&run_id)
+            .await
+            .lines()
+            .filter(|l| l.starts_with("data:") && l.contains("\"webhook\""))
+            .map(|l| serde_json::from_str::<serde_json::Value>(&l[5..]).unwrap())
+            .collect();
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let summary: Vec<_> = attempts
+        .iter()
+        .map(|a| {
+            (
+                a["attempt"].clone(),
+                a["status"].clone(),
+                a["outcome"].clone(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        summary,
+        [
+            (1.into(), 503.into(), "retrying".into()),
+            (2.into(), 200.into(), "delivered".into())
+        ],
+        "{attempts:?}"
+    );
+    cluster.delete_queues().await;
+}

@@ -94,6 +94,8 @@ pub struct Dispatcher {
     pub(crate) amqp_url: String,
     /// Paused runs that resume by themselves when their profile's pause ends.
     pub(crate) resumes: crate::schedule::Schedule,
+    /// Runs that ended, for the webhooks (`FORGEPOOL_WEBHOOKS_FILE`).
+    pub(crate) ended: Option<tokio::sync::mpsc::Sender<Uuid>>,
 }
 
 impl Dispatcher {
@@ -195,6 +197,11 @@ impl Dispatcher {
         if new {
             if !late_outcome && !repeats {
                 self.metrics.observe(job, &event.kind);
+            }
+            let ends = matches!(&event.kind, EventKind::State { state, .. } if state.is_terminal());
+            if let (true, false, Some(ended)) = (ends, late_outcome, &self.ended) {
+                // A full queue is caught up by the notifier's check within a minute.
+                let _ = ended.try_send(event.run_id);
             }
             self.events_stored.send_modify(|n| *n += 1);
         }

@@ -10,6 +10,7 @@ pub mod dispatcher;
 pub mod freeze;
 pub mod http;
 pub mod names;
+pub mod notifier;
 mod openapi;
 pub mod request;
 pub mod resumer;
@@ -19,6 +20,7 @@ pub mod service;
 pub mod skills;
 pub mod store;
 pub mod streams;
+pub mod webhooks;
 
 use std::path::PathBuf;
 

@@ -52,6 +52,26 @@ pub struct DispatcherConfig {
     /// Whether paused runs resume by themselves when their profile's pause ends
     /// (`FORGEPOOL_AUTO_RESUME`).
     pub auto_resume: bool,
+    /// The webhooks told of runs that end (`FORGEPOOL_WEBHOOKS_FILE`).
+    pub webhooks: Option<crate::webhooks::Webhooks>,
+}
+
+/// The queue of runs that ended, for the webhooks; none without webhooks.
+type EndedRuns = Option<(
+    Arc<crate::webhooks::Webhooks>,
+    tokio::sync::mpsc::Receiver<uuid::Uuid>,
+)>;
+
+fn ended_queue(
+    webhooks: Option<crate::webhooks::Webhooks>,
+) -> (Option<tokio::sync::mpsc::Sender<uuid::Uuid>>, EndedRuns) {
+    match webhooks {
+        Some(webhooks) => {
+            let (sender, receiver) = tokio::sync::mpsc::channel(crate::notifier::ENDED_QUEUE);
+            (Some(sender), Some((Arc::new(webhooks), receiver)))
+        }
+        None => (None, None),
+    }
 }
 
 /// A failure that stops the dispatcher.
@@ -83,6 +103,7 @@ pub async fn run(
     let topology = Topology::new(&config.prefix);
     let publisher = Publisher::new(&config.amqp_url, "forgepool-dispatcher-publish")?;
     let (events_stored, _) = watch::channel(0);
+    let (ended, ended_runs) = ended_queue(config.webhooks);
     let dispatcher = Arc::new(Dispatcher {
         store,
         publisher,
@@ -100,6 +121,7 @@ pub async fn run(
         streams: Arc::default(),
         amqp_url: config.amqp_url,
         resumes: crate::schedule::Schedule::new(config.auto_resume),
+        ended,
     });
     // The API answers from the start, so that nobody waits on a bound socket while RabbitMQ is
     // set up: `/readyz` says 503 until the events consumer is connected, and a run submitted
@@ -133,6 +155,14 @@ pub async fn run(
         shutdown.clone(),
     ));
     tasks.spawn(refresh_gauges(Arc::clone(&dispatcher), shutdown.clone()));
+    if let Some((webhooks, receiver)) = ended_runs {
+        tasks.spawn(crate::notifier::notify_ended(
+            Arc::clone(&dispatcher),
+            webhooks,
+            receiver,
+            shutdown.clone(),
+        ));
+    }
     if config.auto_resume {
         tasks.spawn(crate::resumer::resume_when_due(
             Arc::clone(&dispatcher),

@@ -125,6 +125,20 @@ pub enum EventKind {
         /// Who asked, or why.
         reason: String,
     },
+    /// One attempt to notify a webhook of the run's terminal state (SPEC 9), recorded by the
+    /// dispatcher.
+    Webhook {
+        /// The webhook's name in the webhooks file (never its URL, which may be a secret).
+        hook: String,
+        /// 1 for the first attempt.
+        attempt: u32,
+        /// The receiver's HTTP status, when it answered.
+        status: Option<u16>,
+        /// Why the attempt failed, when it did.
+        error: Option<String>,
+        /// `delivered`, `retrying` (another attempt follows) or `gave_up`.
+        outcome: String,
+    },
     /// The run's final result; always followed by a terminal `state` event.
     Result {
         /// The result.
@@ -145,6 +159,7 @@ impl EventKind {
             EventKind::Heartbeat { .. } => "heartbeat",
             EventKind::Checkpoint { .. } => "checkpoint",
             EventKind::CancelRequested { .. } => "cancel_requested",
+            EventKind::Webhook { .. } => "webhook",
             EventKind::Result { .. } => "result",
         }
     }

@@ -317,7 +317,8 @@ impl Metrics {
             EventKind::Log { .. }
             | EventKind::Heartbeat { .. }
             | EventKind::Checkpoint { .. }
-            | EventKind::CancelRequested { .. } => {}
+            | EventKind::CancelRequested { .. }
+            | EventKind::Webhook { .. } => {}
         }
     }
 

@@ -238,6 +238,12 @@ pub trait RunStore: Send + Sync + 'static {
     /// The latest state reasons of the queued runs (at most 10,000): those of runs waiting for
     /// a profile's cap name the profile.
     fn queued_reasons(&self) -> impl Future<Output = Result<Vec<String>, StoreError>> + Send;
+    /// The runs that ended (reached a terminal state) at `since` or later, each with the body
+    /// of each of its `webhook` events (`None` for a run with none).
+    fn ended_with_webhooks(
+        &self,
+        since: String,
+    ) -> impl Future<Output = Result<Vec<(Uuid, Option<String>)>, StoreError>> + Send;
     /// Reads a run's events in the order they were stored, after position `after` (0 for all).
     /// Returns each event with its position.
     fn events(
@@ -361,6 +367,12 @@ impl RunStore for Store {
     async fn queued_reasons(&self) -> Result<Vec<String>, StoreError> {
         delegate!(self, s => s.queued_reasons().await)
     }
+    async fn ended_with_webhooks(
+        &self,
+        since: String,
+    ) -> Result<Vec<(Uuid, Option<String>)>, StoreError> {
+        delegate!(self, s => s.ended_with_webhooks(since).await)
+    }
     async fn events(&self, run_id: Uuid, after: i64) -> Result<Vec<(i64, Event)>, StoreError> {
         delegate!(self, s => s.events(run_id, after).await)
     }
@@ -377,6 +389,9 @@ impl RunStore for Store {
 /// The reason recorded with the first state of a run.
 /// The latest state reason of each queued run.
 const QUEUED_REASONS: &str = "SELECT (SELECT h.reason FROM state_history h WHERE h.run_id = r.run_id ORDER BY h.id DESC LIMIT 1) FROM runs r WHERE r.state = 'queued' LIMIT 10000";
+
+/// The runs that ended since `?1`, with their webhook events' bodies.
+const ENDED_WITH_WEBHOOKS: &str = "SELECT r.run_id, e.body FROM runs r LEFT JOIN events e ON e.run_id = r.run_id AND e.kind = 'webhook' WHERE r.state IN ('delivered', 'delivered_with_warnings', 'blocked', 'failed', 'cancelled') AND r.updated_at >= ";
 
 /// How many queued runs wait for each profile's cap, from their latest state reasons.
 pub fn waiting_by_profile(reasons: &[String]) -> Vec<(String, i64)> {

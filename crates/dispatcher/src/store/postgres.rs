@@ -535,6 +535,27 @@ impl RunStore for PostgresStore {
         .await
     }
 
+    async fn ended_with_webhooks(
+        &self,
+        since: String,
+    ) -> Result<Vec<(Uuid, Option<String>)>, StoreError> {
+        self.bounded(async {
+            let query = format!("{}$1", super::ENDED_WITH_WEBHOOKS);
+            Ok(self
+                .client()
+                .await?
+                .query(&query, &[&since])
+                .await?
+                .iter()
+                .filter_map(|r| {
+                    let id: String = r.get(0);
+                    Some((Uuid::parse_str(&id).ok()?, r.get::<_, Option<String>>(1)))
+                })
+                .collect())
+        })
+        .await
+    }
+
     async fn events(&self, run_id: Uuid, after: i64) -> Result<Vec<(i64, Event)>, StoreError> {
         self.events_page(run_id, after, u32::MAX).await
     }

@@ -448,6 +448,25 @@ impl RunStore for SqliteStore {
         .await
     }
 
+    async fn ended_with_webhooks(
+        &self,
+        since: String,
+    ) -> Result<Vec<(Uuid, Option<String>)>, StoreError> {
+        self.with(move |c| {
+            let mut statement = c.prepare(&format!("{}?1", super::ENDED_WITH_WEBHOOKS))?;
+            let rows = statement
+                .query_map([since], |r| {
+                    Ok((r.get::<_, String>(0)?, r.get::<_, Option<String>>(1)?))
+                })?
+                .collect::<Result<Vec<_>, _>>()?;
+            Ok(rows
+                .into_iter()
+                .filter_map(|(id, body)| Some((Uuid::parse_str(&id).ok()?, body)))
+                .collect())
+        })
+        .await
+    }
+
     async fn events(&self, run_id: Uuid, after: i64) -> Result<Vec<(i64, Event)>, StoreError> {
         self.events_page(run_id, after, u32::MAX).await
     }
