@@ -145,6 +145,9 @@ pub struct LocalArgs {
     /// Seconds between scans of `.forge/` while a stage runs.
     #[arg(long, env = ENV_POLL_INTERVAL, default_value = "0.1", value_parser = parse_poll_interval)]
     pub poll_interval: Duration,
+    /// The webhooks told of the run's end (SPEC 9).
+    #[arg(long = "webhooks", env = "FORGEPOOL_WEBHOOKS_FILE")]
+    pub webhooks_file: Option<PathBuf>,
     #[command(flatten)]
     pub stages: StageArgs,
 }

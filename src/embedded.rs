@@ -142,6 +142,16 @@ async fn execute(store: &Store, job: proto::Job, local: &LocalArgs) -> i32 {
         eprintln!("error: {message}");
         return EXIT_INVALID;
     }
+    let webhooks = match &local.webhooks_file {
+        None => None,
+        Some(path) => match dispatcher::webhooks::Webhooks::load(path, |n| std::env::var(n).ok()) {
+            Ok(webhooks) => Some(webhooks),
+            Err(message) => {
+                eprintln!("error: {message}");
+                return EXIT_INVALID;
+            }
+        },
+    };
 
     // Every embedded run on a host shares one worker name, so a run removes the containers
     // that an earlier, killed run left behind (and never those of a live one).
@@ -212,12 +222,34 @@ async fn execute(store: &Store, job: proto::Job, local: &LocalArgs) -> i32 {
     let _ = worker.await;
     signals.abort();
     runtime.close_egress().await;
+    if let (Some(webhooks), Some(true)) = (&webhooks, final_state.map(RunState::is_terminal)) {
+        notify(store, webhooks, run_id).await;
+    }
     match final_state {
         Some(state) => state.exit_code().unwrap_or(EXIT_FAILED),
         None => {
             eprintln!("error: the run ended without a final state; see the log above");
             EXIT_FAILED
         }
+    }
+}
+
+/// Tells each webhook of the run's end before the command exits, recording and printing each
+/// attempt.
+async fn notify(store: &Store, webhooks: &dispatcher::webhooks::Webhooks, run_id: uuid::Uuid) {
+    let Ok(Some(record)) = store.get_run(run_id).await else {
+        return;
+    };
+    for hook in webhooks.hooks_for(record.state) {
+        let attempt = |kind: EventKind| async move {
+            if let Some(line) = progress::line(&kind) {
+                println!("{line}");
+            }
+            if let Err(error) = store.record_event(&proto::Event::new(run_id, kind)).await {
+                eprintln!("error: {error}");
+            }
+        };
+        webhooks.notify(&hook, &record, attempt).await;
     }
 }
 

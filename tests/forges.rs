@@ -617,3 +617,62 @@ async fn a_webhook_is_signed_retried_and_each_attempt_recorded() {
     );
     cluster.delete_queues().await;
 }
+
+/// Catches: `forgepool run` exiting before its webhooks are told, or telling them without
+/// recording the attempt.
+#[test]
+fn forgepool_run_tells_its_webhooks_before_it_exits() {
+    const SECRET: &str = "webhook-secret-0123456789";
+    let receiver = Receiver::start(std::collections::VecDeque::new());
+    let fixture = Fixture::new(None, &["change"], &["approve"]);
+    let hooks = fixture.dir.path().join("webhooks.toml");
+    std::fs::write(
+        &hooks,
+        format!(
+            "[[webhook]]\nname = \"local\"\nurl = \"http://127.0.0.1:{}/\"\nsecret_env = \"HOOK_SECRET\"\nstates = [\"delivered\"]\n",
+            receiver.port
+        ),
+    )
+    .unwrap();
+    let file = fixture.dir.path().join("request.toml");
+    std::fs::write(
+        &file,
+        format!(
+            "ticket = \"LOCAL-1\"\nskill = \"implement-task\"\nbrief = \"Add the feature\"\n[repository]\nurl = \"file://{}\"\nref = \"main\"\n",
+            fixture.bare.display()
+        ),
+    )
+    .unwrap();
+    let mut command = fixture.command();
+    command
+        .arg("run")
+        .arg(&file)
+        .arg("--skills")
+        .arg(&fixture.skills)
+        .arg("--agents")
+        .arg(&fixture.agents)
+        .env("FORGEPOOL_WEBHOOKS_FILE", &hooks)
+        .env("HOOK_SECRET", SECRET);
+    let outcome = fixture.outcome(command);
+    assert_eq!(outcome.code, 0, "{}\n{}", outcome.stdout, outcome.stderr);
+    assert!(
+        outcome
+            .stdout
+            .contains("Webhook local: attempt 1, delivered"),
+        "{}",
+        outcome.stdout
+    );
+    let requests = receiver.requests.lock().unwrap().clone();
+    assert_eq!(requests.len(), 1);
+    let (headers, body) = &requests[0];
+    assert_eq!(
+        headers.get("x-forgepool-signature-256"),
+        Some(&proto::JobKey::new(SECRET).unwrap().sign(body))
+    );
+    let recorded = outcome
+        .events
+        .iter()
+        .filter(|e| matches!(&e.kind, proto::EventKind::Webhook { outcome, .. } if outcome == "delivered"))
+        .count();
+    assert_eq!(recorded, 1, "the attempt is in the run's record");
+}
