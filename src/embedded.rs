@@ -142,15 +142,12 @@ async fn execute(store: &Store, job: proto::Job, local: &LocalArgs) -> i32 {
         eprintln!("error: {message}");
         return EXIT_INVALID;
     }
-    let webhooks = match &local.webhooks_file {
-        None => None,
-        Some(path) => match dispatcher::webhooks::Webhooks::load(path, |n| std::env::var(n).ok()) {
-            Ok(webhooks) => Some(webhooks),
-            Err(message) => {
-                eprintln!("error: {message}");
-                return EXIT_INVALID;
-            }
-        },
+    let webhooks = match load_webhooks(local) {
+        Ok(webhooks) => webhooks,
+        Err(message) => {
+            eprintln!("error: {message}");
+            return EXIT_INVALID;
+        }
     };
 
     // Every embedded run on a host shares one worker name, so a run removes the containers
@@ -232,6 +229,15 @@ async fn execute(store: &Store, job: proto::Job, local: &LocalArgs) -> i32 {
             EXIT_FAILED
         }
     }
+}
+
+/// The webhooks file of `forgepool run`, if one is given.
+fn load_webhooks(local: &LocalArgs) -> Result<Option<dispatcher::webhooks::Webhooks>, String> {
+    local
+        .webhooks_file
+        .as_deref()
+        .map(|path| dispatcher::webhooks::Webhooks::load(path, |n| std::env::var(n).ok()))
+        .transpose()
 }
 
 /// Tells each webhook of the run's end before the command exits, recording and printing each
