@@ -138,11 +138,7 @@ async fn execute(store: &Store, job: proto::Job, local: &LocalArgs) -> i32 {
             return EXIT_INVALID;
         }
     };
-    if let Err(message) = local.stages.install_forges(&workspace_root) {
-        eprintln!("error: {message}");
-        return EXIT_INVALID;
-    }
-    let webhooks = match load_webhooks(local) {
+    let webhooks = match load_delivery_settings(local, &workspace_root) {
         Ok(webhooks) => webhooks,
         Err(message) => {
             eprintln!("error: {message}");
@@ -231,8 +227,12 @@ async fn execute(store: &Store, job: proto::Job, local: &LocalArgs) -> i32 {
     }
 }
 
-/// The webhooks file of `forgepool run`, if one is given.
-fn load_webhooks(local: &LocalArgs) -> Result<Option<dispatcher::webhooks::Webhooks>, String> {
+/// Gives forgepool's git the forges file, and loads the webhooks file, if either is given.
+fn load_delivery_settings(
+    local: &LocalArgs,
+    workspace_root: &std::path::Path,
+) -> Result<Option<dispatcher::webhooks::Webhooks>, String> {
+    local.stages.install_forges(workspace_root)?;
     local
         .webhooks_file
         .as_deref()
