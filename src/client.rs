@@ -253,6 +253,9 @@ pub async fn status(args: &ClientArgs, run_id: Option<&str>) -> i32 {
                 if let (Some(branch), Some(commit)) = (&result.branch, &result.commit) {
                     println!("  delivered {} at {commit}", progress::printable(branch));
                 }
+                if let Some(pull) = &result.pull_request {
+                    println!("  pull request {}", progress::printable(pull));
+                }
             }
             0
         }

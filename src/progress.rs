@@ -72,6 +72,9 @@ fn raw_line(kind: &EventKind) -> Option<String> {
         } => None,
         EventKind::State { state, reason } => Some(format!("Run {state}: {reason}")),
         EventKind::CancelRequested { reason } => Some(format!("Cancel requested: {reason}")),
+        EventKind::PullRequest { url, action } => {
+            Some(format!("Pull request {action}: {}", printable(url)))
+        }
         EventKind::Webhook {
             hook,
             attempt,

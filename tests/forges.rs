@@ -676,3 +676,286 @@ fn forgepool_run_tells_its_webhooks_before_it_exits() {
         .count();
     assert_eq!(recorded, 1, "the attempt is in the run's record");
 }
+
+/// A pull request the fake GitHub keeps: number, head, base, title, body, draft.
+type FakePull = (u64, String, String, String, String, bool);
+
+/// What the fake GitHub saw and keeps: every request (method, path, body) and its pulls.
+#[derive(Default)]
+struct GithubState {
+    requests: Vec<(String, String, serde_json::Value)>,
+    pulls: Vec<FakePull>,
+    statuses: usize,
+}
+
+/// A stateful fake of the few GitHub REST endpoints forgepool calls, behind Prism, which
+/// checks every request against GitHub's published OpenAPI description (a request that breaks
+/// it is answered 422 by Prism and never reaches the fake).
+struct FakeGithub {
+    state: std::sync::Arc<std::sync::Mutex<GithubState>>,
+    prism: Child,
+    port: u16,
+}
+
+impl Drop for FakeGithub {
+    fn drop(&mut self) {
+        let _ = self.prism.kill();
+        let _ = self.prism.wait();
+    }
+}
+
+impl FakeGithub {
+    fn start(dir: &Path) -> FakeGithub {
+        let tools = Path::new(env!("CARGO_MANIFEST_DIR")).join(".tools/forge/node_modules");
+        let prism = tools.join(".bin/prism");
+        let spec = tools.join("@octokit/openapi/generated/api.github.com.json");
+        assert!(
+            prism.exists() && spec.exists(),
+            "Prism and GitHub's OpenAPI description are missing: run scripts/forge-tools.sh"
+        );
+        // Prism also checks the answers against the description: the fake answers with
+        // GitHub's own examples from it, changed only where its state differs.
+        let described: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(&spec).unwrap()).unwrap();
+        let example = |name: &str| described["components"]["examples"][name]["value"].clone();
+        let mut repository = example("full-repository-default-response");
+        repository["default_branch"] = "main".into();
+        let simple = example("pull-request-simple-items")[0].clone();
+        let full = example("pull-request");
+        let status_example = example("status");
+        drop(described);
+        let state = std::sync::Arc::new(std::sync::Mutex::new(GithubState::default()));
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let upstream = listener.local_addr().unwrap().port();
+        let kept = std::sync::Arc::clone(&state);
+        std::thread::spawn(move || {
+            use std::io::{BufRead, BufReader, Read, Write};
+            for stream in listener.incoming().flatten() {
+                let mut reader = BufReader::new(stream.try_clone().unwrap());
+                let mut first = String::new();
+                let _ = reader.read_line(&mut first);
+                let mut parts = first.split_whitespace();
+                let (method, target) = (
+                    parts.next().unwrap_or("").to_string(),
+                    parts.next().unwrap_or("").to_string(),
+                );
+                let mut length = 0;
+                let mut line = String::new();
+                loop {
+                    line.clear();
+                    if reader.read_line(&mut line).unwrap_or(0) == 0 || line.trim().is_empty() {
+                        break;
+                    }
+                    if let Some((name, value)) = line.split_once(':') {
+                        if name.eq_ignore_ascii_case("content-length") {
+                            length = value.trim().parse().unwrap_or(0);
+                        }
+                    }
+                }
+                let mut body = vec![0; length];
+                let _ = reader.read_exact(&mut body);
+                let body: serde_json::Value = serde_json::from_slice(&body).unwrap_or_default();
+                let (path, query) = target.split_once('?').unwrap_or((&target, ""));
+                // Prism passes the query on percent-encoded.
+                let query = query
+                    .replace("%3A", ":")
+                    .replace("%3a", ":")
+                    .replace("%2F", "/")
+                    .replace("%2f", "/");
+                let mut state = kept.lock().unwrap();
+                state
+                    .requests
+                    .push((method.clone(), path.to_string(), body.clone()));
+                let shaped = |template: &serde_json::Value, n: u64| {
+                    let mut pull = template.clone();
+                    pull["number"] = n.into();
+                    // GitHub's example breaks its own schema here (a team without its
+                    // required fields).
+                    if pull.get("requested_teams").is_some() {
+                        pull["requested_teams"] = serde_json::json!([]);
+                    }
+                    pull["html_url"] = format!("https://github.example/acme/shop/pull/{n}").into();
+                    pull
+                };
+                let pull = |n: u64| shaped(&full, n);
+                let (status, answer) = match (method.as_str(), path) {
+                    ("GET", "/repos/acme/shop") => (200, repository.clone()),
+                    ("GET", "/repos/acme/shop/pulls") => {
+                        let open: Vec<_> = state
+                            .pulls
+                            .iter()
+                            .filter(|p| query.contains(&format!("head=acme:{}", p.1)))
+                            .map(|p| shaped(&simple, p.0))
+                            .collect();
+                        (200, serde_json::Value::Array(open))
+                    }
+                    ("POST", "/repos/acme/shop/pulls") => {
+                        let n = state.pulls.len() as u64 + 1;
+                        let text = |k: &str| body[k].as_str().unwrap_or("").to_string();
+                        let draft = body["draft"].as_bool().unwrap_or(false);
+                        state.pulls.push((
+                            n,
+                            text("head"),
+                            text("base"),
+                            text("title"),
+                            text("body"),
+                            draft,
+                        ));
+                        (201, pull(n))
+                    }
+                    ("PATCH", p) if p.starts_with("/repos/acme/shop/pulls/") => {
+                        let n: u64 = p.rsplit('/').next().unwrap().parse().unwrap();
+                        if let Some(kept) = state.pulls.iter_mut().find(|k| k.0 == n) {
+                            kept.3 = body["title"].as_str().unwrap_or("").to_string();
+                            kept.4 = body["body"].as_str().unwrap_or("").to_string();
+                        }
+                        (200, pull(n))
+                    }
+                    ("POST", p) if p.starts_with("/repos/acme/shop/statuses/") => {
+                        state.statuses += 1;
+                        let mut answer = status_example.clone();
+                        answer["state"] = body["state"].clone();
+                        (201, answer)
+                    }
+                    _ => (404, serde_json::json!({"message": "Not Found"})),
+                };
+                drop(state);
+                let text = answer.to_string();
+                let mut stream = stream;
+                let _ = write!(
+                    stream,
+                    "HTTP/1.1 {status} X\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{text}",
+                    text.len()
+                );
+            }
+        });
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let prism = Command::new(&prism)
+            .args([
+                "proxy",
+                "--errors",
+                "-p",
+                &port.to_string(),
+                "-h",
+                "127.0.0.1",
+            ])
+            .arg(&spec)
+            .arg(format!("http://127.0.0.1:{upstream}"))
+            .stdout(std::fs::File::create(dir.join("prism.log")).unwrap())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("prism starts");
+        let started = Instant::now();
+        // Prism reads GitHub's 13 MB description before it listens.
+        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+            assert!(
+                started.elapsed() < Duration::from_secs(180),
+                "prism did not listen: {}",
+                std::fs::read_to_string(dir.join("prism.log")).unwrap_or_default()
+            );
+            std::thread::sleep(Duration::from_millis(200));
+        }
+        FakeGithub { state, prism, port }
+    }
+}
+
+/// Catches: no pull request after delivery, a second pull request when the ticket is
+/// delivered again (it must update the open one), a request GitHub's schema refuses (Prism
+/// answers 422 and the pull request is missing), no commit status, and a pull request
+/// missing from the result, the report and the progress lines.
+#[test]
+fn github_pull_requests_are_opened_once_and_updated_on_redelivery() {
+    let fixture = Fixture::new(None, &["change"], &["approve"]);
+    let tls = fixture.dir.path().join("tls");
+    std::fs::create_dir_all(&tls).unwrap();
+    // The repository at https://HOST/acme/shop.git is the fixture's.
+    let served = fixture.dir.path().join("served");
+    std::fs::create_dir_all(served.join("acme")).unwrap();
+    std::os::unix::fs::symlink(&fixture.bare, served.join("acme/shop.git")).unwrap();
+    let server = GitHttps::start(&served, &tls, "x-access-token", TOKEN);
+    let github = FakeGithub::start(fixture.dir.path());
+    let forges = fixture.dir.path().join("forges.toml");
+    std::fs::write(
+        &forges,
+        format!(
+            "[[forge]]\nhost = \"{}\"\nkind = \"github\"\napi_url = \"http://127.0.0.1:{}\"\ntoken_env = \"FORGE_TEST_TOKEN\"\nca_file = \"{}\"\n",
+            server.host(),
+            github.port,
+            server.ca.display()
+        ),
+    )
+    .unwrap();
+    let file = fixture.dir.path().join("request.toml");
+    std::fs::write(
+        &file,
+        format!(
+            "ticket = \"PR-1\"\nskill = \"implement-task\"\nbrief = \"Add the feature\"\n[repository]\nurl = \"https://{}/acme/shop.git\"\nref = \"main\"\n",
+            server.host()
+        ),
+    )
+    .unwrap();
+    let run = || {
+        let mut command = fixture.command();
+        command
+            .arg("run")
+            .arg(&file)
+            .arg("--skills")
+            .arg(&fixture.skills)
+            .arg("--agents")
+            .arg(&fixture.agents)
+            .env("FORGEPOOL_FORGES_FILE", &forges)
+            .env("FORGE_TEST_TOKEN", TOKEN);
+        fixture.outcome(command)
+    };
+    let first = run();
+    assert_eq!(first.code, 0, "{}\n{}", first.stdout, first.stderr);
+    let url = "https://github.example/acme/shop/pull/1";
+    assert!(
+        first
+            .stdout
+            .contains(&format!("Pull request opened: {url}")),
+        "{}\n{:?}",
+        first.stdout,
+        first.record().result.as_ref().map(|r| r.warnings.clone())
+    );
+    let result = first.record().result.clone().unwrap();
+    assert_eq!(result.pull_request.as_deref(), Some(url));
+    assert!(result.report.contains(&format!("Pull request: {url}")));
+    let second = run();
+    assert_eq!(second.code, 0, "{}\n{}", second.stdout, second.stderr);
+    assert!(
+        second
+            .stdout
+            .contains(&format!("Pull request updated: {url}")),
+        "{}",
+        second.stdout
+    );
+    let state = github.state.lock().unwrap();
+    assert_eq!(
+        state.pulls.len(),
+        1,
+        "one pull request: {:?}",
+        state.requests
+    );
+    let (_, head, base, title, body, draft) = &state.pulls[0];
+    assert_eq!(
+        (head.as_str(), base.as_str(), *draft),
+        ("forge/pr-1", "main", false)
+    );
+    assert_eq!(title, "PR-1: Add the feature");
+    assert!(body.contains("# PR-1"), "the report is the body: {body}");
+    assert_eq!(state.statuses, 2, "a status on each delivered commit");
+    assert!(
+        state
+            .requests
+            .iter()
+            .any(|(m, p, _)| m == "PATCH" && p == "/repos/acme/shop/pulls/1"),
+        "{:?}",
+        state.requests
+    );
+    assert_eq!(fixture.pushes("forge/pr-1"), 2);
+}

@@ -260,7 +260,7 @@ pub fn body(record: &RunRecord) -> Vec<u8> {
         reason,
         branch: result.and_then(|r| r.branch.as_deref()),
         commit: result.and_then(|r| r.commit.as_deref()),
-        pull_request: None,
+        pull_request: result.and_then(|r| r.pull_request.as_deref()),
         usage: result.and_then(|r| r.usage.as_ref()),
     };
     serde_json::to_vec(&notification).unwrap_or_default()

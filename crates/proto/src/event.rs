@@ -125,6 +125,13 @@ pub enum EventKind {
         /// Who asked, or why.
         reason: String,
     },
+    /// The delivered branch's pull request was opened or updated.
+    PullRequest {
+        /// Its address.
+        url: String,
+        /// `opened` or `updated`.
+        action: String,
+    },
     /// One attempt to notify a webhook of the run's terminal state (SPEC 9), recorded by the
     /// dispatcher.
     Webhook {
@@ -160,6 +167,7 @@ impl EventKind {
             EventKind::Checkpoint { .. } => "checkpoint",
             EventKind::CancelRequested { .. } => "cancel_requested",
             EventKind::Webhook { .. } => "webhook",
+            EventKind::PullRequest { .. } => "pull_request",
             EventKind::Result { .. } => "result",
         }
     }
@@ -367,6 +375,9 @@ pub struct RunResult {
     /// The final review: `not_requested`, `approved`, `changes_required`, `refused` (its
     /// report failed validation) or `not_run` (the run ended before it).
     pub review: String,
+    /// The delivered branch's pull request, when the forge has one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pull_request: Option<String>,
     /// What the run's stages said they spent, summed; absent when none said.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub usage: Option<crate::UsageTotals>,

@@ -318,7 +318,8 @@ impl Metrics {
             | EventKind::Heartbeat { .. }
             | EventKind::Checkpoint { .. }
             | EventKind::CancelRequested { .. }
-            | EventKind::Webhook { .. } => {}
+            | EventKind::Webhook { .. }
+            | EventKind::PullRequest { .. } => {}
         }
     }
 
@@ -671,6 +672,7 @@ mod tests {
             &job(),
             &EventKind::Result {
                 result: RunResult {
+                    pull_request: None,
                     usage: None,
                     state: RunState::Delivered,
                     reason: "ok".into(),

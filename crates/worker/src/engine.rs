@@ -41,6 +41,7 @@ mod final_review;
 mod gated;
 mod implement;
 mod prompt;
+mod pull;
 mod review;
 mod stage;
 #[cfg(test)]
@@ -335,6 +336,9 @@ impl<R: ContainerRuntime> Engine<R> {
         let mut progress = None;
         loop {
             if let Some((state, reason)) = machine.finished() {
+                if matches!(state, RunState::Delivered | RunState::DeliveredWithWarnings) {
+                    self.pull_request(run, sink, state, reason).await?;
+                }
                 return Ok(Some((state, reason.to_string())));
             }
             if interrupt.is_cancelled() {

@@ -27,6 +27,8 @@ pub struct ReportInput<'a> {
     pub warnings: &'a [String],
     /// What the stages said they spent, when any said.
     pub usage: Option<&'a proto::UsageTotals>,
+    /// The delivered branch's pull request.
+    pub pull_request: Option<&'a str>,
 }
 
 /// Renders the report.
@@ -35,6 +37,9 @@ pub fn render(input: &ReportInput<'_>) -> String {
     let mut out = String::new();
     let _ = writeln!(out, "# {}: {}\n", job.ticket, first_line(&job.brief));
     let _ = writeln!(out, "Outcome: **{}** ({})\n", input.state, input.reason);
+    if let Some(pull) = input.pull_request {
+        let _ = writeln!(out, "Pull request: {pull}\n");
+    }
     let _ = writeln!(out, "## Brief\n\n{}\n", job.brief.trim());
 
     verification(&mut out, input);

@@ -34,6 +34,10 @@ pub(super) struct RunContext<'a> {
     pub(super) pause: Option<proto::PauseRequest>,
     /// When a pause of the run's profile ends: the paused run resumes by itself then.
     pub(super) resume_at: Option<String>,
+    /// The delivered branch's pull request.
+    pub(super) pull_request: Option<String>,
+    /// Why the pull request could not be opened or updated (the branch stays delivered).
+    pub(super) pull_request_warning: Option<String>,
     /// The role whose profile's cap the run waits for, once it handed itself back.
     pub(super) waiting: Option<crate::gate::Role>,
 }
@@ -63,6 +67,8 @@ impl<'a> RunContext<'a> {
             pause: None,
             resume_at: None,
             waiting: None,
+            pull_request: None,
+            pull_request_warning: None,
         }
     }
 
@@ -284,6 +290,7 @@ impl<'a> RunContext<'a> {
                     .count()
             ));
         }
+        warnings.extend(self.pull_request_warning.clone());
         let (final_review, final_text) = self.final_review_summary();
         let report = report::render(&ReportInput {
             job: self.job,
@@ -296,6 +303,7 @@ impl<'a> RunContext<'a> {
             final_review: &final_text,
             warnings: &warnings,
             usage: self.usage.as_ref(),
+            pull_request: self.pull_request.as_deref(),
         });
         let (branch, commit, tree) = match &self.delivered {
             Some((branch, commit, tree)) => (
@@ -307,6 +315,7 @@ impl<'a> RunContext<'a> {
         };
         RunResult {
             usage: self.usage.clone(),
+            pull_request: self.pull_request.clone(),
             state,
             reason: reason.to_string(),
             branch,
