@@ -33,6 +33,39 @@ fn run(dir: &Path, program: &str, args: &[&str]) {
     assert!(output.status.success(), "{program} {args:?}: {output:?}");
 }
 
+/// A request for `ticket` on the repository at `url`, on `main`.
+fn request(ticket: &str, url: &str) -> String {
+    format!(
+        "ticket = \"{ticket}\"\nskill = \"implement-task\"\nbrief = \"Add the feature\"\n[repository]\nurl = \"{url}\"\nref = \"main\"\n"
+    )
+}
+
+/// `forgepool run` of `request` (written to `{name}.toml`), with `env` added to the fixture's
+/// environment and `removed` taken from it.
+fn run_request(
+    fixture: &Fixture,
+    name: &str,
+    request: &str,
+    env: &[(&str, &std::ffi::OsStr)],
+    removed: &[&str],
+) -> common::Outcome {
+    let file = fixture.dir.path().join(format!("{name}.toml"));
+    std::fs::write(&file, request).unwrap();
+    let mut command = fixture.command();
+    command
+        .arg("run")
+        .arg(&file)
+        .arg("--skills")
+        .arg(&fixture.skills)
+        .arg("--agents")
+        .arg(&fixture.agents)
+        .envs(env.iter().copied());
+    for name in removed {
+        command.env_remove(name);
+    }
+    fixture.outcome(command)
+}
+
 /// A test CA and a server certificate for 127.0.0.1 signed by it: `(ca.pem, cert, key)`.
 fn certificates(dir: &Path) -> (PathBuf, PathBuf, PathBuf) {
     run(
@@ -241,29 +274,25 @@ fn a_token_from_the_forges_file_pushes_over_https_and_is_kept_nowhere() {
         ),
     )
     .unwrap();
-    let request = |ticket: &str| {
-        format!(
-            "ticket = \"{ticket}\"\nskill = \"implement-task\"\nbrief = \"Add the feature\"\n[repository]\nurl = \"https://{}/repo.git\"\nref = \"main\"\n",
-            server.host()
-        )
-    };
+    let url = format!("https://{}/repo.git", server.host());
     let run = |ticket: &str, token: Option<&str>| {
-        let file = fixture.dir.path().join(format!("{ticket}.toml"));
-        std::fs::write(&file, request(ticket)).unwrap();
-        let mut command = fixture.command();
-        command
-            .arg("run")
-            .arg(&file)
-            .arg("--skills")
-            .arg(&fixture.skills)
-            .arg("--agents")
-            .arg(&fixture.agents)
-            .env("FORGEPOOL_FORGES_FILE", &forges);
+        let forges = ("FORGEPOOL_FORGES_FILE", forges.as_os_str());
         match token {
-            Some(token) => command.env("FORGE_TEST_TOKEN", token),
-            None => command.env_remove("FORGE_TEST_TOKEN"),
-        };
-        fixture.outcome(command)
+            Some(token) => run_request(
+                &fixture,
+                ticket,
+                &request(ticket, &url),
+                &[forges, ("FORGE_TEST_TOKEN", token.as_ref())],
+                &[],
+            ),
+            None => run_request(
+                &fixture,
+                ticket,
+                &request(ticket, &url),
+                &[forges],
+                &["FORGE_TEST_TOKEN"],
+            ),
+        }
     };
 
     let delivered = run("HTTPS-1", Some(TOKEN));
@@ -429,26 +458,13 @@ fn a_deploy_key_pushes_over_ssh_to_a_pinned_host_and_an_unknown_host_key_is_refu
             ),
         )
         .unwrap();
-        let file = fixture.dir.path().join(format!("{ticket}.toml"));
-        std::fs::write(
-            &file,
-            format!(
-                "ticket = \"{ticket}\"\nskill = \"implement-task\"\nbrief = \"Add the feature\"\n[repository]\nurl = \"ssh://root@127.0.0.1:{}{}\"\nref = \"main\"\n",
-                server.port,
-                fixture.bare.display()
-            ),
-        )
-        .unwrap();
-        let mut command = fixture.command();
-        command
-            .arg("run")
-            .arg(&file)
-            .arg("--skills")
-            .arg(&fixture.skills)
-            .arg("--agents")
-            .arg(&fixture.agents)
-            .env("FORGEPOOL_FORGES_FILE", &forges);
-        fixture.outcome(command)
+        let url = format!(
+            "ssh://root@127.0.0.1:{}{}",
+            server.port,
+            fixture.bare.display()
+        );
+        let env = [("FORGEPOOL_FORGES_FILE", forges.as_os_str())];
+        run_request(&fixture, ticket, &request(ticket, &url), &env, &[])
     };
 
     let delivered = run_with("SSH-1", &pinned);
@@ -634,26 +650,12 @@ fn forgepool_run_tells_its_webhooks_before_it_exits() {
         ),
     )
     .unwrap();
-    let file = fixture.dir.path().join("request.toml");
-    std::fs::write(
-        &file,
-        format!(
-            "ticket = \"LOCAL-1\"\nskill = \"implement-task\"\nbrief = \"Add the feature\"\n[repository]\nurl = \"file://{}\"\nref = \"main\"\n",
-            fixture.bare.display()
-        ),
-    )
-    .unwrap();
-    let mut command = fixture.command();
-    command
-        .arg("run")
-        .arg(&file)
-        .arg("--skills")
-        .arg(&fixture.skills)
-        .arg("--agents")
-        .arg(&fixture.agents)
-        .env("FORGEPOOL_WEBHOOKS_FILE", &hooks)
-        .env("HOOK_SECRET", SECRET);
-    let outcome = fixture.outcome(command);
+    let url = format!("file://{}", fixture.bare.display());
+    let env = [
+        ("FORGEPOOL_WEBHOOKS_FILE", hooks.as_os_str()),
+        ("HOOK_SECRET", SECRET.as_ref()),
+    ];
+    let outcome = run_request(&fixture, "LOCAL-1", &request("LOCAL-1", &url), &env, &[]);
     assert_eq!(outcome.code, 0, "{}\n{}", outcome.stdout, outcome.stderr);
     assert!(
         outcome
@@ -889,27 +891,13 @@ fn github_pull_requests_are_opened_once_and_updated_on_redelivery() {
         ),
     )
     .unwrap();
-    let file = fixture.dir.path().join("request.toml");
-    std::fs::write(
-        &file,
-        format!(
-            "ticket = \"PR-1\"\nskill = \"implement-task\"\nbrief = \"Add the feature\"\n[repository]\nurl = \"https://{}/acme/shop.git\"\nref = \"main\"\n",
-            server.host()
-        ),
-    )
-    .unwrap();
+    let url = format!("https://{}/acme/shop.git", server.host());
     let run = || {
-        let mut command = fixture.command();
-        command
-            .arg("run")
-            .arg(&file)
-            .arg("--skills")
-            .arg(&fixture.skills)
-            .arg("--agents")
-            .arg(&fixture.agents)
-            .env("FORGEPOOL_FORGES_FILE", &forges)
-            .env("FORGE_TEST_TOKEN", TOKEN);
-        fixture.outcome(command)
+        let env = [
+            ("FORGEPOOL_FORGES_FILE", forges.as_os_str()),
+            ("FORGE_TEST_TOKEN", TOKEN.as_ref()),
+        ];
+        run_request(&fixture, "PR-1", &request("PR-1", &url), &env, &[])
     };
     let first = run();
     assert_eq!(first.code, 0, "{}\n{}", first.stdout, first.stderr);
