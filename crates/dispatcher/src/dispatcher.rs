@@ -95,7 +95,7 @@ pub struct Dispatcher {
     /// Paused runs that resume by themselves when their profile's pause ends.
     pub(crate) resumes: crate::schedule::Schedule,
     /// Runs that ended, for the webhooks (`FORGEPOOL_WEBHOOKS_FILE`).
-    pub(crate) ended: Option<tokio::sync::mpsc::Sender<Uuid>>,
+    pub(crate) ended: Option<crate::webhooks::Ended>,
 }
 
 impl Dispatcher {
@@ -201,7 +201,9 @@ impl Dispatcher {
             let ends = matches!(&event.kind, EventKind::State { state, .. } if state.is_terminal());
             if let (true, false, Some(ended)) = (ends, late_outcome, &self.ended) {
                 // A full queue is caught up by the notifier's check within a minute.
-                let _ = ended.try_send(event.run_id);
+                if ended.sender.try_send(event.run_id).is_err() {
+                    ended.dropped.store(true, Ordering::SeqCst);
+                }
             }
             self.events_stored.send_modify(|n| *n += 1);
         }

@@ -1,11 +1,13 @@
 //! Tells the webhooks of each run that ended: a run's terminal state, once stored, starts one
-//! notification per hook that takes its state; every minute (and at start) the runs that
-//! ended in the last hour are checked for a hook whose notification neither was delivered nor
-//! gave up (a dispatcher that stopped in the middle, a notification that could not be
-//! queued), and those are sent again. A receiver may so get one notification twice; the
+//! notification per hook that takes its state. At start, and within a minute of a run that
+//! could not be queued (the queue was full), the runs that ended in the last hour are read
+//! from the store for a hook whose notification neither was delivered nor gave up (a
+//! dispatcher that stopped in the middle, a dropped run), and those are sent again; that read
+//! is not repeated otherwise, since it scans the runs' events. A receiver may so get one notification twice; the
 //! `X-Forgepool-Delivery` header differs, the run id does not.
 
 use std::collections::{HashMap, HashSet};
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
@@ -40,6 +42,7 @@ pub async fn notify_ended(
     let in_progress: InProgress = Arc::default();
     let tasks = TaskTracker::new();
     let mut ticker = tokio::time::interval(SCAN_INTERVAL);
+    let mut first = true;
     let start = |run_id: Uuid, done: HashSet<String>| {
         let (dispatcher, webhooks) = (Arc::clone(&dispatcher), Arc::clone(&webhooks));
         let in_progress = Arc::clone(&in_progress);
@@ -49,8 +52,12 @@ pub async fn notify_ended(
         tokio::select! {
             Some(run_id) = ended.recv() => start(run_id, HashSet::new()),
             _ = ticker.tick() => {
-                for (run_id, done) in unfinished(&dispatcher).await {
-                    start(run_id, done);
+                // The store is read at start, and after a run could not be queued: each
+                // notification started here runs to its end, so nothing else is missed.
+                if std::mem::take(&mut first) || dispatcher.ended.as_ref().is_some_and(|e| e.dropped.swap(false, Ordering::SeqCst)) {
+                    for (run_id, done) in unfinished(&dispatcher).await {
+                        start(run_id, done);
+                    }
                 }
             }
             () = shutdown.cancelled() => break,

@@ -64,11 +64,13 @@ type EndedRuns = Option<(
 
 fn ended_queue(
     webhooks: Option<crate::webhooks::Webhooks>,
-) -> (Option<tokio::sync::mpsc::Sender<uuid::Uuid>>, EndedRuns) {
+) -> (Option<crate::webhooks::Ended>, EndedRuns) {
     match webhooks {
         Some(webhooks) => {
             let (sender, receiver) = tokio::sync::mpsc::channel(crate::notifier::ENDED_QUEUE);
-            (Some(sender), Some((Arc::new(webhooks), receiver)))
+            let dropped = AtomicBool::new(false);
+            let ended = crate::webhooks::Ended { sender, dropped };
+            (Some(ended), Some((Arc::new(webhooks), receiver)))
         }
         None => (None, None),
     }

@@ -79,6 +79,15 @@ pub struct Webhooks {
     in_flight: Arc<Semaphore>,
 }
 
+/// The queue of runs that ended, as the dispatcher fills it.
+#[derive(Debug)]
+pub struct Ended {
+    /// Where a run that ended goes.
+    pub sender: tokio::sync::mpsc::Sender<Uuid>,
+    /// A run could not be queued (the queue was full): the next check reads the store.
+    pub dropped: std::sync::atomic::AtomicBool,
+}
+
 /// What a receiver gets.
 #[derive(Debug, serde::Serialize)]
 pub struct Notification<'a> {
