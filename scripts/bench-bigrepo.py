@@ -71,7 +71,7 @@ def main():
         open(request, "w").write(
             f"ticket = \"BIG-{counter[0]}\"\nskill = \"implement-task\"\nbrief = \"bench\"\n"
             f"[repository]\nurl = \"file://{repository}\"\nref = \"main\"\n")
-        env = dict(os.environ, FORGEPOOL_CACHE_DIR=cache, FORGEPOOL_LOG="warn")
+        env = dict(os.environ, FORGEPOOL_CACHE_DIR=cache, FORGEPOOL_LOG=os.environ.get("FORGEPOOL_LOG", "warn"))
         started = time.time()
         memory = os.path.join(work, "memory.txt")
         process = subprocess.Popen(["/usr/bin/time", "-f", "%M", "-o", memory, BINARY, "run", request, "--skills", os.path.join(work, "skills"),
@@ -84,6 +84,8 @@ def main():
             if line.startswith("Run delivered"):
                 ended = time.time() - started
         code = process.wait()
+        if os.environ.get("BENCH_SHOW"):
+            print("".join(l for l in process.stderr.read().splitlines(True) if "cache" in l or "stage" in l)[-3000:])
         wall = time.time() - started
         if code != 0 or ended is None:
             print("".join(lines[-20:]), process.stderr.read()[-2000:])

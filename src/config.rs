@@ -28,6 +28,8 @@ pub const ENV_CACHE_DIR: &str = "FORGEPOOL_CACHE_DIR";
 pub const ENV_CACHE_MAX_GIB: &str = "FORGEPOOL_CACHE_MAX_GIB";
 /// Compatibility: the cycle-file poll interval in seconds.
 pub const ENV_POLL_INTERVAL: &str = "AUTO_REVIEW_POLL_INTERVAL";
+/// Layered workspaces (SPEC 14).
+pub const ENV_OVERLAY_WORKSPACES: &str = "FORGEPOOL_OVERLAY_WORKSPACES";
 /// How forgepool's git reaches each repository host (SPEC 9).
 pub const ENV_FORGES_FILE: &str = "FORGEPOOL_FORGES_FILE";
 
@@ -65,6 +67,10 @@ pub struct StageArgs {
     /// The repository cache's size limit in GiB; the least recently used mirrors go first.
     #[arg(long = "cache-max-gib", env = ENV_CACHE_MAX_GIB, default_value = "20")]
     pub cache_max_gib: u64,
+    /// Layered workspaces (overlays of cached checkouts): `auto` (a root worker outside a
+    /// container, when overlays mount), `true` or `false`.
+    #[arg(long = "overlay-workspaces", env = ENV_OVERLAY_WORKSPACES, default_value = "auto")]
+    pub overlay_workspaces: worker::overlay::Setting,
     /// The forges file: credentials (HTTPS tokens, SSH deploy keys, CA files) per repository
     /// host for forgepool's own git; unset, git pushes with no credentials of forgepool's.
     #[arg(long = "forges", env = ENV_FORGES_FILE)]
@@ -72,9 +78,12 @@ pub struct StageArgs {
 }
 
 impl StageArgs {
-    /// Loads the forges file (an error names the file, the entry and the key) and gives it to
+    /// Decides on layered workspaces (a probe mount in the cache folder), then loads the
+    /// forges file (an error names the file, the entry and the key) and gives it to
     /// forgepool's git, with its ssh configuration under `workspace_root`.
-    pub fn install_forges(&self, workspace_root: &std::path::Path) -> Result<(), String> {
+    pub fn install(&self, workspace_root: &std::path::Path) -> Result<(), String> {
+        let cache = self.cache(workspace_root);
+        worker::overlay::configure(self.overlay_workspaces, cache.dir())?;
         let Some(path) = &self.forges_file else {
             return Ok(());
         };

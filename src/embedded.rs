@@ -232,7 +232,7 @@ fn load_delivery_settings(
     local: &LocalArgs,
     workspace_root: &std::path::Path,
 ) -> Result<Option<dispatcher::webhooks::Webhooks>, String> {
-    local.stages.install_forges(workspace_root)?;
+    local.stages.install(workspace_root)?;
     local
         .webhooks_file
         .as_deref()

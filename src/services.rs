@@ -96,7 +96,7 @@ pub async fn worker(args: WorkerArgs) -> i32 {
         Ok(root) => root,
         Err(message) => return invalid(message),
     };
-    if let Err(message) = args.stages.install_forges(&workspace_root) {
+    if let Err(message) = args.stages.install(&workspace_root) {
         return invalid(message);
     }
     let job_key = match args.job_key.required() {

@@ -28,6 +28,10 @@ use tracing::{info, warn};
 
 use crate::git::{self, GitError, Repo, GIT_TIMEOUT};
 
+mod trees;
+
+pub use trees::{BaseTree, KEPT_TREES};
+
 /// The default limit of a worker's repository cache.
 pub const DEFAULT_CACHE_BYTES: u64 = 20 * 1024 * 1024 * 1024;
 
@@ -100,22 +104,56 @@ impl RepoCache {
         reference: Option<&str>,
         repo: &Repo,
     ) -> Result<String, GitError> {
+        Ok(self.clone_layered(url, reference, repo, None).await?.0)
+    }
+
+    /// [`RepoCache::clone_at`], with the work tree an overlay of a cached checkout of the base
+    /// commit (owned by `layered`, the stage user) when `layered` is given and the checkout
+    /// can be had: then the checkout is returned, held for as long as the run keeps it. When
+    /// it cannot, the work tree is checked out as usual.
+    pub async fn clone_layered(
+        &self,
+        url: &str,
+        reference: Option<&str>,
+        repo: &Repo,
+        layered: Option<(u32, u32)>,
+    ) -> Result<(String, Option<BaseTree>), GitError> {
         proto::names::check_url(url, &git::allowed_schemes())
             .map_err(|reason| GitError::Refused(format!("repository URL refused: {reason}")))?;
         if reference.is_some_and(git::looks_like_commit) {
-            return git::clone_at(url, reference, repo).await;
+            return Ok((git::clone_at(url, reference, repo).await?, None));
         }
         let cached = async {
             let fetched = self.fetch(url, reference).await?;
             link_from_mirror(&fetched.mirror, repo).await?;
+            let base = match layered {
+                Some(owner) => match self.base_tree(&fetched, owner).await {
+                    Ok(base) => Some(base),
+                    Err(error) => {
+                        warn!(%error, "cannot make a cached checkout; checking the work tree out");
+                        None
+                    }
+                },
+                None => None,
+            };
             drop(fetched._lock);
+            if let Some(base) = base {
+                match base.lay_work_tree(repo).await {
+                    Ok(()) => return Ok::<_, GitError>((fetched.commit, Some(base))),
+                    Err(error) => {
+                        warn!(%error, "cannot lay the work tree over the cached checkout; checking it out");
+                        unlay(&repo.work_tree).await;
+                    }
+                }
+            }
             check_out_base(repo, &fetched.commit).await?;
-            Ok::<_, GitError>(fetched.commit)
+            Ok((fetched.commit, None))
         };
         let error = match cached.await {
-            Ok(commit) => return Ok(commit),
+            Ok(cloned) => return Ok(cloned),
             Err(error) => error,
         };
+        unlay(&repo.work_tree).await;
         let _ = tokio::fs::remove_dir_all(&repo.work_tree).await;
         let _ = tokio::fs::remove_dir_all(&repo.git_dir).await;
         let direct = git::clone_at(url, reference, repo).await?;
@@ -126,9 +164,21 @@ impl RepoCache {
             remove_mirror(&mirror).await;
             drop(lock);
         }
-        Ok(direct)
+        Ok((direct, None))
     }
+}
 
+/// Unmounts a layered folder and removes its writable layer, leaving the folder empty.
+pub async fn unlay(folder: &Path) {
+    let folder = folder.to_path_buf();
+    let _ = tokio::task::spawn_blocking(move || {
+        crate::overlay::unmount_under(&folder);
+        let _ = std::fs::remove_dir_all(crate::overlay::layer_dir(&folder));
+    })
+    .await;
+}
+
+impl RepoCache {
     /// Evicts mirrors, least recently used first, until the cache is within its limit. The
     /// mirror `keep` (just fetched) and mirrors locked by a run are never evicted.
     async fn evict(&self, keep: &Path) {
@@ -306,9 +356,11 @@ async fn touch(path: &Path) -> std::io::Result<()> {
     file.set_modified(SystemTime::now())
 }
 
+/// Removes a mirror and its checkouts no run holds (a held one goes with a later eviction).
 async fn remove_mirror(mirror: &Path) {
     let _ = tokio::fs::remove_dir_all(mirror).await;
     let _ = tokio::fs::remove_file(used_path(mirror)).await;
+    trees::prune(&trees::trees_dir(mirror), 0).await;
 }
 
 /// A mirror, its size and when a run last used it.
@@ -328,7 +380,7 @@ fn mirrors_by_use(dir: &Path) -> Vec<Cached> {
         .map(|entry| entry.path())
         .filter(|path| path.extension().is_some_and(|e| e == "git"))
         .map(|path| Cached {
-            bytes: size_of(&path),
+            bytes: size_of(&path) + size_of(&trees::trees_dir(&path)),
             used: std::fs::metadata(used_path(&path))
                 .and_then(|m| m.modified())
                 .unwrap_or(SystemTime::UNIX_EPOCH),
@@ -358,7 +410,7 @@ fn size_of(dir: &Path) -> u64 {
     total
 }
 
-/// An exclusive `flock` on a file, released when dropped (the file is closed).
+/// A `flock` on a file, released when dropped (the file is closed).
 #[derive(Debug)]
 struct FileLock {
     /// Held open for the lock's lifetime.
@@ -368,6 +420,20 @@ struct FileLock {
 impl FileLock {
     /// Takes the lock on `path` (made when missing), trying for up to `limit`.
     async fn exclusive(path: &Path, limit: Duration) -> Result<FileLock, GitError> {
+        FileLock::take(path, limit, rustix::fs::FlockOperation::NonBlockingLockExclusive).await
+    }
+
+    /// Takes a shared lock on `path` (made when missing), trying for up to `limit`: many
+    /// holders at once, none while an exclusive one is held.
+    async fn shared(path: &Path, limit: Duration) -> Result<FileLock, GitError> {
+        FileLock::take(path, limit, rustix::fs::FlockOperation::NonBlockingLockShared).await
+    }
+
+    async fn take(
+        path: &Path,
+        limit: Duration,
+        operation: rustix::fs::FlockOperation,
+    ) -> Result<FileLock, GitError> {
         let file = std::fs::OpenOptions::new()
             .create(true)
             .truncate(false)
@@ -376,10 +442,7 @@ impl FileLock {
             .map_err(GitError::Spawn)?;
         let deadline = Instant::now() + limit;
         loop {
-            match rustix::fs::flock(
-                file.as_fd(),
-                rustix::fs::FlockOperation::NonBlockingLockExclusive,
-            ) {
+            match rustix::fs::flock(file.as_fd(), operation) {
                 Ok(()) => return Ok(FileLock { _file: file }),
                 Err(error) if Instant::now() >= deadline => {
                     return Err(GitError::Spawn(std::io::Error::other(format!(
@@ -394,10 +457,10 @@ impl FileLock {
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use super::*;
 
-    fn sh(dir: &Path, args: &[&str]) -> String {
+    pub(super) fn sh(dir: &Path, args: &[&str]) -> String {
         let output = std::process::Command::new("git")
             .args([
                 "-c",
@@ -420,7 +483,7 @@ mod tests {
     }
 
     /// A bare origin with `main` at a commit of `files` files; returns its `file://` URL.
-    fn origin(dir: &Path, name: &str, files: usize) -> (String, PathBuf) {
+    pub(super) fn origin(dir: &Path, name: &str, files: usize) -> (String, PathBuf) {
         let bare = dir.join(format!("{name}.git"));
         let seed = dir.join(format!("{name}-seed"));
         std::fs::create_dir_all(&seed).unwrap();
@@ -451,7 +514,7 @@ mod tests {
         (format!("file://{}", bare.display()), seed)
     }
 
-    fn repo_in(dir: &Path, name: &str) -> Repo {
+    pub(super) fn repo_in(dir: &Path, name: &str) -> Repo {
         std::fs::create_dir_all(dir.join(name)).unwrap();
         Repo::new(dir.join(name).join("repo.git"), dir.join(name).join("src"))
     }

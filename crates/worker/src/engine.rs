@@ -51,7 +51,7 @@ mod verify;
 use context::RunContext;
 pub use gated::Execution;
 use gated::{over_budget, Gated};
-use stage::{agent_mounts, PreparedStage, StagePlace, StageRequest};
+use stage::{agent_mounts, workspace_mounts, PreparedStage, StagePlace, StageRequest};
 
 /// The exit code with which a stage says its provider paused (quota, rate limit, login).
 pub const EXIT_PAUSED: i64 = 75;
@@ -588,8 +588,12 @@ impl<R: ContainerRuntime> Engine<R> {
         let clone = async {
             let (url, reference) = (&repository.url, repository.git_ref.as_deref());
             match &self.config.cache {
-                Some(cache) => cache.clone_at(url, reference, &repo).await,
-                None => git::clone_at(url, reference, &repo).await,
+                // Layered workspaces are owned by the stage user from the start.
+                Some(cache) => {
+                    let layered = crate::overlay::enabled().then_some(self.config.stage_user);
+                    cache.clone_layered(url, reference, &repo, layered).await
+                }
+                None => git::clone_at(url, reference, &repo).await.map(|c| (c, None)),
             }
         };
         let began = Instant::now();
@@ -598,7 +602,7 @@ impl<R: ContainerRuntime> Engine<R> {
         } else {
             (clone.await, None)
         };
-        run.base = cloned.map_err(|e| e.to_string())?;
+        (run.base, run.base_tree) = cloned.map_err(|e| e.to_string())?;
         repo.make_disposable_copy()
             .await
             .map_err(|e| format!("cannot give the stages their git copy: {e}"))?;
@@ -657,11 +661,22 @@ async fn publish<S: EventSink>(
     sink.publish(Event::new(run_id, kind)).await
 }
 
+/// Removes a folder of the run, and the writable layer beside it; every overlay mounted
+/// at or under it is detached first (never deleted through).
 async fn remove_dir(path: &Path) -> std::io::Result<()> {
-    match tokio::fs::remove_dir_all(path).await {
-        Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(e),
-        _ => Ok(()),
-    }
+    let (folder, layer) = (path.to_path_buf(), crate::overlay::layer_dir(path));
+    tokio::task::spawn_blocking(move || {
+        crate::overlay::unmount_under(&folder);
+        for dir in [&folder, &layer] {
+            match std::fs::remove_dir_all(dir) {
+                Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(e),
+                _ => {}
+            }
+        }
+        Ok(())
+    })
+    .await
+    .map_err(std::io::Error::other)?
 }
 
 /// The effective uid and gid of this process, read without `unsafe` from `/proc/self`.

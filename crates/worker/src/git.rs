@@ -88,7 +88,7 @@ impl Repo {
         let git_dir = format!("--git-dir={}", self.git_dir.display());
         let mut all = vec![git_dir.as_str()];
         all.extend_from_slice(args);
-        run_git(&self.git_dir, &all, &[], None).await
+        run_git(&self.git_dir, &all, &[], None, None).await
     }
 
     /// Runs git on the git folder with the work tree.
@@ -107,16 +107,24 @@ impl Repo {
         all.extend_from_slice(args);
         // Pathspecs are relative to the work tree; the explicit git folder means git never
         // looks for one in it.
-        run_git(&self.work_tree, &all, &[], input).await
+        run_git(&self.work_tree, &all, &[], input, None).await
     }
 
     /// Gives the stages a git repository of their own at `{work tree}/.git`: a copy of the git
-    /// folder, which forgepool never reads back (git skips `.git` in a work tree).
+    /// folder, which forgepool never reads back (git skips `.git` in a work tree). A layered
+    /// work tree gets it beside it ([`crate::overlay::stage_git`]), mounted at `.git` in the
+    /// stages (hard links cannot cross into an overlay), and an empty folder to mount it on.
     pub async fn make_disposable_copy(&self) -> Result<(), GitError> {
         let from = self.git_dir.clone();
-        let to = self.work_tree.join(".git");
-        tokio::task::spawn_blocking(move || disposable_git(&from, &to, ""))
-            .await
+        let work_tree = self.work_tree.clone();
+        tokio::task::spawn_blocking(move || {
+            if crate::overlay::upper_of(&work_tree).is_none() {
+                return disposable_git(&from, &work_tree.join(".git"), "");
+            }
+            disposable_git(&from, &crate::overlay::layer_dir(&work_tree).join("git"), "")?;
+            std::fs::create_dir_all(work_tree.join(".git"))
+        })
+        .await
             .map_err(|e| GitError::Spawn(std::io::Error::other(e)))?
             .map_err(GitError::Spawn)
     }
@@ -146,7 +154,7 @@ pub fn disposable_git(from: &Path, to: &Path, extra: &str) -> std::io::Result<()
 /// Runs `git args` in `dir` (a folder forgepool made and no stage can write) and returns its
 /// trimmed stdout.
 pub async fn git(dir: &Path, args: &[&str]) -> Result<String, GitError> {
-    run_git(dir, args, &[], None).await
+    run_git(dir, args, &[], None, None).await
 }
 
 /// Runs `git args` in `dir` with extra environment variables.
@@ -155,7 +163,18 @@ pub async fn git_with_env(
     args: &[&str],
     env: &[(&str, &str)],
 ) -> Result<String, GitError> {
-    run_git(dir, args, env, None).await
+    run_git(dir, args, env, None, None).await
+}
+
+/// Runs `git args` in `dir` as the user `user` (`uid`, `gid`), with extra environment
+/// variables: what it writes is that user's from the start, with no ownership walk after.
+pub async fn git_as(
+    dir: &Path,
+    args: &[&str],
+    env: &[(&str, &str)],
+    user: (u32, u32),
+) -> Result<String, GitError> {
+    run_git(dir, args, env, None, Some(user)).await
 }
 
 /// The configuration every git process of forgepool gets on its command line, which outranks
@@ -210,8 +229,13 @@ async fn run_git(
     args: &[&str],
     env: &[(&str, &str)],
     input: Option<&str>,
+    user: Option<(u32, u32)>,
 ) -> Result<String, GitError> {
     let mut command = Command::new("git");
+    if let Some((uid, gid)) = user {
+        // Supplementary groups are dropped too (the standard library does when root sets uid).
+        command.uid(uid).gid(gid).env("HOME", "/");
+    }
     command
         .args(hardening())
         .args(args)
@@ -390,6 +414,7 @@ async fn clone_named(url: &str, reference: Option<&str>, repo: &Repo) -> Result<
         &[&git_dir, "update-ref", "--no-deref", "--stdin"],
         &[],
         Some(&updates),
+        None,
     )
     .await?;
     exclude_forge(repo).await?;

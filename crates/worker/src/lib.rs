@@ -23,6 +23,7 @@ pub mod git;
 pub mod ledger;
 pub mod linkcopy;
 pub mod machine;
+pub mod overlay;
 pub mod pulls;
 pub mod queue;
 pub mod report;

@@ -12,6 +12,9 @@ pub(super) struct RunContext<'a> {
     /// implementer changes.
     pub(super) repo: git::Repo,
     pub(super) base: String,
+    /// The cached checkout of `base` the work tree and the copies are laid over (SPEC 14),
+    /// held for the run; `None` when they are checked out.
+    pub(super) base_tree: Option<crate::cache::BaseTree>,
     pub(super) stage_count: u32,
     pub(super) collector: CycleCollector,
     pub(super) history: Vec<serde_json::Value>,
@@ -45,7 +48,7 @@ pub(super) struct RunContext<'a> {
 impl<'a> RunContext<'a> {
     pub(super) fn new(job: &'a Job, root: &Path) -> RunContext<'a> {
         let src = root.join("src");
-        RunContext {
+        RunContext { base_tree: None,
             job,
             root: root.to_path_buf(),
             collector: CycleCollector::new(&src),
@@ -194,6 +197,9 @@ impl<'a> RunContext<'a> {
     async fn read_only_copy(&self, tree: &str, dest: &Path) -> Result<String, String> {
         let _ = remove_dir(dest).await;
         let commit = self.candidate(tree).await?;
+        if self.lay_copy(&commit, dest).await {
+            return Ok(commit);
+        }
         match crate::linkcopy::link_copy(&self.repo, &commit, tree, &self.base, dest).await {
             Ok(true) => return Ok(commit),
             Ok(false) => {}
@@ -226,10 +232,29 @@ impl<'a> RunContext<'a> {
     pub(super) async fn fresh_copy(&self, tree: &str, dest: &Path) -> Result<String, String> {
         let _ = remove_dir(dest).await;
         let commit = self.candidate(tree).await?;
+        if self.lay_copy(&commit, dest).await {
+            return Ok(commit);
+        }
         git::copy_at(&self.repo, &commit, &self.base, dest)
             .await
             .map_err(|e| e.to_string())?;
         Ok(commit)
+    }
+
+    /// A copy of `commit` at `dest` laid over the run's cached checkout, when it has one:
+    /// `false` (and nothing left at `dest`) when it has none or the copy fails.
+    async fn lay_copy(&self, commit: &str, dest: &Path) -> bool {
+        let Some(base_tree) = &self.base_tree else {
+            return false;
+        };
+        match base_tree.lay_copy(&self.repo, commit, dest).await {
+            Ok(()) => true,
+            Err(error) => {
+                warn!(%error, "cannot lay a copy over the cached checkout; checking one out");
+                let _ = remove_dir(dest).await;
+                false
+            }
+        }
     }
 
     /// The `review` field of the result and the report's final review section.

@@ -324,7 +324,13 @@ impl<R: ContainerRuntime> Engine<R> {
         }
         let (uid, gid) = self.config.stage_user;
         let dir = dir.to_path_buf();
-        let _ = tokio::task::spawn_blocking(move || chown_tree(&dir, uid, gid)).await;
+        let _ = tokio::task::spawn_blocking(move || match crate::overlay::upper_of(&dir) {
+            // A layered folder: only what was written in it can be another's (the cached
+            // checkout below is the stage user's already), so only that is walked.
+            Some(upper) => chown_written(&upper, &dir, uid, gid),
+            None => chown_tree(&dir, uid, gid),
+        })
+        .await;
     }
 }
 
@@ -476,12 +482,8 @@ impl DiskWatch {
 /// The mounts of an agent stage: the source at `/workspace`, its inputs read-only at
 /// `/forge/input`, and a writable `/forge/output`.
 pub(super) fn agent_mounts(source: &Path, read_only: bool, stage_dir: &Path) -> Vec<Mount> {
-    vec![
-        Mount {
-            source: source.to_path_buf(),
-            target: "/workspace".into(),
-            read_only,
-        },
+    let mut mounts = workspace_mounts(source, read_only);
+    mounts.extend([
         Mount {
             source: stage_dir.join("input"),
             target: "/forge/input".into(),
@@ -492,7 +494,52 @@ pub(super) fn agent_mounts(source: &Path, read_only: bool, stage_dir: &Path) -> 
             target: "/forge/output".into(),
             read_only: false,
         },
-    ]
+    ]);
+    mounts
+}
+
+/// The source at `/workspace`, and for a layered source its stages' git folder at
+/// `/workspace/.git` (see [`crate::overlay`]).
+pub(super) fn workspace_mounts(source: &Path, read_only: bool) -> Vec<Mount> {
+    let mut mounts = vec![Mount {
+        source: source.to_path_buf(),
+        target: "/workspace".into(),
+        read_only,
+    }];
+    if let Some(git) = crate::overlay::stage_git(source) {
+        mounts.push(Mount {
+            source: git,
+            target: "/workspace/.git".into(),
+            read_only,
+        });
+    }
+    mounts
+}
+
+/// Gives the stage user each path of the layered folder `folder` that its upper layer
+/// `upper` holds, changing it through the overlay (the layers are never written directly
+/// while mounted).
+fn chown_written(upper: &Path, folder: &Path, uid: u32, gid: u32) {
+    use std::os::unix::fs::MetadataExt;
+    let mut pending = vec![PathBuf::new()];
+    while let Some(relative) = pending.pop() {
+        let Ok(written) = std::fs::symlink_metadata(upper.join(&relative)) else {
+            continue;
+        };
+        if written.is_dir() {
+            if let Ok(entries) = std::fs::read_dir(upper.join(&relative)) {
+                pending.extend(entries.flatten().map(|e| relative.join(e.file_name())));
+            }
+        }
+        let path = folder.join(&relative);
+        let Ok(metadata) = std::fs::symlink_metadata(&path) else {
+            continue; // a whiteout: the path was removed
+        };
+        let shared = metadata.is_file() && metadata.nlink() > 1;
+        if !shared && (metadata.uid() != uid || metadata.gid() != gid) {
+            let _ = std::os::unix::fs::lchown(&path, Some(uid), Some(gid));
+        }
+    }
 }
 
 fn chown_tree(dir: &Path, uid: u32, gid: u32) {

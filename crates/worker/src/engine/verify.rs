@@ -24,11 +24,7 @@ impl<R: ContainerRuntime> Engine<R> {
         let mut signature: FailureSignature = Vec::new();
         let mut report = String::new();
         for command in &job.commands {
-            let mounts = vec![Mount {
-                source: copy.clone(),
-                target: "/workspace".into(),
-                read_only: false,
-            }];
+            let mounts = workspace_mounts(&copy, false);
             let mut prepared = self.prepare_stage(
                 run,
                 StageRequest {

@@ -1,0 +1,472 @@
+//! Cached checkouts: the read-only lower layer of layered workspaces ([`crate::overlay`]).
+//!
+//! A mirror's checkouts live in `{mirror}.trees/{commit}-{uid}-{gid}/`: `files/`, the commit
+//! checked out and owned by the stage user (so a stage can change a file through the overlay,
+//! which copies it up), and `index`, git's index of `files/`. A layered folder shows the same
+//! inodes, sizes and times, so git's stat check matches every unchanged file and never
+//! re-hashes it. A checkout is made once per commit, under the mirror's lock, by git running
+//! as the stage user (no ownership walk), in a temporary folder renamed into place when
+//! complete, and is never written again.
+//!
+//! A run holds a shared lock on `{commit}-{uid}-{gid}.lock` for as long as its overlays use the
+//! checkout; removing one takes that lock exclusively, so a checkout in use is never removed.
+//! A mirror keeps its [`KEPT_TREES`] most recently used checkouts, and evicting a mirror
+//! removes its checkouts no run holds.
+
+use super::*;
+use crate::overlay;
+
+/// The checkouts kept per repository (the most recently used ones).
+pub const KEPT_TREES: usize = 2;
+
+/// A cached checkout of a run's base commit, held (shared) until dropped.
+#[derive(Debug)]
+pub struct BaseTree {
+    /// The checked-out files: an overlay's lower layer, never written.
+    pub files: PathBuf,
+    /// git's index of `files`.
+    pub index: PathBuf,
+    /// The commit checked out.
+    pub commit: String,
+    /// Who owns the files (the stage user).
+    pub owner: (u32, u32),
+    _lock: FileLock,
+}
+
+/// The folder of a mirror's checkouts.
+pub(super) fn trees_dir(mirror: &Path) -> PathBuf {
+    mirror.with_extension("trees")
+}
+
+impl RepoCache {
+    /// The checkout of `fetched.commit` owned by `owner`, made when missing. Called while the
+    /// mirror's lock is held (so no other run makes or removes a checkout of it meanwhile).
+    pub(super) async fn base_tree(
+        &self,
+        fetched: &Fetched,
+        owner: (u32, u32),
+    ) -> Result<BaseTree, GitError> {
+        let trees = trees_dir(&fetched.mirror);
+        let name = format!("{}-{}-{}", fetched.commit, owner.0, owner.1);
+        let dir = trees.join(&name);
+        if !dir.join("index").is_file() {
+            let began = Instant::now();
+            build(&fetched.mirror, &fetched.commit, &dir, owner).await?;
+            info!(
+                seconds = began.elapsed().as_secs_f64(),
+                "base checkout made in the cache"
+            );
+        }
+        let lock_file = trees.join(format!("{name}.lock"));
+        let lock = FileLock::shared(&lock_file, GIT_TIMEOUT).await?;
+        let _ = touch(&lock_file).await;
+        prune(&trees, KEPT_TREES).await;
+        Ok(BaseTree {
+            files: dir.join("files"),
+            index: dir.join("index"),
+            commit: fetched.commit.clone(),
+            owner,
+            _lock: lock,
+        })
+    }
+}
+
+impl BaseTree {
+    /// Makes the run's work tree an overlay of this checkout and gives the run's git folder
+    /// (made from the mirror with no checkout) the checkout's index, HEAD detached at the
+    /// commit and `base`: the work tree is ready without writing a file.
+    pub async fn lay_work_tree(&self, repo: &Repo) -> Result<(), GitError> {
+        self.mount(&repo.work_tree).await?;
+        tokio::fs::copy(&self.index, repo.git_dir.join("index"))
+            .await
+            .map_err(GitError::Spawn)?;
+        repo.git(&["update-ref", "--no-deref", "HEAD", &self.commit])
+            .await?;
+        repo.git(&["branch", "--force", "base", &self.commit])
+            .await?;
+        git::exclude_forge(repo).await
+    }
+
+    /// A copy of `commit` at `dest`: an overlay of this checkout (the base) with the files
+    /// `commit` changes written by git, and the stages' git folder beside it
+    /// ([`overlay::stage_git`]) with `commit` checked out as `forgepool-candidate` and `base` as
+    /// a branch.
+    pub async fn lay_copy(&self, repo: &Repo, commit: &str, dest: &Path) -> Result<(), GitError> {
+        self.mount(dest).await?;
+        let layer = overlay::layer_dir(dest);
+        let index = layer.join("index");
+        tokio::fs::copy(&self.index, &index)
+            .await
+            .map_err(GitError::Spawn)?;
+        let (git_dir, work_tree) = (
+            format!("--git-dir={}", repo.git_dir.display()),
+            format!("--work-tree={}", dest.display()),
+        );
+        let index_text = index.to_string_lossy();
+        git::git_with_env(
+            &layer,
+            &[
+                &git_dir,
+                &work_tree,
+                "read-tree",
+                "-m",
+                "-u",
+                &self.commit,
+                commit,
+            ],
+            &[("GIT_INDEX_FILE", &index_text)],
+        )
+        .await?;
+        let (from, stage_git) = (repo.git_dir.clone(), layer.join("git"));
+        let (moved, mount_point) = (index.clone(), dest.join(".git"));
+        tokio::task::spawn_blocking(move || {
+            git::disposable_git(&from, &stage_git, "")?;
+            std::fs::rename(&moved, stage_git.join("index"))?;
+            std::fs::create_dir_all(&mount_point)
+        })
+        .await
+        .map_err(|e| GitError::Spawn(std::io::Error::other(e)))?
+        .map_err(GitError::Spawn)?;
+        let stage_git = format!("--git-dir={}", layer.join("git").display());
+        git::git(
+            &layer,
+            &[
+                &stage_git,
+                "update-ref",
+                "refs/heads/forgepool-candidate",
+                commit,
+            ],
+        )
+        .await?;
+        git::git(
+            &layer,
+            &[
+                &stage_git,
+                "symbolic-ref",
+                "HEAD",
+                "refs/heads/forgepool-candidate",
+            ],
+        )
+        .await?;
+        git::git(
+            &layer,
+            &[&stage_git, "branch", "--force", "base", &self.commit],
+        )
+        .await?;
+        Ok(())
+    }
+
+    async fn mount(&self, target: &Path) -> Result<(), GitError> {
+        let (files, target, owner) = (self.files.clone(), target.to_path_buf(), self.owner);
+        tokio::task::spawn_blocking(move || overlay::mount(&files, &target, owner))
+            .await
+            .map_err(|e| GitError::Spawn(std::io::Error::other(e)))?
+            .map_err(GitError::Spawn)
+    }
+}
+
+/// Checks `commit` of `mirror` out into `dir` (`files/` and `index`) owned by `owner`: by
+/// git running as `owner` when it can reach the folders, else by git running as the worker
+/// and one ownership walk (the checkout is made once per commit either way).
+async fn build(mirror: &Path, commit: &str, dir: &Path, owner: (u32, u32)) -> Result<(), GitError> {
+    match check_out(mirror, commit, dir, owner, true).await {
+        Ok(()) => Ok(()),
+        Err(error) => {
+            info!(%error, "the stage user cannot reach the cache; checking out as the worker");
+            check_out(mirror, commit, dir, owner, false).await
+        }
+    }
+}
+
+async fn check_out(
+    mirror: &Path,
+    commit: &str,
+    dir: &Path,
+    owner: (u32, u32),
+    as_owner: bool,
+) -> Result<(), GitError> {
+    let name = dir.file_name().unwrap_or_default().to_string_lossy();
+    let temporary = dir.with_file_name(format!(".new-{name}"));
+    let _ = tokio::fs::remove_dir_all(&temporary).await;
+    let files = temporary.join("files");
+    let made = {
+        let (temporary, files) = (temporary.clone(), files.clone());
+        tokio::task::spawn_blocking(move || {
+            std::fs::create_dir_all(&files)?;
+            std::os::unix::fs::chown(&temporary, Some(owner.0), Some(owner.1))?;
+            std::os::unix::fs::chown(&files, Some(owner.0), Some(owner.1))
+        })
+    };
+    blocking(made.await)?;
+    let index = temporary.join("index").to_string_lossy().into_owned();
+    let env = [("GIT_INDEX_FILE", index.as_str())];
+    let (git_dir, work_tree) = (
+        format!("--git-dir={}", mirror.display()),
+        format!("--work-tree={}", files.display()),
+    );
+    let place = if as_owner { &files } else { &temporary };
+    let user = as_owner.then_some(owner);
+    let checkout = [git_dir.as_str(), &work_tree, "read-tree", "--reset", "-u", commit];
+    git_by(place, &checkout, &env, user).await?;
+    if !as_owner {
+        let files = files.clone();
+        blocking(tokio::task::spawn_blocking(move || own_all(&files, owner)).await)?;
+    }
+    // A big checkout takes seconds, and git's parallel checkout leaves entries whose stat
+    // data every later status re-checks by content (measured: 1.3 s more per warm run on
+    // 50,000 files). After a second has turned, one refresh records them for good. A small
+    // checkout is re-hashed faster than the wait.
+    let entries = tokio::fs::metadata(&index).await.map_or(0, |m| m.len());
+    if entries >= SMALL_INDEX_BYTES {
+        refresh_after_a_second(place, &git_dir, &work_tree, &env, user).await?;
+    }
+    let _ = tokio::fs::remove_dir_all(dir).await;
+    tokio::fs::rename(&temporary, dir)
+        .await
+        .map_err(GitError::Spawn)
+}
+
+/// The size of an index (about 5,000 entries) under which a checkout is not refreshed.
+const SMALL_INDEX_BYTES: u64 = 512 * 1024;
+
+async fn refresh_after_a_second(
+    place: &Path,
+    git_dir: &str,
+    work_tree: &str,
+    env: &[(&str, &str)],
+    user: Option<(u32, u32)>,
+) -> Result<(), GitError> {
+    let into_second = SystemTime::now()
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .unwrap_or_default()
+        .subsec_nanos();
+    let rest = Duration::from_nanos(u64::from(1_000_000_000 - into_second.min(999_999_999)));
+    tokio::time::sleep(rest + Duration::from_millis(10)).await;
+    let refresh = [git_dir, work_tree, "update-index", "-q", "--refresh"];
+    git_by(place, &refresh, env, user).await?;
+    Ok(())
+}
+
+async fn git_by(
+    dir: &Path,
+    args: &[&str],
+    env: &[(&str, &str)],
+    user: Option<(u32, u32)>,
+) -> Result<String, GitError> {
+    match user {
+        Some(user) => git::git_as(dir, args, env, user).await,
+        None => git::git_with_env(dir, args, env).await,
+    }
+}
+
+fn blocking(
+    outcome: Result<std::io::Result<()>, tokio::task::JoinError>,
+) -> Result<(), GitError> {
+    outcome
+        .map_err(|e| GitError::Spawn(std::io::Error::other(e)))?
+        .map_err(GitError::Spawn)
+}
+
+/// Gives `owner` everything under `dir` (a checkout git just wrote: nothing in it is linked).
+fn own_all(dir: &Path, owner: (u32, u32)) -> std::io::Result<()> {
+    let mut pending = vec![dir.to_path_buf()];
+    while let Some(path) = pending.pop() {
+        let metadata = std::fs::symlink_metadata(&path)?;
+        std::os::unix::fs::lchown(&path, Some(owner.0), Some(owner.1))?;
+        if metadata.is_dir() {
+            for entry in std::fs::read_dir(&path)? {
+                pending.push(entry?.path());
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Removes a mirror's checkouts beyond the `keep` most recently used, skipping those a run
+/// holds.
+pub(super) async fn prune(trees: &Path, keep: usize) {
+    let trees = trees.to_path_buf();
+    let listed = tokio::task::spawn_blocking(move || checkouts_by_use(&trees))
+        .await
+        .unwrap_or_default();
+    for (dir, lock_file) in listed.into_iter().skip(keep) {
+        let Ok(lock) = FileLock::exclusive(&lock_file, Duration::ZERO).await else {
+            continue;
+        };
+        info!(checkout = %dir.display(), "removing a cached checkout");
+        let _ = tokio::fs::remove_dir_all(&dir).await;
+        let _ = tokio::fs::remove_file(&lock_file).await;
+        drop(lock);
+    }
+}
+
+/// A mirror's checkouts and their lock files, most recently used first.
+fn checkouts_by_use(trees: &Path) -> Vec<(PathBuf, PathBuf)> {
+    let Ok(entries) = std::fs::read_dir(trees) else {
+        return Vec::new();
+    };
+    let mut found: Vec<(SystemTime, PathBuf, PathBuf)> = entries
+        .flatten()
+        .map(|entry| entry.path())
+        .filter(|path| {
+            path.is_dir()
+                && !path
+                    .file_name()
+                    .is_some_and(|n| n.to_string_lossy().starts_with('.'))
+        })
+        .map(|dir| {
+            let lock_file = dir.with_extension("lock");
+            let used = std::fs::metadata(&lock_file)
+                .and_then(|m| m.modified())
+                .unwrap_or(SystemTime::UNIX_EPOCH);
+            (used, dir, lock_file)
+        })
+        .collect();
+    found.sort_by(|a, b| b.0.cmp(&a.0));
+    found.into_iter().map(|(_, dir, lock)| (dir, lock)).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::tests::{origin, repo_in, sh};
+    use super::*;
+    use std::os::unix::fs::MetadataExt;
+
+    const STAGE_USER: (u32, u32) = (65_534, 65_534);
+
+    fn root_required() {
+        assert!(
+            rustix::process::geteuid().is_root(),
+            "layered workspaces mount overlays: run the tests as root (.ci/run does)"
+        );
+    }
+
+    /// Catches: a layered work tree whose snapshot differs from a checked-out one (the
+    /// delivered commit and the guard's tree hashes must not depend on layers), a change that
+    /// reaches the cached checkout, a deletion git does not see through the overlay, and a
+    /// warm run that checks the commit out again.
+    #[tokio::test]
+    async fn a_layered_work_tree_is_the_same_as_a_checked_out_one() {
+        root_required();
+        let dir = tempfile::tempdir().unwrap();
+        let (url, _) = origin(dir.path(), "shop", 30);
+        let cache = RepoCache::new(dir.path().join("cache"), DEFAULT_CACHE_BYTES);
+        let (layered, direct) = (repo_in(dir.path(), "a"), repo_in(dir.path(), "b"));
+        let (base, tree) = cache
+            .clone_layered(&url, Some("main"), &layered, Some(STAGE_USER))
+            .await
+            .unwrap();
+        let tree = tree.expect("a cached checkout");
+        assert_eq!(base, git::clone_at(&url, Some("main"), &direct).await.unwrap());
+        assert!(overlay::upper_of(&layered.work_tree).is_some(), "the work tree is layered");
+        assert_eq!(
+            std::fs::metadata(tree.files.join("f3.txt")).unwrap().uid(),
+            STAGE_USER.0,
+            "the checkout is the stage user's from the start"
+        );
+        assert_eq!(git::snapshot_tree(&layered).await.unwrap(), git::snapshot_tree(&direct).await.unwrap());
+        for repo in [&layered, &direct] {
+            std::fs::write(repo.work_tree.join("f3.txt"), "changed\n").unwrap();
+            std::fs::write(repo.work_tree.join("new.txt"), "new\n").unwrap();
+            std::fs::remove_file(repo.work_tree.join("f5.txt")).unwrap();
+        }
+        let snapshot = git::snapshot_tree(&layered).await.unwrap();
+        assert_eq!(snapshot, git::snapshot_tree(&direct).await.unwrap(), "the same tree hash");
+        let changed = layered
+            .git(&["diff-index", "--cached", "--name-status", "base"])
+            .await
+            .unwrap();
+        assert_eq!(changed, "M\tf3.txt\nD\tf5.txt\nA\tnew.txt");
+        assert_ne!(std::fs::read_to_string(tree.files.join("f3.txt")).unwrap(), "changed\n");
+        assert!(tree.files.join("f5.txt").is_file() && !tree.files.join("new.txt").exists());
+        let built = std::fs::metadata(&tree.files).unwrap().ino();
+        drop(tree);
+        crate::cache::unlay(&layered.work_tree).await;
+        let again = repo_in(dir.path(), "c");
+        let (_, warm) = cache
+            .clone_layered(&url, Some("main"), &again, Some(STAGE_USER))
+            .await
+            .unwrap();
+        assert_eq!(std::fs::metadata(&warm.unwrap().files).unwrap().ino(), built, "reused, not checked out again");
+        crate::cache::unlay(&again.work_tree).await;
+    }
+
+    /// Catches: a reviewer's or verifier's layered copy that is not exactly the candidate
+    /// (a change, an addition or a deletion missing), or whose git folder does not show the
+    /// change as `base...HEAD`.
+    #[tokio::test]
+    async fn a_layered_copy_is_exactly_the_candidate() {
+        root_required();
+        let dir = tempfile::tempdir().unwrap();
+        let (url, _) = origin(dir.path(), "shop", 30);
+        let cache = RepoCache::new(dir.path().join("cache"), DEFAULT_CACHE_BYTES);
+        let repo = repo_in(dir.path(), "a");
+        let (base, tree) = cache
+            .clone_layered(&url, Some("main"), &repo, Some(STAGE_USER))
+            .await
+            .unwrap();
+        let tree = tree.unwrap();
+        std::fs::write(repo.work_tree.join("f3.txt"), "changed\n").unwrap();
+        std::fs::create_dir_all(repo.work_tree.join("deep/er")).unwrap();
+        std::fs::write(repo.work_tree.join("deep/er/new.txt"), "new\n").unwrap();
+        std::fs::remove_file(repo.work_tree.join("f5.txt")).unwrap();
+        let snapshot = git::snapshot_tree(&repo).await.unwrap();
+        let commit = git::commit_tree(&repo, &snapshot, &base, "candidate", "1700000000 +0000")
+            .await
+            .unwrap();
+        let copy = dir.path().join("a").join("review-1");
+        tree.lay_copy(&repo, &commit, &copy).await.unwrap();
+        assert_eq!(std::fs::read_to_string(copy.join("f3.txt")).unwrap(), "changed\n");
+        assert_eq!(std::fs::read_to_string(copy.join("deep/er/new.txt")).unwrap(), "new\n");
+        assert!(!copy.join("f5.txt").exists());
+        let stage_git = overlay::stage_git(&copy).expect("the stages' git folder beside the copy");
+        let git_dir = format!("--git-dir={}", stage_git.display());
+        let work_tree = format!("--work-tree={}", copy.display());
+        assert_eq!(sh(&copy, &[&git_dir, &work_tree, "status", "--porcelain"]), "", "the copy is the candidate, as its index says");
+        assert_eq!(sh(&copy, &[&git_dir, "rev-parse", "HEAD^{tree}"]), snapshot);
+        assert_eq!(
+            sh(&copy, &[&git_dir, "diff", "--name-only", "base...HEAD"]),
+            "deep/er/new.txt\nf3.txt\nf5.txt"
+        );
+        crate::cache::unlay(&copy).await;
+        crate::cache::unlay(&repo.work_tree).await;
+    }
+
+    /// Catches: a checkout removed while a run's overlay still uses it, and checkouts that
+    /// pile up without bound.
+    #[tokio::test]
+    async fn a_checkout_in_use_is_kept_and_old_ones_are_pruned() {
+        root_required();
+        let dir = tempfile::tempdir().unwrap();
+        let (url, seed) = origin(dir.path(), "shop", 3);
+        let cache = RepoCache::new(dir.path().join("cache"), DEFAULT_CACHE_BYTES);
+        let first_repo = repo_in(dir.path(), "r0");
+        let (_, held) = cache
+            .clone_layered(&url, Some("main"), &first_repo, Some(STAGE_USER))
+            .await
+            .unwrap();
+        let held = held.unwrap();
+        let bare = url.trim_start_matches("file://").to_string();
+        for n in 1..=KEPT_TREES + 1 {
+            std::fs::write(seed.join(format!("more{n}.txt")), "more\n").unwrap();
+            sh(&seed, &["add", "-A"]);
+            sh(&seed, &["commit", "--quiet", "-m", "more"]);
+            sh(&seed, &["push", "--quiet", &bare, "HEAD:main"]);
+            let repo = repo_in(dir.path(), &format!("r{n}"));
+            let (_, tree) = cache
+                .clone_layered(&url, Some("main"), &repo, Some(STAGE_USER))
+                .await
+                .unwrap();
+            drop(tree);
+            crate::cache::unlay(&repo.work_tree).await;
+        }
+        let trees = trees_dir(&cache.mirror_of(&url));
+        let kept = checkouts_by_use(&trees);
+        assert!(held.files.join("f1.txt").is_file(), "the held checkout is still there");
+        assert_eq!(kept.len(), KEPT_TREES + 1, "the kept ones and the held one: {kept:?}");
+        crate::cache::unlay(&first_repo.work_tree).await;
+        drop(held);
+        prune(&trees, KEPT_TREES).await;
+        assert_eq!(checkouts_by_use(&trees).len(), KEPT_TREES);
+    }
+}
