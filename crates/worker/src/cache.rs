@@ -420,13 +420,23 @@ struct FileLock {
 impl FileLock {
     /// Takes the lock on `path` (made when missing), trying for up to `limit`.
     async fn exclusive(path: &Path, limit: Duration) -> Result<FileLock, GitError> {
-        FileLock::take(path, limit, rustix::fs::FlockOperation::NonBlockingLockExclusive).await
+        FileLock::take(
+            path,
+            limit,
+            rustix::fs::FlockOperation::NonBlockingLockExclusive,
+        )
+        .await
     }
 
     /// Takes a shared lock on `path` (made when missing), trying for up to `limit`: many
     /// holders at once, none while an exclusive one is held.
     async fn shared(path: &Path, limit: Duration) -> Result<FileLock, GitError> {
-        FileLock::take(path, limit, rustix::fs::FlockOperation::NonBlockingLockShared).await
+        FileLock::take(
+            path,
+            limit,
+            rustix::fs::FlockOperation::NonBlockingLockShared,
+        )
+        .await
     }
 
     async fn take(

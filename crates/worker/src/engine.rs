@@ -593,7 +593,9 @@ impl<R: ContainerRuntime> Engine<R> {
                     let layered = crate::overlay::enabled().then_some(self.config.stage_user);
                     cache.clone_layered(url, reference, &repo, layered).await
                 }
-                None => git::clone_at(url, reference, &repo).await.map(|c| (c, None)),
+                None => git::clone_at(url, reference, &repo)
+                    .await
+                    .map(|c| (c, None)),
             }
         };
         let began = Instant::now();
@@ -661,22 +663,8 @@ async fn publish<S: EventSink>(
     sink.publish(Event::new(run_id, kind)).await
 }
 
-/// Removes a folder of the run, and the writable layer beside it; every overlay mounted
-/// at or under it is detached first (never deleted through).
 async fn remove_dir(path: &Path) -> std::io::Result<()> {
-    let (folder, layer) = (path.to_path_buf(), crate::overlay::layer_dir(path));
-    tokio::task::spawn_blocking(move || {
-        crate::overlay::unmount_under(&folder);
-        for dir in [&folder, &layer] {
-            match std::fs::remove_dir_all(dir) {
-                Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(e),
-                _ => {}
-            }
-        }
-        Ok(())
-    })
-    .await
-    .map_err(std::io::Error::other)?
+    crate::overlay::remove_folder(path).await
 }
 
 /// The effective uid and gid of this process, read without `unsafe` from `/proc/self`.

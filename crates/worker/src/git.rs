@@ -16,6 +16,8 @@ use std::time::Duration;
 
 use tokio::process::Command;
 
+pub use crate::copies::shareable;
+
 /// The limit on one git command (clone and push of large repositories included).
 pub const GIT_TIMEOUT: Duration = Duration::from_secs(600);
 
@@ -121,12 +123,16 @@ impl Repo {
             if crate::overlay::upper_of(&work_tree).is_none() {
                 return disposable_git(&from, &work_tree.join(".git"), "");
             }
-            disposable_git(&from, &crate::overlay::layer_dir(&work_tree).join("git"), "")?;
+            disposable_git(
+                &from,
+                &crate::overlay::layer_dir(&work_tree).join("git"),
+                "",
+            )?;
             std::fs::create_dir_all(work_tree.join(".git"))
         })
         .await
-            .map_err(|e| GitError::Spawn(std::io::Error::other(e)))?
-            .map_err(GitError::Spawn)
+        .map_err(|e| GitError::Spawn(std::io::Error::other(e)))?
+        .map_err(GitError::Spawn)
     }
 }
 
@@ -137,11 +143,11 @@ impl Repo {
 /// tracking, only the object format kept, then `extra`.
 pub fn disposable_git(from: &Path, to: &Path, extra: &str) -> std::io::Result<()> {
     if std::fs::symlink_metadata(to).is_ok() {
-        remove_any(to)?;
+        crate::copies::remove_any(to)?;
     }
     let sha256 = std::fs::read_to_string(from.join("config"))
         .is_ok_and(|c| c.contains("objectformat = sha256"));
-    copy_tree(from, to, false)?;
+    crate::copies::copy_tree(from, to, false)?;
     let config = if sha256 {
         DISPOSABLE_CONFIG.replace("repositoryformatversion = 0", "repositoryformatversion = 1")
             + "[extensions]\n\tobjectformat = sha256\n"
@@ -659,46 +665,6 @@ pub async fn apply_checkpoint(repo: &Repo, patch: &str) -> Result<String, GitErr
 /// Copies the folder `from` (a git folder forgepool made) to `to`. With `link`, files are
 /// hard-linked (copied when the link fails, as across devices); the `objects` folder below
 /// is always linked: object files are immutable.
-fn copy_tree(from: &Path, to: &Path, link: bool) -> std::io::Result<()> {
-    std::fs::create_dir_all(to)?;
-    for entry in std::fs::read_dir(from)? {
-        let entry = entry?;
-        let kind = entry.file_type()?;
-        let target = to.join(entry.file_name());
-        if kind.is_dir() {
-            copy_tree(
-                &entry.path(),
-                &target,
-                link || entry.file_name() == "objects",
-            )?;
-        } else if kind.is_file() {
-            if link && shareable(&entry.path()) && std::fs::hard_link(entry.path(), &target).is_ok()
-            {
-                continue;
-            }
-            std::fs::copy(entry.path(), &target)?;
-        }
-    }
-    Ok(())
-}
-
-/// Whether a file of a worker's git folder may be shared with a stage by hard link: only
-/// when root owns it (stage users are never root; a worker that is not root runs stages as
-/// itself, and they would own the file).
-pub fn shareable(path: &Path) -> bool {
-    use std::os::unix::fs::MetadataExt;
-    std::fs::symlink_metadata(path).is_ok_and(|m| m.uid() == 0)
-}
-
-fn remove_any(path: &Path) -> std::io::Result<()> {
-    let metadata = std::fs::symlink_metadata(path)?;
-    if metadata.is_dir() {
-        std::fs::remove_dir_all(path)
-    } else {
-        std::fs::remove_file(path)
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -10,6 +10,7 @@ pub mod cache;
 pub mod collector;
 pub mod config;
 pub mod confined;
+pub mod copies;
 pub mod docker;
 pub mod egress;
 pub mod engine;

@@ -135,6 +135,24 @@ pub fn mount(lower: &Path, target: &Path, owner: (u32, u32)) -> std::io::Result<
     Ok(())
 }
 
+/// Removes a folder of the run, and the writable layer beside it; every overlay mounted
+/// at or under it is detached first (never deleted through).
+pub async fn remove_folder(path: &Path) -> std::io::Result<()> {
+    let (folder, layer) = (path.to_path_buf(), layer_dir(path));
+    tokio::task::spawn_blocking(move || {
+        unmount_under(&folder);
+        for dir in [&folder, &layer] {
+            match std::fs::remove_dir_all(dir) {
+                Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(e),
+                _ => {}
+            }
+        }
+        Ok(())
+    })
+    .await
+    .map_err(std::io::Error::other)?
+}
+
 /// Detaches every mount at or under `path`, deepest first, and returns how many. Blocking.
 pub fn unmount_under(path: &Path) -> usize {
     let mut inside: Vec<PathBuf> = mount_points()
@@ -146,7 +164,9 @@ pub fn unmount_under(path: &Path) -> usize {
     for point in inside {
         match rustix::mount::unmount(&point, rustix::mount::UnmountFlags::DETACH) {
             Ok(()) => detached += 1,
-            Err(error) => warn!(%error, path = %point.display(), "cannot unmount a layered workspace"),
+            Err(error) => {
+                warn!(%error, path = %point.display(), "cannot unmount a layered workspace")
+            }
         }
     }
     detached
@@ -167,7 +187,9 @@ fn unescape(field: &str) -> String {
     let mut out = Vec::with_capacity(bytes.len());
     let mut i = 0;
     while i < bytes.len() {
-        let octal = bytes.get(i + 1..i + 4).filter(|d| d.iter().all(|b| (b'0'..=b'7').contains(b)));
+        let octal = bytes
+            .get(i + 1..i + 4)
+            .filter(|d| d.iter().all(|b| (b'0'..=b'7').contains(b)));
         match (bytes[i], octal) {
             (b'\\', Some(digits)) => {
                 let value = digits.iter().fold(0u32, |v, d| v * 8 + u32::from(d - b'0'));
@@ -219,7 +241,9 @@ fn probe(dir: &Path) -> std::io::Result<()> {
     unmount_under(root.path());
     match seen {
         Ok(bytes) if bytes == b"lower" => Ok(()),
-        Ok(_) => Err(std::io::Error::other("the probe overlay showed the wrong content")),
+        Ok(_) => Err(std::io::Error::other(
+            "the probe overlay showed the wrong content",
+        )),
         Err(error) => Err(error),
     }
 }
@@ -246,7 +270,10 @@ mod tests {
 
     #[test]
     fn a_layered_folder_shows_its_lower_and_keeps_writes_in_its_upper() {
-        assert!(is_root(), "this test mounts an overlay: run the tests as root (.ci/run does)");
+        assert!(
+            is_root(),
+            "this test mounts an overlay: run the tests as root (.ci/run does)"
+        );
         let dir = tempfile::tempdir().unwrap();
         let lower = dir.path().join("lower");
         std::fs::create_dir_all(&lower).unwrap();

@@ -206,7 +206,14 @@ async fn check_out(
     );
     let place = if as_owner { &files } else { &temporary };
     let user = as_owner.then_some(owner);
-    let checkout = [git_dir.as_str(), &work_tree, "read-tree", "--reset", "-u", commit];
+    let checkout = [
+        git_dir.as_str(),
+        &work_tree,
+        "read-tree",
+        "--reset",
+        "-u",
+        commit,
+    ];
     git_by(place, &checkout, &env, user).await?;
     if !as_owner {
         let files = files.clone();
@@ -259,9 +266,7 @@ async fn git_by(
     }
 }
 
-fn blocking(
-    outcome: Result<std::io::Result<()>, tokio::task::JoinError>,
-) -> Result<(), GitError> {
+fn blocking(outcome: Result<std::io::Result<()>, tokio::task::JoinError>) -> Result<(), GitError> {
     outcome
         .map_err(|e| GitError::Spawn(std::io::Error::other(e)))?
         .map_err(GitError::Spawn)
@@ -322,8 +327,11 @@ fn checkouts_by_use(trees: &Path) -> Vec<(PathBuf, PathBuf)> {
             (used, dir, lock_file)
         })
         .collect();
-    found.sort_by(|a, b| b.0.cmp(&a.0));
-    found.into_iter().map(|(_, dir, lock)| (dir, lock)).collect()
+    found.sort_by_key(|f| std::cmp::Reverse(f.0));
+    found
+        .into_iter()
+        .map(|(_, dir, lock)| (dir, lock))
+        .collect()
 }
 
 #[cfg(test)]
@@ -357,27 +365,43 @@ mod tests {
             .await
             .unwrap();
         let tree = tree.expect("a cached checkout");
-        assert_eq!(base, git::clone_at(&url, Some("main"), &direct).await.unwrap());
-        assert!(overlay::upper_of(&layered.work_tree).is_some(), "the work tree is layered");
+        assert_eq!(
+            base,
+            git::clone_at(&url, Some("main"), &direct).await.unwrap()
+        );
+        assert!(
+            overlay::upper_of(&layered.work_tree).is_some(),
+            "the work tree is layered"
+        );
         assert_eq!(
             std::fs::metadata(tree.files.join("f3.txt")).unwrap().uid(),
             STAGE_USER.0,
             "the checkout is the stage user's from the start"
         );
-        assert_eq!(git::snapshot_tree(&layered).await.unwrap(), git::snapshot_tree(&direct).await.unwrap());
+        assert_eq!(
+            git::snapshot_tree(&layered).await.unwrap(),
+            git::snapshot_tree(&direct).await.unwrap()
+        );
         for repo in [&layered, &direct] {
             std::fs::write(repo.work_tree.join("f3.txt"), "changed\n").unwrap();
             std::fs::write(repo.work_tree.join("new.txt"), "new\n").unwrap();
             std::fs::remove_file(repo.work_tree.join("f5.txt")).unwrap();
         }
         let snapshot = git::snapshot_tree(&layered).await.unwrap();
-        assert_eq!(snapshot, git::snapshot_tree(&direct).await.unwrap(), "the same tree hash");
+        assert_eq!(
+            snapshot,
+            git::snapshot_tree(&direct).await.unwrap(),
+            "the same tree hash"
+        );
         let changed = layered
             .git(&["diff-index", "--cached", "--name-status", "base"])
             .await
             .unwrap();
         assert_eq!(changed, "M\tf3.txt\nD\tf5.txt\nA\tnew.txt");
-        assert_ne!(std::fs::read_to_string(tree.files.join("f3.txt")).unwrap(), "changed\n");
+        assert_ne!(
+            std::fs::read_to_string(tree.files.join("f3.txt")).unwrap(),
+            "changed\n"
+        );
         assert!(tree.files.join("f5.txt").is_file() && !tree.files.join("new.txt").exists());
         let built = std::fs::metadata(&tree.files).unwrap().ino();
         drop(tree);
@@ -387,7 +411,11 @@ mod tests {
             .clone_layered(&url, Some("main"), &again, Some(STAGE_USER))
             .await
             .unwrap();
-        assert_eq!(std::fs::metadata(&warm.unwrap().files).unwrap().ino(), built, "reused, not checked out again");
+        assert_eq!(
+            std::fs::metadata(&warm.unwrap().files).unwrap().ino(),
+            built,
+            "reused, not checked out again"
+        );
         crate::cache::unlay(&again.work_tree).await;
     }
 
@@ -416,13 +444,23 @@ mod tests {
             .unwrap();
         let copy = dir.path().join("a").join("review-1");
         tree.lay_copy(&repo, &commit, &copy).await.unwrap();
-        assert_eq!(std::fs::read_to_string(copy.join("f3.txt")).unwrap(), "changed\n");
-        assert_eq!(std::fs::read_to_string(copy.join("deep/er/new.txt")).unwrap(), "new\n");
+        assert_eq!(
+            std::fs::read_to_string(copy.join("f3.txt")).unwrap(),
+            "changed\n"
+        );
+        assert_eq!(
+            std::fs::read_to_string(copy.join("deep/er/new.txt")).unwrap(),
+            "new\n"
+        );
         assert!(!copy.join("f5.txt").exists());
         let stage_git = overlay::stage_git(&copy).expect("the stages' git folder beside the copy");
         let git_dir = format!("--git-dir={}", stage_git.display());
         let work_tree = format!("--work-tree={}", copy.display());
-        assert_eq!(sh(&copy, &[&git_dir, &work_tree, "status", "--porcelain"]), "", "the copy is the candidate, as its index says");
+        assert_eq!(
+            sh(&copy, &[&git_dir, &work_tree, "status", "--porcelain"]),
+            "",
+            "the copy is the candidate, as its index says"
+        );
         assert_eq!(sh(&copy, &[&git_dir, "rev-parse", "HEAD^{tree}"]), snapshot);
         assert_eq!(
             sh(&copy, &[&git_dir, "diff", "--name-only", "base...HEAD"]),
@@ -462,8 +500,15 @@ mod tests {
         }
         let trees = trees_dir(&cache.mirror_of(&url));
         let kept = checkouts_by_use(&trees);
-        assert!(held.files.join("f1.txt").is_file(), "the held checkout is still there");
-        assert_eq!(kept.len(), KEPT_TREES + 1, "the kept ones and the held one: {kept:?}");
+        assert!(
+            held.files.join("f1.txt").is_file(),
+            "the held checkout is still there"
+        );
+        assert_eq!(
+            kept.len(),
+            KEPT_TREES + 1,
+            "the kept ones and the held one: {kept:?}"
+        );
         crate::cache::unlay(&first_repo.work_tree).await;
         drop(held);
         prune(&trees, KEPT_TREES).await;

@@ -48,7 +48,8 @@ pub(super) struct RunContext<'a> {
 impl<'a> RunContext<'a> {
     pub(super) fn new(job: &'a Job, root: &Path) -> RunContext<'a> {
         let src = root.join("src");
-        RunContext { base_tree: None,
+        RunContext {
+            base_tree: None,
             job,
             root: root.to_path_buf(),
             collector: CycleCollector::new(&src),

@@ -145,10 +145,27 @@ impl<R: ContainerRuntime> Engine<R> {
         tree: &str,
         stage_dir: &Path,
     ) -> Input {
-        let unchanged = git::git(copy, &["status", "--porcelain", "--untracked-files=all"])
-            .await
-            .is_ok_and(|s| s.is_empty())
-            && git::git(copy, &["rev-parse", "HEAD^{tree}"])
+        // A layered copy's git folder is beside it (see `crate::overlay`).
+        let located: Vec<String> = crate::overlay::stage_git(copy)
+            .map(|git_dir| {
+                vec![
+                    format!("--git-dir={}", git_dir.display()),
+                    format!("--work-tree={}", copy.display()),
+                ]
+            })
+            .unwrap_or_default();
+        let with = |args: &[&'static str]| {
+            let mut all: Vec<&str> = located.iter().map(String::as_str).collect();
+            all.extend_from_slice(args);
+            all
+        };
+        let unchanged = git::git(
+            copy,
+            &with(&["status", "--porcelain", "--untracked-files=all"]),
+        )
+        .await
+        .is_ok_and(|s| s.is_empty())
+            && git::git(copy, &with(&["rev-parse", "HEAD^{tree}"]))
                 .await
                 .is_ok_and(|t| t == tree);
         let output_dir = stage_dir.join("output");
