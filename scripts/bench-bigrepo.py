@@ -25,7 +25,7 @@ import time
 from benchsetup import write_skill_and_agents
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BINARY = os.path.join(ROOT, "target", "release", "forgepool")
+BINARY = os.environ.get("FORGEPOOL_BIN", os.path.join(ROOT, "target", "release", "forgepool"))
 IMAGE = "forgepool-test-agent:dev"
 IMPLEMENT = ["/bin/sh", "-c", "echo change >> /workspace/feature.txt"]
 REVIEW = ["/bin/sh", "-c", "echo APPROVED"]

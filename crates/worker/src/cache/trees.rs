@@ -219,13 +219,12 @@ async fn check_out(
         let files = files.clone();
         blocking(tokio::task::spawn_blocking(move || own_all(&files, owner)).await)?;
     }
-    // A big checkout takes seconds, and git's parallel checkout leaves entries whose stat
-    // data every later status re-checks by content (measured: 1.3 s more per warm run on
-    // 50,000 files). After a second has turned, one refresh records them for good. A small
-    // checkout is re-hashed faster than the wait.
+    // git's parallel checkout leaves entries that every later status re-checks by content
+    // (measured: 1.3 s more per warm run on 50,000 files) until one refresh records them. A
+    // small checkout is re-checked faster than the refresh.
     let entries = tokio::fs::metadata(&index).await.map_or(0, |m| m.len());
     if entries >= SMALL_INDEX_BYTES {
-        refresh_after_a_second(place, &git_dir, &work_tree, &env, user).await?;
+        refresh(place, &git_dir, &work_tree, &env, user).await?;
     }
     let _ = tokio::fs::remove_dir_all(dir).await;
     tokio::fs::rename(&temporary, dir)
@@ -236,19 +235,26 @@ async fn check_out(
 /// The size of an index (about 5,000 entries) under which a checkout is not refreshed.
 const SMALL_INDEX_BYTES: u64 = 512 * 1024;
 
-async fn refresh_after_a_second(
+async fn refresh(
     place: &Path,
     git_dir: &str,
     work_tree: &str,
     env: &[(&str, &str)],
     user: Option<(u32, u32)>,
 ) -> Result<(), GitError> {
-    let into_second = SystemTime::now()
-        .duration_since(SystemTime::UNIX_EPOCH)
-        .unwrap_or_default()
-        .subsec_nanos();
-    let rest = Duration::from_nanos(u64::from(1_000_000_000 - into_second.min(999_999_999)));
-    tokio::time::sleep(rest + Duration::from_millis(10)).await;
+    // The index is dated two seconds ahead before the refresh reads it, so no entry counts
+    // as racily clean and nothing waits for the second to turn. That is safe here, and only
+    // here: the checkout's files are never written again (a stage's change is a copy in an
+    // upper layer, with a new ctime). A run's own index is a copy dated when it is made, so
+    // git's racy-entry rule still guards every file a stage can write.
+    let index = PathBuf::from(env[0].1);
+    let ahead = tokio::task::spawn_blocking(move || {
+        std::fs::File::options()
+            .write(true)
+            .open(&index)?
+            .set_modified(SystemTime::now() + Duration::from_secs(2))
+    });
+    blocking(ahead.await)?;
     let refresh = [git_dir, work_tree, "update-index", "-q", "--refresh"];
     git_by(place, &refresh, env, user).await?;
     Ok(())
