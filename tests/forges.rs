@@ -679,6 +679,79 @@ fn forgepool_run_tells_its_webhooks_before_it_exits() {
     assert_eq!(recorded, 1, "the attempt is in the run's record");
 }
 
+/// One request a fake forge took: the path as sent (still percent-encoded), its query,
+/// headers (names lowercased) and JSON body.
+struct ApiRequest {
+    method: String,
+    path: String,
+    query: String,
+    headers: Vec<(String, String)>,
+    body: serde_json::Value,
+}
+
+impl ApiRequest {
+    fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, v)| v.as_str())
+    }
+}
+
+/// Serves `listener` on a thread: each request is parsed and answered with the status and
+/// JSON body `answer` gives (one request per connection).
+fn serve_json(
+    listener: std::net::TcpListener,
+    mut answer: impl FnMut(&ApiRequest) -> (u16, serde_json::Value) + Send + 'static,
+) {
+    std::thread::spawn(move || {
+        use std::io::{BufRead, BufReader, Read, Write};
+        for stream in listener.incoming().flatten() {
+            let mut reader = BufReader::new(stream.try_clone().unwrap());
+            let mut first = String::new();
+            let _ = reader.read_line(&mut first);
+            let mut parts = first.split_whitespace();
+            let (method, target) = (
+                parts.next().unwrap_or("").to_string(),
+                parts.next().unwrap_or("").to_string(),
+            );
+            let (mut length, mut headers) = (0, Vec::new());
+            let mut line = String::new();
+            loop {
+                line.clear();
+                if reader.read_line(&mut line).unwrap_or(0) == 0 || line.trim().is_empty() {
+                    break;
+                }
+                if let Some((name, value)) = line.split_once(':') {
+                    let (name, value) = (name.trim().to_ascii_lowercase(), value.trim());
+                    if name == "content-length" {
+                        length = value.parse().unwrap_or(0);
+                    }
+                    headers.push((name, value.to_string()));
+                }
+            }
+            let mut body = vec![0; length];
+            let _ = reader.read_exact(&mut body);
+            let (path, query) = target.split_once('?').unwrap_or((&target, ""));
+            let request = ApiRequest {
+                method,
+                path: path.to_string(),
+                query: query.to_string(),
+                headers,
+                body: serde_json::from_slice(&body).unwrap_or_default(),
+            };
+            let (status, answer) = answer(&request);
+            let text = answer.to_string();
+            let mut stream = stream;
+            let _ = write!(
+                stream,
+                "HTTP/1.1 {status} X\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{text}",
+                text.len()
+            );
+        }
+    });
+}
+
 /// A pull request the fake GitHub keeps: number, head, base, title, body, draft.
 type FakePull = (u64, String, String, String, String, bool);
 
@@ -730,105 +803,71 @@ impl FakeGithub {
         let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let upstream = listener.local_addr().unwrap().port();
         let kept = std::sync::Arc::clone(&state);
-        std::thread::spawn(move || {
-            use std::io::{BufRead, BufReader, Read, Write};
-            for stream in listener.incoming().flatten() {
-                let mut reader = BufReader::new(stream.try_clone().unwrap());
-                let mut first = String::new();
-                let _ = reader.read_line(&mut first);
-                let mut parts = first.split_whitespace();
-                let (method, target) = (
-                    parts.next().unwrap_or("").to_string(),
-                    parts.next().unwrap_or("").to_string(),
-                );
-                let mut length = 0;
-                let mut line = String::new();
-                loop {
-                    line.clear();
-                    if reader.read_line(&mut line).unwrap_or(0) == 0 || line.trim().is_empty() {
-                        break;
-                    }
-                    if let Some((name, value)) = line.split_once(':') {
-                        if name.eq_ignore_ascii_case("content-length") {
-                            length = value.trim().parse().unwrap_or(0);
-                        }
-                    }
+        serve_json(listener, move |request| {
+            let (method, path, body) = (&request.method, request.path.as_str(), &request.body);
+            // Prism passes the query on percent-encoded.
+            let query = request
+                .query
+                .replace("%3A", ":")
+                .replace("%3a", ":")
+                .replace("%2F", "/")
+                .replace("%2f", "/");
+            let mut state = kept.lock().unwrap();
+            state
+                .requests
+                .push((method.clone(), path.to_string(), body.clone()));
+            let shaped = |template: &serde_json::Value, n: u64| {
+                let mut pull = template.clone();
+                pull["number"] = n.into();
+                // GitHub's example breaks its own schema here (a team without its
+                // required fields).
+                if pull.get("requested_teams").is_some() {
+                    pull["requested_teams"] = serde_json::json!([]);
                 }
-                let mut body = vec![0; length];
-                let _ = reader.read_exact(&mut body);
-                let body: serde_json::Value = serde_json::from_slice(&body).unwrap_or_default();
-                let (path, query) = target.split_once('?').unwrap_or((&target, ""));
-                // Prism passes the query on percent-encoded.
-                let query = query
-                    .replace("%3A", ":")
-                    .replace("%3a", ":")
-                    .replace("%2F", "/")
-                    .replace("%2f", "/");
-                let mut state = kept.lock().unwrap();
-                state
-                    .requests
-                    .push((method.clone(), path.to_string(), body.clone()));
-                let shaped = |template: &serde_json::Value, n: u64| {
-                    let mut pull = template.clone();
-                    pull["number"] = n.into();
-                    // GitHub's example breaks its own schema here (a team without its
-                    // required fields).
-                    if pull.get("requested_teams").is_some() {
-                        pull["requested_teams"] = serde_json::json!([]);
+                pull["html_url"] = format!("https://github.example/acme/shop/pull/{n}").into();
+                pull
+            };
+            let pull = |n: u64| shaped(&full, n);
+            match (method.as_str(), path) {
+                ("GET", "/repos/acme/shop") => (200, repository.clone()),
+                ("GET", "/repos/acme/shop/pulls") => {
+                    let open: Vec<_> = state
+                        .pulls
+                        .iter()
+                        .filter(|p| query.contains(&format!("head=acme:{}", p.1)))
+                        .map(|p| shaped(&simple, p.0))
+                        .collect();
+                    (200, serde_json::Value::Array(open))
+                }
+                ("POST", "/repos/acme/shop/pulls") => {
+                    let n = state.pulls.len() as u64 + 1;
+                    let text = |k: &str| body[k].as_str().unwrap_or("").to_string();
+                    let draft = body["draft"].as_bool().unwrap_or(false);
+                    state.pulls.push((
+                        n,
+                        text("head"),
+                        text("base"),
+                        text("title"),
+                        text("body"),
+                        draft,
+                    ));
+                    (201, pull(n))
+                }
+                ("PATCH", p) if p.starts_with("/repos/acme/shop/pulls/") => {
+                    let n: u64 = p.rsplit('/').next().unwrap().parse().unwrap();
+                    if let Some(kept) = state.pulls.iter_mut().find(|k| k.0 == n) {
+                        kept.3 = body["title"].as_str().unwrap_or("").to_string();
+                        kept.4 = body["body"].as_str().unwrap_or("").to_string();
                     }
-                    pull["html_url"] = format!("https://github.example/acme/shop/pull/{n}").into();
-                    pull
-                };
-                let pull = |n: u64| shaped(&full, n);
-                let (status, answer) = match (method.as_str(), path) {
-                    ("GET", "/repos/acme/shop") => (200, repository.clone()),
-                    ("GET", "/repos/acme/shop/pulls") => {
-                        let open: Vec<_> = state
-                            .pulls
-                            .iter()
-                            .filter(|p| query.contains(&format!("head=acme:{}", p.1)))
-                            .map(|p| shaped(&simple, p.0))
-                            .collect();
-                        (200, serde_json::Value::Array(open))
-                    }
-                    ("POST", "/repos/acme/shop/pulls") => {
-                        let n = state.pulls.len() as u64 + 1;
-                        let text = |k: &str| body[k].as_str().unwrap_or("").to_string();
-                        let draft = body["draft"].as_bool().unwrap_or(false);
-                        state.pulls.push((
-                            n,
-                            text("head"),
-                            text("base"),
-                            text("title"),
-                            text("body"),
-                            draft,
-                        ));
-                        (201, pull(n))
-                    }
-                    ("PATCH", p) if p.starts_with("/repos/acme/shop/pulls/") => {
-                        let n: u64 = p.rsplit('/').next().unwrap().parse().unwrap();
-                        if let Some(kept) = state.pulls.iter_mut().find(|k| k.0 == n) {
-                            kept.3 = body["title"].as_str().unwrap_or("").to_string();
-                            kept.4 = body["body"].as_str().unwrap_or("").to_string();
-                        }
-                        (200, pull(n))
-                    }
-                    ("POST", p) if p.starts_with("/repos/acme/shop/statuses/") => {
-                        state.statuses += 1;
-                        let mut answer = status_example.clone();
-                        answer["state"] = body["state"].clone();
-                        (201, answer)
-                    }
-                    _ => (404, serde_json::json!({"message": "Not Found"})),
-                };
-                drop(state);
-                let text = answer.to_string();
-                let mut stream = stream;
-                let _ = write!(
-                    stream,
-                    "HTTP/1.1 {status} X\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{text}",
-                    text.len()
-                );
+                    (200, pull(n))
+                }
+                ("POST", p) if p.starts_with("/repos/acme/shop/statuses/") => {
+                    state.statuses += 1;
+                    let mut answer = status_example.clone();
+                    answer["state"] = body["state"].clone();
+                    (201, answer)
+                }
+                _ => (404, serde_json::json!({"message": "Not Found"})),
             }
         });
         let port = std::net::TcpListener::bind("127.0.0.1:0")
@@ -946,4 +985,445 @@ fn github_pull_requests_are_opened_once_and_updated_on_redelivery() {
         state.requests
     );
     assert_eq!(fixture.pushes("forge/pr-1"), 2);
+}
+
+/// A merge or pull request a hand-modelled forge keeps: number, head, base, title, body.
+type KeptPull = (u64, String, String, String, String);
+
+/// What a hand-modelled GitLab or Gitea saw and keeps.
+#[derive(Default)]
+struct ForgeState {
+    requests: Vec<String>,
+    pulls: Vec<KeptPull>,
+    statuses: Vec<String>,
+}
+
+/// A stateful fake of GitLab's REST v4 or Gitea's REST v1, modelled by hand on their
+/// documentation (neither publishes a packaged OpenAPI description to validate against; see
+/// README.md, scripts/forge-tools.sh): it refuses a request without the kind's authorization header, a body
+/// without a required field or with a field the endpoint does not take, and a state the
+/// endpoint does not know, as the real ones do (400 on GitLab, 422 on Gitea).
+fn fake_forge(
+    kind: &'static str,
+    token: &'static str,
+) -> (u16, std::sync::Arc<std::sync::Mutex<ForgeState>>) {
+    let state = std::sync::Arc::new(std::sync::Mutex::new(ForgeState::default()));
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let kept = std::sync::Arc::clone(&state);
+    serve_json(listener, move |request| {
+        let mut state = kept.lock().unwrap();
+        state.requests.push(format!(
+            "{} {}?{}",
+            request.method, request.path, request.query
+        ));
+        match kind {
+            "gitlab" => gitlab_answer(&mut state, request, token),
+            _ => gitea_answer(&mut state, request, token),
+        }
+    });
+    (port, state)
+}
+
+/// Checks a JSON body: every `required` field a string, nothing outside `allowed`.
+fn body_refusal(body: &serde_json::Value, required: &[&str], allowed: &[&str]) -> Option<String> {
+    let Some(fields) = body.as_object() else {
+        return Some("the body is not a JSON object".into());
+    };
+    if let Some(missing) = required
+        .iter()
+        .find(|k| !fields.get(**k).is_some_and(|v| v.is_string()))
+    {
+        return Some(format!("{missing} is missing"));
+    }
+    fields
+        .keys()
+        .find(|k| !allowed.contains(&k.as_str()))
+        .map(|k| format!("{k} does not exist"))
+}
+
+/// GitLab v4 (docs.gitlab.com: "Merge requests API", "Commits API: set the pipeline status of
+/// a commit", "Projects API: get a single project").
+fn gitlab_answer(
+    state: &mut ForgeState,
+    request: &ApiRequest,
+    token: &str,
+) -> (u16, serde_json::Value) {
+    use serde_json::json;
+    if request.header("authorization") != Some(&format!("Bearer {token}")) {
+        return (401, json!({"message": "401 Unauthorized"}));
+    }
+    let project = "/api/v4/projects/acme%2Fshop";
+    let merge_request = |pull: &KeptPull| {
+        json!({"id": 100 + pull.0, "iid": pull.0, "project_id": 7, "title": pull.3,
+            "description": pull.4, "state": "opened", "source_branch": pull.1,
+            "target_branch": pull.2, "draft": pull.3.starts_with("Draft:"),
+            "web_url": format!("https://gitlab.example/acme/shop/-/merge_requests/{}", pull.0)})
+    };
+    let mr_fields = [
+        "source_branch",
+        "target_branch",
+        "title",
+        "description",
+        "assignee_id",
+        "assignee_ids",
+        "reviewer_ids",
+        "labels",
+        "milestone_id",
+        "remove_source_branch",
+        "squash",
+        "allow_collaboration",
+        "target_project_id",
+    ];
+    let path = request.path.as_str();
+    match (request.method.as_str(), path.strip_prefix(project)) {
+        ("GET", Some("")) => (
+            200,
+            json!({"id": 7, "path_with_namespace": "acme/shop", "default_branch": "main"}),
+        ),
+        ("GET", Some("/merge_requests")) => {
+            let asked = |key: &str| {
+                request
+                    .query
+                    .split('&')
+                    .find_map(|p| p.strip_prefix(&format!("{key}=")))
+                    .unwrap_or("")
+                    .to_string()
+            };
+            if asked("state") != "opened" {
+                return (
+                    400,
+                    json!({"error": "state must be opened, closed, locked, merged or all"}),
+                );
+            }
+            let open: Vec<_> = state
+                .pulls
+                .iter()
+                .filter(|p| {
+                    asked("source_branch") == p.1.replace('/', "%2F")
+                        && asked("target_branch") == p.2
+                })
+                .map(merge_request)
+                .collect();
+            (200, serde_json::Value::Array(open))
+        }
+        ("POST", Some("/merge_requests")) => {
+            if let Some(error) = body_refusal(
+                &request.body,
+                &["source_branch", "target_branch", "title"],
+                &mr_fields,
+            ) {
+                return (400, json!({"error": error}));
+            }
+            let text = |k: &str| request.body[k].as_str().unwrap_or("").to_string();
+            let pull = (
+                state.pulls.len() as u64 + 1,
+                text("source_branch"),
+                text("target_branch"),
+                text("title"),
+                text("description"),
+            );
+            state.pulls.push(pull.clone());
+            (201, merge_request(&pull))
+        }
+        ("PUT", Some(rest)) if rest.starts_with("/merge_requests/") => {
+            let iid: u64 = rest.rsplit('/').next().unwrap().parse().unwrap_or(0);
+            let editable = [
+                "title",
+                "description",
+                "target_branch",
+                "assignee_id",
+                "labels",
+                "state_event",
+                "squash",
+                "discussion_locked",
+            ];
+            if let Some(error) = body_refusal(&request.body, &[], &editable) {
+                return (400, json!({"error": error}));
+            }
+            let Some(kept) = state.pulls.iter_mut().find(|p| p.0 == iid) else {
+                return (404, json!({"message": "404 Not found"}));
+            };
+            kept.3 = request.body["title"]
+                .as_str()
+                .unwrap_or(&kept.3)
+                .to_string();
+            kept.4 = request.body["description"]
+                .as_str()
+                .unwrap_or(&kept.4)
+                .to_string();
+            let kept = kept.clone();
+            (200, merge_request(&kept))
+        }
+        ("POST", Some(rest)) if rest.starts_with("/statuses/") => {
+            let allowed = [
+                "state",
+                "ref",
+                "name",
+                "context",
+                "target_url",
+                "description",
+                "coverage",
+                "pipeline_id",
+            ];
+            let states = ["pending", "running", "success", "failed", "canceled"];
+            if let Some(error) = body_refusal(&request.body, &["state"], &allowed) {
+                return (400, json!({"error": error}));
+            }
+            let asked = request.body["state"].as_str().unwrap_or("");
+            if !states.contains(&asked) {
+                return (400, json!({"error": "state does not have a valid value"}));
+            }
+            state.statuses.push(asked.to_string());
+            (
+                201,
+                json!({"id": 1, "sha": rest.trim_start_matches("/statuses/"), "status": asked, "name": request.body["name"]}),
+            )
+        }
+        _ => (404, json!({"message": "404 Not found"})),
+    }
+}
+
+/// Gitea v1 (its swagger: `CreatePullRequestOption`, `EditPullRequestOption`,
+/// `CreateStatusOption`; an edited pull request is answered 201).
+fn gitea_answer(
+    state: &mut ForgeState,
+    request: &ApiRequest,
+    token: &str,
+) -> (u16, serde_json::Value) {
+    use serde_json::json;
+    if request.header("authorization") != Some(&format!("token {token}")) {
+        return (401, json!({"message": "token is required"}));
+    }
+    let repository = "/api/v1/repos/acme/shop";
+    let pull_json = |pull: &KeptPull| {
+        json!({"id": 100 + pull.0, "number": pull.0, "title": pull.3, "body": pull.4,
+            "state": "open", "draft": pull.3.starts_with("WIP:"),
+            "head": {"ref": pull.1, "label": pull.1}, "base": {"ref": pull.2, "label": pull.2},
+            "html_url": format!("https://gitea.example/acme/shop/pulls/{}", pull.0)})
+    };
+    match (
+        request.method.as_str(),
+        request.path.strip_prefix(repository),
+    ) {
+        ("GET", Some("")) => (
+            200,
+            json!({"id": 3, "full_name": "acme/shop", "default_branch": "main"}),
+        ),
+        ("GET", Some("/pulls")) => {
+            if !request.query.split('&').any(|p| p == "state=open") {
+                return (422, json!({"message": "state must be open, closed or all"}));
+            }
+            (
+                200,
+                serde_json::Value::Array(state.pulls.iter().map(pull_json).collect()),
+            )
+        }
+        ("POST", Some("/pulls")) => {
+            let allowed = [
+                "assignee",
+                "assignees",
+                "base",
+                "body",
+                "due_date",
+                "head",
+                "labels",
+                "milestone",
+                "title",
+                "reviewers",
+                "team_reviewers",
+            ];
+            if let Some(error) = body_refusal(&request.body, &["head", "base", "title"], &allowed) {
+                return (422, json!({"message": error}));
+            }
+            let text = |k: &str| request.body[k].as_str().unwrap_or("").to_string();
+            let pull = (
+                state.pulls.len() as u64 + 1,
+                text("head"),
+                text("base"),
+                text("title"),
+                text("body"),
+            );
+            state.pulls.push(pull.clone());
+            (201, pull_json(&pull))
+        }
+        ("PATCH", Some(rest)) if rest.starts_with("/pulls/") => {
+            let allowed = [
+                "allow_maintainer_edit",
+                "assignee",
+                "assignees",
+                "base",
+                "body",
+                "due_date",
+                "labels",
+                "milestone",
+                "state",
+                "title",
+                "unset_due_date",
+            ];
+            if let Some(error) = body_refusal(&request.body, &[], &allowed) {
+                return (422, json!({"message": error}));
+            }
+            let number: u64 = rest.rsplit('/').next().unwrap().parse().unwrap_or(0);
+            let Some(kept) = state.pulls.iter_mut().find(|p| p.0 == number) else {
+                return (404, json!({"message": "pull request does not exist"}));
+            };
+            kept.3 = request.body["title"]
+                .as_str()
+                .unwrap_or(&kept.3)
+                .to_string();
+            kept.4 = request.body["body"].as_str().unwrap_or(&kept.4).to_string();
+            let kept = kept.clone();
+            (201, pull_json(&kept))
+        }
+        ("POST", Some(rest)) if rest.starts_with("/statuses/") => {
+            let states = ["pending", "success", "error", "failure", "warning"];
+            if let Some(error) = body_refusal(
+                &request.body,
+                &["state"],
+                &["context", "description", "state", "target_url"],
+            ) {
+                return (422, json!({"message": error}));
+            }
+            let asked = request.body["state"].as_str().unwrap_or("");
+            if !states.contains(&asked) {
+                return (422, json!({"message": "state is not valid"}));
+            }
+            state.statuses.push(asked.to_string());
+            (
+                201,
+                json!({"id": 1, "status": asked, "context": request.body["context"]}),
+            )
+        }
+        _ => (404, json!({"message": "not found"})),
+    }
+}
+
+/// Delivers the same ticket twice to a GitLab or Gitea fake: first with the review exhausted
+/// (delivered with warnings: a draft), then approved.
+fn pull_requests_on(kind: &'static str, user: &str, draft_mark: &str, web: &str) {
+    const FORGE_TOKEN: &str = "glpat-forgepoolTestToken0123";
+    let fixture = Fixture::new(
+        Some("---\nmax_retries: 1\nblock_on_failure: false\n---\n# Check\nAPPROVED when tests.txt exists.\n"),
+        &["change"],
+        &["approve"],
+    );
+    let mut agents = std::fs::read_to_string(&fixture.agents).unwrap();
+    agents.push_str("\n[agents.rejecter]\nimage = \"forgepool-test-agent:dev\"\ncommand = [\"/bin/sh\", \"/agents/reviewer.sh\", \"reject\"]\nmemory = \"128m\"\ntimeout_seconds = 60\n");
+    std::fs::write(&fixture.agents, agents).unwrap();
+    let tls = fixture.dir.path().join("tls");
+    std::fs::create_dir_all(&tls).unwrap();
+    let served = fixture.dir.path().join("served");
+    std::fs::create_dir_all(served.join("acme")).unwrap();
+    std::os::unix::fs::symlink(&fixture.bare, served.join("acme/shop.git")).unwrap();
+    let server = GitHttps::start(&served, &tls, user, FORGE_TOKEN);
+    let (port, state) = fake_forge(kind, FORGE_TOKEN);
+    let api = if kind == "gitlab" { "api/v4" } else { "api/v1" };
+    let forges = fixture.dir.path().join("forges.toml");
+    std::fs::write(
+        &forges,
+        format!(
+            "[[forge]]\nhost = \"{}\"\nkind = \"{kind}\"\napi_url = \"http://127.0.0.1:{port}/{api}\"\ntoken_env = \"FORGE_TEST_TOKEN\"\nca_file = \"{}\"\n",
+            server.host(),
+            server.ca.display()
+        ),
+    )
+    .unwrap();
+    let url = format!("https://{}/acme/shop.git", server.host());
+    let run = |reviewer: &str| {
+        let env = [
+            ("FORGEPOOL_FORGES_FILE", forges.as_os_str()),
+            ("FORGE_TEST_TOKEN", FORGE_TOKEN.as_ref()),
+        ];
+        let text = format!(
+            "{}[agents]\nreviewer = \"{reviewer}\"\n",
+            request("PR-1", &url)
+        );
+        run_request(&fixture, "PR-1", &text, &env, &[])
+    };
+    let first = run("rejecter");
+    assert_eq!(first.code, 0, "{}\n{}", first.stdout, first.stderr);
+    assert!(
+        first
+            .stdout
+            .contains(&format!("Pull request opened: {web}")),
+        "{}\n{:?}",
+        first.stdout,
+        state.lock().unwrap().requests
+    );
+    assert_eq!(
+        first
+            .record()
+            .result
+            .as_ref()
+            .unwrap()
+            .pull_request
+            .as_deref(),
+        Some(web)
+    );
+    {
+        let state = state.lock().unwrap();
+        assert_eq!(state.pulls.len(), 1, "{:?}", state.requests);
+        assert_eq!(
+            state.pulls[0].3,
+            format!("{draft_mark}PR-1: Add the feature"),
+            "a draft"
+        );
+    }
+    let second = run("rev");
+    assert_eq!(second.code, 0, "{}\n{}", second.stdout, second.stderr);
+    assert!(
+        second
+            .stdout
+            .contains(&format!("Pull request updated: {web}")),
+        "{}",
+        second.stdout
+    );
+    let state = state.lock().unwrap();
+    assert_eq!(
+        state.pulls.len(),
+        1,
+        "one pull request: {:?}",
+        state.requests
+    );
+    let (_, head, base, title, body) = &state.pulls[0];
+    assert_eq!((head.as_str(), base.as_str()), ("forge/pr-1", "main"));
+    assert_eq!(title, "PR-1: Add the feature", "no longer a draft");
+    assert!(body.contains("# PR-1"), "the report is the body: {body}");
+    let failed = if kind == "gitlab" {
+        "failed"
+    } else {
+        "failure"
+    };
+    assert_eq!(
+        state.statuses,
+        [failed, "success"],
+        "a status on each delivered commit"
+    );
+    assert_eq!(fixture.pushes("forge/pr-1"), 2);
+}
+
+/// Catches: no merge request on GitLab, a second one on redelivery, a draft not marked (or
+/// still marked once approved), a request GitLab refuses (a project path sent unencoded, a
+/// field it does not take, a wrong status state, a missing bearer token), and no status.
+#[test]
+fn gitlab_merge_requests_are_opened_once_marked_draft_and_updated() {
+    pull_requests_on(
+        "gitlab",
+        "oauth2",
+        "Draft: ",
+        "https://gitlab.example/acme/shop/-/merge_requests/1",
+    );
+}
+
+/// Catches: the same on Gitea or Forgejo (its `token` authorization, its `WIP: ` drafts, its
+/// status states).
+#[test]
+fn gitea_pull_requests_are_opened_once_marked_draft_and_updated() {
+    pull_requests_on(
+        "gitea",
+        "forgepool",
+        "WIP: ",
+        "https://gitea.example/acme/shop/pulls/1",
+    );
 }

@@ -175,3 +175,31 @@ fn a_bad_layers_setting_stops_the_run_naming_it() {
     );
     assert!(stderr.contains("sometimes"), "{stderr}");
 }
+
+/// Catches: the first implementer (its container made while the repository is cloned) started
+/// without the stages' git folder at `/workspace/.git`, and a workspace that is not the
+/// overlay inside the container.
+#[test]
+fn the_first_implementer_of_a_layered_run_gets_its_git_folder() {
+    let fixture = Fixture::new(None, &["env-dump"], &["approve"]);
+    let (outcome, seen) = run_watching_mounts(&fixture, "auto");
+    assert_eq!(outcome.code, 0, "{}", outcome.printed());
+    assert!(
+        seen.contains("src"),
+        "the work tree was never an overlay: {seen:?}"
+    );
+    let mounts = fixture.branch_file(BRANCH, "mounts.txt");
+    let at = |target: &str| {
+        mounts
+            .lines()
+            .find(|line| line.split(' ').nth(1) == Some(target))
+            .unwrap_or_else(|| panic!("nothing mounted at {target}:\n{mounts}"))
+            .to_string()
+    };
+    assert_eq!(
+        at("/workspace").split(' ').nth(2),
+        Some("overlay"),
+        "{mounts}"
+    );
+    assert!(at("/workspace/.git").contains("rw"), "{mounts}");
+}

@@ -143,6 +143,8 @@ impl RepoCache {
                     Err(error) => {
                         warn!(%error, "cannot lay the work tree over the cached checkout; checking it out");
                         unlay(&repo.work_tree).await;
+                        // The checkout's index describes files the emptied work tree lacks.
+                        let _ = tokio::fs::remove_file(repo.git_dir.join("index")).await;
                     }
                 }
             }
@@ -188,6 +190,11 @@ impl RepoCache {
         let mirrors = tokio::task::spawn_blocking(move || mirrors_by_use(&dir))
             .await
             .unwrap_or_default();
+        // Checkouts whose mirror was evicted while a run held them go once no run does.
+        for orphan in trees::orphans(&self.dir) {
+            trees::prune(&orphan, 0).await;
+            let _ = tokio::fs::remove_dir(&orphan).await;
+        }
         let mut total: u64 = mirrors.iter().map(|m| m.bytes).sum();
         for mirror in mirrors {
             if total <= max {
@@ -380,7 +387,7 @@ fn mirrors_by_use(dir: &Path) -> Vec<Cached> {
         .map(|entry| entry.path())
         .filter(|path| path.extension().is_some_and(|e| e == "git"))
         .map(|path| Cached {
-            bytes: size_of(&path) + size_of(&trees::trees_dir(&path)),
+            bytes: size_of(&path) + trees::recorded_size(&trees::trees_dir(&path)),
             used: std::fs::metadata(used_path(&path))
                 .and_then(|m| m.modified())
                 .unwrap_or(SystemTime::UNIX_EPOCH),

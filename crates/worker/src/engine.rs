@@ -35,6 +35,7 @@ use crate::sink::{Redacting, Stamped};
 use crate::verdict::{self, Verdict};
 
 mod checkpoint;
+use checkpoint::keep_progress;
 mod context;
 mod deliver;
 mod final_review;
@@ -571,7 +572,6 @@ impl<R: ContainerRuntime> Engine<R> {
             .map(|e| format!("repository.url {e}"))
     }
 
-    /// Clones the repository into the run's workspace.
     /// Makes the run's folder and clones the repository into it. With `ahead`, the first
     /// implementer's container is created while the clone runs, and returned.
     async fn prepare(
@@ -585,6 +585,14 @@ impl<R: ContainerRuntime> Engine<R> {
             .map_err(|e| format!("{}: {e}", run.root.display()))?;
         let repository = &run.job.repository;
         let repo = run.repo.clone();
+        // The container made ahead mounts the stages' git folder of a layered work tree.
+        let layered = crate::overlay::enabled() && self.config.cache.is_some();
+        let stage_git = crate::overlay::layer_dir(&repo.work_tree).join("git");
+        if layered {
+            tokio::fs::create_dir_all(&stage_git)
+                .await
+                .map_err(|e| format!("{}: {e}", stage_git.display()))?;
+        }
         let clone = async {
             let (url, reference) = (&repository.url, repository.git_ref.as_deref());
             match &self.config.cache {
@@ -599,12 +607,17 @@ impl<R: ContainerRuntime> Engine<R> {
             }
         };
         let began = Instant::now();
-        let (cloned, created) = if ahead {
+        let (cloned, mut created) = if ahead {
             tokio::join!(clone, self.create_first_implementer(run))
         } else {
             (clone.await, None)
         };
         (run.base, run.base_tree) = cloned.map_err(|e| e.to_string())?;
+        if layered && run.base_tree.is_none() {
+            // Checked out after all: the container made ahead would mount the wrong `.git`.
+            let _ = tokio::fs::remove_dir_all(crate::overlay::layer_dir(&repo.work_tree)).await;
+            created = None;
+        }
         repo.make_disposable_copy()
             .await
             .map_err(|e| format!("cannot give the stages their git copy: {e}"))?;
@@ -637,17 +650,6 @@ impl<R: ContainerRuntime> Engine<R> {
     }
 }
 
-/// Keeps a run's `progress` in the ledger, if there is any.
-async fn keep_progress<L: ReviewLedger>(ledger: &L, run_id: Uuid, progress: Option<Checkpoint>) {
-    let Some(checkpoint) = progress else {
-        return;
-    };
-    match ledger.keep_progress(&run_id.to_string(), &checkpoint).await {
-        Ok(()) => crate::fault::point("progress-kept"),
-        Err(error) => warn!(%error, "cannot keep the run's progress"),
-    }
-}
-
 /// The first implementer of a fresh run, prepared while its repository is cloned: its spec
 /// (its folders are written) and its container, not started.
 struct Ahead<C> {
@@ -667,12 +669,10 @@ async fn remove_dir(path: &Path) -> std::io::Result<()> {
     crate::overlay::remove_folder(path).await
 }
 
-/// The effective uid and gid of this process, read without `unsafe` from `/proc/self`.
+/// The effective uid and gid of this process.
 fn process_owner() -> (u32, u32) {
-    use std::os::unix::fs::MetadataExt;
-    std::fs::metadata("/proc/self")
-        .map(|m| (m.uid(), m.gid()))
-        .unwrap_or((0, 0))
+    let (uid, gid) = (rustix::process::geteuid(), rustix::process::getegid());
+    (uid.as_raw(), gid.as_raw())
 }
 
 /// The values of every secret the run's profiles name, from the worker's environment.

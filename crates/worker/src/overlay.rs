@@ -155,6 +155,9 @@ pub async fn remove_folder(path: &Path) -> std::io::Result<()> {
 
 /// Detaches every mount at or under `path`, deepest first, and returns how many. Blocking.
 pub fn unmount_under(path: &Path) -> usize {
+    // The mount table holds resolved paths.
+    let resolved = std::fs::canonicalize(path);
+    let path = resolved.as_deref().unwrap_or(path);
     let mut inside: Vec<PathBuf> = mount_points()
         .into_iter()
         .filter(|point| point.starts_with(path))

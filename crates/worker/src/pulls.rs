@@ -1,7 +1,9 @@
 //! Pull requests and commit statuses on the forge a repository lives on (SPEC 9), through its
-//! REST API with the forges file's token. GitHub is served today (REST v3: find the open pull
-//! request from `forge/{ticket}` to the base ref and update it, or open one; a commit status
-//! on the delivered commit); GitLab and Gitea entries push and get no pull request yet.
+//! REST API with the forges file's token: find the open pull request from `forge/{ticket}` to
+//! the base ref and update it, or open one, then set a commit status on the delivered commit.
+//! GitHub (REST v3: pull requests, `draft` when opened), GitLab (v4: merge requests, a draft
+//! is a `Draft: ` title, so updates change it too) and Gitea or Forgejo (v1: pull requests, a
+//! draft is a `WIP: ` title).
 //!
 //! The forge is an outside service: every request has a time limit, a rate limit's
 //! `Retry-After` is honoured (up to a minute), a 5xx is tried again, and any other refusal
@@ -12,7 +14,7 @@ use std::time::Duration;
 
 use serde::Deserialize;
 use serde_json::json;
-use tracing::{info, warn};
+use tracing::warn;
 
 use crate::forges::{Forge, ForgeKind};
 
@@ -67,18 +69,16 @@ struct Repository {
 }
 
 /// Opens or updates the pull request of a delivered branch, and sets its commit's status.
-/// `Ok(None)` when the forge's kind has no pull requests here yet.
 pub async fn open_or_update(
     forge: &Forge,
     spec: &PullRequestSpec<'_>,
 ) -> Result<Option<PullRequest>, String> {
-    match forge.kind {
-        ForgeKind::Github => github(forge, spec).await.map(Some),
-        ForgeKind::Gitlab | ForgeKind::Gitea => {
-            info!(host = %forge.host, "pull requests on this kind of forge are not supported yet");
-            Ok(None)
-        }
-    }
+    let pull = match forge.kind {
+        ForgeKind::Github => github(forge, spec).await?,
+        ForgeKind::Gitlab => gitlab(forge, spec).await?,
+        ForgeKind::Gitea => gitea(forge, spec).await?,
+    };
+    Ok(Some(pull))
 }
 
 async fn github(forge: &Forge, spec: &PullRequestSpec<'_>) -> Result<PullRequest, String> {
@@ -131,13 +131,175 @@ async fn github(forge: &Forge, spec: &PullRequestSpec<'_>) -> Result<PullRequest
         "context": "forgepool",
     });
     let path = format!("/repos/{owner}/{repo}/statuses/{}", spec.commit);
-    if let Err(error) = api
-        .call::<serde_json::Value>("POST", &path, Some(status))
-        .await
-    {
-        warn!(%error, "cannot set the commit's status");
-    }
+    api.set_status(&path, status).await;
     Ok(pull)
+}
+
+#[derive(Deserialize)]
+struct MergeRequest {
+    iid: u64,
+    web_url: String,
+}
+
+#[derive(Deserialize)]
+struct Project {
+    default_branch: Option<String>,
+}
+
+/// GitLab (REST v4): the merge request from the branch, and a commit status.
+async fn gitlab(forge: &Forge, spec: &PullRequestSpec<'_>) -> Result<PullRequest, String> {
+    let api = Api::new(forge)?;
+    let project = project_path(spec.repository).ok_or_else(|| {
+        format!(
+            "{}: the repository URL does not name a project ({})",
+            forge.host, spec.repository
+        )
+    })?;
+    let id = encode(&project);
+    let base = match spec.base {
+        Some(base) => base.to_string(),
+        None => {
+            let found: Project = api.call("GET", &format!("/projects/{id}"), None).await?;
+            found.default_branch.ok_or_else(|| {
+                format!(
+                    "{}: the project {project} has no default branch",
+                    forge.host
+                )
+            })?
+        }
+    };
+    let title = marked(&spec.title, spec.draft, "Draft: ");
+    let description = cut(spec.body, MAX_BODY_CHARS);
+    let query = format!(
+        "/projects/{id}/merge_requests?state=opened&source_branch={}&target_branch={}",
+        encode(spec.branch),
+        encode(&base)
+    );
+    let open: Vec<MergeRequest> = api.call("GET", &query, None).await?;
+    let pull = match open.into_iter().next() {
+        Some(existing) => {
+            let path = format!("/projects/{id}/merge_requests/{}", existing.iid);
+            let update = json!({"title": title, "description": description});
+            let updated: MergeRequest = api.call("PUT", &path, Some(update)).await?;
+            PullRequest {
+                url: updated.web_url,
+                action: "updated",
+            }
+        }
+        None => {
+            let create = json!({"source_branch": spec.branch, "target_branch": base,
+                "title": title, "description": description});
+            let path = format!("/projects/{id}/merge_requests");
+            let created: MergeRequest = api.call("POST", &path, Some(create)).await?;
+            PullRequest {
+                url: created.web_url,
+                action: "opened",
+            }
+        }
+    };
+    let status = json!({
+        "state": if spec.draft { "failed" } else { "success" },
+        "description": cut(spec.status, 140),
+        "name": "forgepool",
+    });
+    api.set_status(&format!("/projects/{id}/statuses/{}", spec.commit), status)
+        .await;
+    Ok(pull)
+}
+
+#[derive(Deserialize)]
+struct GiteaPull {
+    number: u64,
+    html_url: String,
+    head: GiteaRef,
+    base: GiteaRef,
+}
+
+#[derive(Deserialize)]
+struct GiteaRef {
+    #[serde(rename = "ref")]
+    name: String,
+}
+
+/// The most open pull requests of a Gitea repository looked through for the branch's.
+const GITEA_PAGE: u32 = 50;
+
+/// Gitea and Forgejo (REST v1): the pull request from the branch, and a commit status.
+async fn gitea(forge: &Forge, spec: &PullRequestSpec<'_>) -> Result<PullRequest, String> {
+    let api = Api::new(forge)?;
+    let (owner, repo) = owner_and_repo(spec.repository).ok_or_else(|| {
+        format!(
+            "{}: the repository URL does not name an owner and a repository ({})",
+            forge.host, spec.repository
+        )
+    })?;
+    let base = match spec.base {
+        Some(base) => base.to_string(),
+        None => {
+            let found: Repository = api
+                .call("GET", &format!("/repos/{owner}/{repo}"), None)
+                .await?;
+            found.default_branch
+        }
+    };
+    let title = marked(&spec.title, spec.draft, "WIP: ");
+    let body = cut(spec.body, MAX_BODY_CHARS);
+    let query = format!("/repos/{owner}/{repo}/pulls?state=open&limit={GITEA_PAGE}");
+    let open: Vec<GiteaPull> = api.call("GET", &query, None).await?;
+    let existing = open
+        .into_iter()
+        .find(|p| p.head.name == spec.branch && p.base.name == base);
+    let pull = match existing {
+        Some(existing) => {
+            let path = format!("/repos/{owner}/{repo}/pulls/{}", existing.number);
+            let update = json!({"title": title, "body": body});
+            let updated: GiteaPull = api.call("PATCH", &path, Some(update)).await?;
+            PullRequest {
+                url: updated.html_url,
+                action: "updated",
+            }
+        }
+        None => {
+            let create = json!({"head": spec.branch, "base": base, "title": title, "body": body});
+            let path = format!("/repos/{owner}/{repo}/pulls");
+            let created: GiteaPull = api.call("POST", &path, Some(create)).await?;
+            PullRequest {
+                url: created.html_url,
+                action: "opened",
+            }
+        }
+    };
+    let status = json!({
+        "state": if spec.draft { "failure" } else { "success" },
+        "description": cut(spec.status, 140),
+        "context": "forgepool",
+    });
+    let path = format!("/repos/{owner}/{repo}/statuses/{}", spec.commit);
+    api.set_status(&path, status).await;
+    Ok(pull)
+}
+
+/// `title`, with `mark` in front for a draft (how GitLab and Gitea mark one).
+fn marked(title: &str, draft: bool, mark: &str) -> String {
+    if draft {
+        format!("{mark}{title}")
+    } else {
+        title.to_string()
+    }
+}
+
+/// Percent-encodes everything but RFC 3986's unreserved characters (a GitLab project path as
+/// its id, a branch name in a query).
+fn encode(text: &str) -> String {
+    text.bytes()
+        .map(|b| {
+            if b.is_ascii_alphanumeric() || b"-._~".contains(&b) {
+                (b as char).to_string()
+            } else {
+                format!("%{b:02X}")
+            }
+        })
+        .collect()
 }
 
 /// The forge's API with the token of its forges file entry.
@@ -181,6 +343,16 @@ impl<'a> Api<'a> {
         })
     }
 
+    /// Sets a commit status; a refusal is logged, not an error (the pull request stands).
+    async fn set_status(&self, path: &str, status: serde_json::Value) {
+        if let Err(error) = self
+            .call::<serde_json::Value>("POST", path, Some(status))
+            .await
+        {
+            warn!(%error, "cannot set the commit's status");
+        }
+    }
+
     /// One API call, tried again after a rate limit (its `Retry-After`) or a server error.
     async fn call<T: serde::de::DeserializeOwned>(
         &self,
@@ -193,12 +365,21 @@ impl<'a> Api<'a> {
         let what = format!("{} {method} {path}", self.forge.host);
         let mut wait = Duration::from_secs(1);
         for attempt in 1..=ATTEMPTS {
-            let mut request = self
-                .client
-                .request(method.clone(), &url)
-                .bearer_auth(&self.token)
-                .header(reqwest::header::ACCEPT, "application/vnd.github+json")
-                .header("X-GitHub-Api-Version", "2022-11-28");
+            let request = self.client.request(method.clone(), &url);
+            let mut request = match self.forge.kind {
+                ForgeKind::Github => request
+                    .bearer_auth(&self.token)
+                    .header(reqwest::header::ACCEPT, "application/vnd.github+json")
+                    .header("X-GitHub-Api-Version", "2022-11-28"),
+                // A personal, project or group access token, as an OAuth bearer.
+                ForgeKind::Gitlab => request.bearer_auth(&self.token),
+                ForgeKind::Gitea => request
+                    .header(
+                        reqwest::header::AUTHORIZATION,
+                        format!("token {}", self.token),
+                    )
+                    .header(reqwest::header::ACCEPT, "application/json"),
+            };
             if let Some(body) = &body {
                 request = request.json(body);
             }
@@ -277,6 +458,25 @@ fn owner_and_repo(url: &str) -> Option<(String, String)> {
     (fine(owner) && fine(repo)).then(|| (owner.to_string(), repo.to_string()))
 }
 
+/// The project path of `https://host/group/sub/project(.git)` or `git@host:group/project.git`
+/// (GitLab's groups nest).
+fn project_path(url: &str) -> Option<String> {
+    let path = match url.split_once("://") {
+        Some((_, rest)) => rest.split_once('/')?.1,
+        None => url.split_once(':')?.1,
+    };
+    let path = path.trim_matches('/');
+    let path = path.strip_suffix(".git").unwrap_or(path);
+    let segments: Vec<&str> = path.split('/').collect();
+    let fine = |s: &&str| {
+        !s.is_empty()
+            && !s.starts_with('.')
+            && s.bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b"-_.".contains(&b))
+    };
+    (segments.len() >= 2 && segments.iter().all(fine)).then(|| segments.join("/"))
+}
+
 /// `text` cut to `limit` characters, saying so.
 fn cut(text: &str, limit: usize) -> String {
     if text.chars().count() <= limit {
@@ -304,5 +504,30 @@ mod tests {
         assert_eq!(owner_and_repo("https://github.com/acme"), None);
         assert_eq!(owner_and_repo("https://gitlab.com/group/sub/shop"), None);
         assert_eq!(owner_and_repo("https://github.com/ac me/shop"), None);
+    }
+
+    /// Catches: a GitLab merge request asked of a wrong project (nested groups cut, a path
+    /// sent unencoded as the project id, a `..` segment let through).
+    #[test]
+    fn gitlab_project_paths_keep_their_groups_and_are_encoded_as_ids() {
+        assert_eq!(
+            project_path("https://gitlab.com/group/sub/shop.git").as_deref(),
+            Some("group/sub/shop")
+        );
+        assert_eq!(
+            project_path("git@gitlab.com:group/shop.git").as_deref(),
+            Some("group/shop")
+        );
+        assert_eq!(project_path("https://gitlab.com/shop"), None);
+        assert_eq!(project_path("https://gitlab.com/group/../shop"), None);
+        assert_eq!(encode("group/sub/shop"), "group%2Fsub%2Fshop");
+        assert_eq!(encode("forge/pr-1"), "forge%2Fpr-1");
+    }
+
+    /// Catches: a draft GitLab or Gitea pull request that is not marked as one.
+    #[test]
+    fn drafts_are_marked_in_the_title() {
+        assert_eq!(marked("T-1: x", true, "Draft: "), "Draft: T-1: x");
+        assert_eq!(marked("T-1: x", false, "WIP: "), "T-1: x");
     }
 }

@@ -226,10 +226,45 @@ async fn check_out(
     if entries >= SMALL_INDEX_BYTES {
         refresh(place, &git_dir, &work_tree, &env, user).await?;
     }
+    // Its size is recorded once, so eviction never walks 50,000 files to weigh it.
+    let (measured, record) = (files.clone(), size_file(dir));
+    let bytes = tokio::task::spawn_blocking(move || super::size_of(&measured))
+        .await
+        .unwrap_or(0);
     let _ = tokio::fs::remove_dir_all(dir).await;
     tokio::fs::rename(&temporary, dir)
         .await
+        .map_err(GitError::Spawn)?;
+    tokio::fs::write(record, bytes.to_string())
+        .await
         .map_err(GitError::Spawn)
+}
+
+/// Where a checkout's size is recorded.
+fn size_file(dir: &Path) -> PathBuf {
+    dir.with_extension("size")
+}
+
+/// The recorded sizes of a mirror's checkouts.
+pub(super) fn recorded_size(trees: &Path) -> u64 {
+    checkouts_by_use(trees)
+        .iter()
+        .filter_map(|(dir, _)| std::fs::read_to_string(size_file(dir)).ok())
+        .filter_map(|text| text.trim().parse::<u64>().ok())
+        .sum()
+}
+
+/// Checkout folders of the cache `dir` whose mirror is gone.
+pub(super) fn orphans(dir: &Path) -> Vec<PathBuf> {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return Vec::new();
+    };
+    entries
+        .flatten()
+        .map(|entry| entry.path())
+        .filter(|path| path.extension().is_some_and(|e| e == "trees"))
+        .filter(|path| !path.with_extension("git").exists())
+        .collect()
 }
 
 /// The size of an index (about 5,000 entries) under which a checkout is not refreshed.
@@ -296,6 +331,15 @@ fn own_all(dir: &Path, owner: (u32, u32)) -> std::io::Result<()> {
 /// Removes a mirror's checkouts beyond the `keep` most recently used, skipping those a run
 /// holds.
 pub(super) async fn prune(trees: &Path, keep: usize) {
+    // A checkout is made under its mirror's lock, which every caller holds: a half-made one
+    // (`.new-*`) is a leftover of a failed or interrupted build.
+    if let Ok(mut entries) = tokio::fs::read_dir(trees).await {
+        while let Ok(Some(entry)) = entries.next_entry().await {
+            if entry.file_name().to_string_lossy().starts_with(".new-") {
+                let _ = tokio::fs::remove_dir_all(entry.path()).await;
+            }
+        }
+    }
     let trees = trees.to_path_buf();
     let listed = tokio::task::spawn_blocking(move || checkouts_by_use(&trees))
         .await
@@ -306,6 +350,7 @@ pub(super) async fn prune(trees: &Path, keep: usize) {
         };
         info!(checkout = %dir.display(), "removing a cached checkout");
         let _ = tokio::fs::remove_dir_all(&dir).await;
+        let _ = tokio::fs::remove_file(size_file(&dir)).await;
         let _ = tokio::fs::remove_file(&lock_file).await;
         drop(lock);
     }
@@ -519,5 +564,33 @@ mod tests {
         drop(held);
         prune(&trees, KEPT_TREES).await;
         assert_eq!(checkouts_by_use(&trees).len(), KEPT_TREES);
+    }
+
+    /// Catches: a checkout whose mirror was evicted while a run held it, left on disk for
+    /// ever (nothing lists it again), and checkouts weighed by walking their files instead
+    /// of their recorded size.
+    #[tokio::test]
+    async fn an_evicted_mirrors_held_checkout_goes_once_released() {
+        root_required();
+        let dir = tempfile::tempdir().unwrap();
+        let (url, _) = origin(dir.path(), "shop", 10);
+        let cache = RepoCache::new(dir.path().join("cache"), DEFAULT_CACHE_BYTES);
+        let repo = repo_in(dir.path(), "a");
+        let (_, held) = cache
+            .clone_layered(&url, Some("main"), &repo, Some(STAGE_USER))
+            .await
+            .unwrap();
+        let held = held.unwrap();
+        let mirror = cache.mirror_of(&url);
+        let trees = trees_dir(&mirror);
+        assert_eq!(recorded_size(&trees), super::super::size_of(&held.files));
+        assert!(recorded_size(&trees) > 0);
+        remove_mirror(&mirror).await;
+        assert!(held.files.join("f1.txt").is_file(), "a held checkout stays");
+        assert_eq!(orphans(cache.dir()), vec![trees.clone()]);
+        crate::cache::unlay(&repo.work_tree).await;
+        drop(held);
+        cache.evict(Path::new("/nothing")).await;
+        assert!(!trees.exists(), "the released orphan is removed");
     }
 }

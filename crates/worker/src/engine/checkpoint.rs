@@ -120,3 +120,18 @@ impl RunContext<'_> {
         Ok(machine)
     }
 }
+
+/// Keeps a run's `progress` in the ledger, if there is any.
+pub(super) async fn keep_progress<L: ReviewLedger>(
+    ledger: &L,
+    run_id: Uuid,
+    progress: Option<Checkpoint>,
+) {
+    let Some(checkpoint) = progress else {
+        return;
+    };
+    match ledger.keep_progress(&run_id.to_string(), &checkpoint).await {
+        Ok(()) => crate::fault::point("progress-kept"),
+        Err(error) => warn!(%error, "cannot keep the run's progress"),
+    }
+}

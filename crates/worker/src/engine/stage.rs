@@ -435,7 +435,9 @@ impl DiskWatch {
             .mounts
             .iter()
             .filter(|m| !m.read_only)
-            .map(|m| m.source.clone())
+            // A layered folder's use is its upper layer: a copied-up file costs its whole
+            // size there, and removing a file of the cached checkout frees nothing.
+            .map(|m| crate::overlay::upper_of(&m.source).unwrap_or_else(|| m.source.clone()))
             .collect();
         let baseline = Self::measure(folders.clone()).await.unwrap_or(0);
         DiskWatch {
