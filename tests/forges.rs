@@ -923,7 +923,7 @@ fn github_pull_requests_are_opened_once_and_updated_on_redelivery() {
     std::fs::write(
         &forges,
         format!(
-            "[[forge]]\nhost = \"{}\"\nkind = \"github\"\napi_url = \"http://127.0.0.1:{}\"\ntoken_env = \"FORGE_TEST_TOKEN\"\nca_file = \"{}\"\n",
+            "run_url = \"https://forgepool.example/runs/{{run_id}}\"\n[[forge]]\nhost = \"{}\"\nkind = \"github\"\napi_url = \"http://127.0.0.1:{}\"\ntoken_env = \"FORGE_TEST_TOKEN\"\nca_file = \"{}\"\n",
             server.host(),
             github.port,
             server.ca.display()
@@ -976,6 +976,14 @@ fn github_pull_requests_are_opened_once_and_updated_on_redelivery() {
     assert_eq!(title, "PR-1: Add the feature");
     assert!(body.contains("# PR-1"), "the report is the body: {body}");
     assert_eq!(state.statuses, 2, "a status on each delivered commit");
+    let link = format!("https://forgepool.example/runs/{}", second.run_id.unwrap());
+    assert!(
+        state.requests.iter().any(|(m, p, body)| m == "POST"
+            && p.contains("/statuses/")
+            && body["target_url"] == link.as_str()),
+        "the status links to the run: {:?}",
+        state.requests
+    );
     assert!(
         state
             .requests
@@ -996,6 +1004,7 @@ struct ForgeState {
     requests: Vec<String>,
     pulls: Vec<KeptPull>,
     statuses: Vec<String>,
+    links: Vec<String>,
 }
 
 /// A stateful fake of GitLab's REST v4 or Gitea's REST v1, modelled by hand on their
@@ -1175,6 +1184,8 @@ fn gitlab_answer(
                 return (400, json!({"error": "state does not have a valid value"}));
             }
             state.statuses.push(asked.to_string());
+            let link = request.body["target_url"].as_str().unwrap_or("");
+            state.links.push(link.to_string());
             (
                 201,
                 json!({"id": 1, "sha": rest.trim_start_matches("/statuses/"), "status": asked, "name": request.body["name"]}),
@@ -1290,6 +1301,8 @@ fn gitea_answer(
                 return (422, json!({"message": "state is not valid"}));
             }
             state.statuses.push(asked.to_string());
+            let link = request.body["target_url"].as_str().unwrap_or("");
+            state.links.push(link.to_string());
             (
                 201,
                 json!({"id": 1, "status": asked, "context": request.body["context"]}),
@@ -1323,7 +1336,7 @@ fn pull_requests_on(kind: &'static str, user: &str, draft_mark: &str, web: &str)
     std::fs::write(
         &forges,
         format!(
-            "[[forge]]\nhost = \"{}\"\nkind = \"{kind}\"\napi_url = \"http://127.0.0.1:{port}/{api}\"\ntoken_env = \"FORGE_TEST_TOKEN\"\nca_file = \"{}\"\n",
+            "run_url = \"https://forgepool.example/runs/{{run_id}}\"\n[[forge]]\nhost = \"{}\"\nkind = \"{kind}\"\napi_url = \"http://127.0.0.1:{port}/{api}\"\ntoken_env = \"FORGE_TEST_TOKEN\"\nca_file = \"{}\"\n",
             server.host(),
             server.ca.display()
         ),
@@ -1401,6 +1414,12 @@ fn pull_requests_on(kind: &'static str, user: &str, draft_mark: &str, web: &str)
         "a status on each delivered commit"
     );
     assert_eq!(fixture.pushes("forge/pr-1"), 2);
+    let run_id = second.run_id.unwrap();
+    assert_eq!(
+        state.links.last().map(String::as_str),
+        Some(format!("https://forgepool.example/runs/{run_id}").as_str()),
+        "the status links to the run"
+    );
 }
 
 /// Catches: no merge request on GitLab, a second one on redelivery, a draft not marked (or

@@ -66,6 +66,9 @@ pub struct Forge {
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct ForgesFile {
+    /// The address of a run for people, `{run_id}` replaced: commit statuses link to it.
+    #[serde(default)]
+    run_url: Option<String>,
     #[serde(default)]
     forge: Vec<Forge>,
 }
@@ -74,6 +77,8 @@ struct ForgesFile {
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Forges {
     forges: Vec<Forge>,
+    /// The run link template (`run_url`).
+    run_url: Option<String>,
     /// The ssh configuration forgepool's git uses, when an entry has an SSH key.
     ssh_config: Option<PathBuf>,
 }
@@ -133,10 +138,28 @@ impl Forges {
                 ));
             }
         }
+        if let Some(template) = &file.run_url {
+            let fine = (template.starts_with("https://") || template.starts_with("http://"))
+                && template.contains("{run_id}");
+            if !fine {
+                return Err(format!(
+                    "forges file {}: run_url must be an http(s) address with {{run_id}} in it, like \"https://forgepool.example/runs/{{run_id}}\"",
+                    path.display()
+                ));
+            }
+        }
         Ok(Forges {
             forges: file.forge,
+            run_url: file.run_url,
             ssh_config: None,
         })
+    }
+
+    /// The link to `run_id` commit statuses carry, when the file gives `run_url`.
+    pub fn run_link(&self, run_id: &str) -> Option<String> {
+        self.run_url
+            .as_ref()
+            .map(|template| template.replace("{run_id}", run_id))
     }
 
     /// The entries.
@@ -476,6 +499,8 @@ api_url = "https://git.example:8443/api/v1"
             ("[[forge]]\nhost = \"h\"\nkind = \"github\"\napi_url = \"https://h\"\nssh_key_file = \"/etc/hostname\"\n", "known_hosts_file"),
             ("[[forge]]\nhost = \"h\"\nkind = \"github\"\napi_url = \"https://h\"\nca_file = \"/nonexistent/ca.pem\"\n", "ca_file /nonexistent/ca.pem is not a readable file"),
             ("[[forge]]\nhost = \"h\"\nkind = \"github\"\napi_url = \"https://h\"\ncolour = 1\n", "unknown field"),
+            ("run_url = \"https://forgepool.example/runs\"\n", "run_url must be"),
+            ("run_url = \"file:///runs/{run_id}\"\n", "run_url must be"),
             ("[[forge]]\nhost = \"h\"\nkind = \"github\"\napi_url = \"https://h\"\n[[forge]]\nhost = \"h\"\nkind = \"gitlab\"\napi_url = \"https://h\"\n", "earlier entry"),
         ];
         for (text, expected) in cases {

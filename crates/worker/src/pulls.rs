@@ -46,6 +46,8 @@ pub struct PullRequestSpec<'a> {
     pub commit: &'a str,
     /// The status's description (at most 140 characters are sent).
     pub status: &'a str,
+    /// The status's link to the run, when the forges file gives one.
+    pub link: Option<String>,
 }
 
 /// What became of the pull request.
@@ -131,7 +133,7 @@ async fn github(forge: &Forge, spec: &PullRequestSpec<'_>) -> Result<PullRequest
         "context": "forgepool",
     });
     let path = format!("/repos/{owner}/{repo}/statuses/{}", spec.commit);
-    api.set_status(&path, status).await;
+    api.set_status(&path, status, spec).await;
     Ok(pull)
 }
 
@@ -202,8 +204,8 @@ async fn gitlab(forge: &Forge, spec: &PullRequestSpec<'_>) -> Result<PullRequest
         "description": cut(spec.status, 140),
         "name": "forgepool",
     });
-    api.set_status(&format!("/projects/{id}/statuses/{}", spec.commit), status)
-        .await;
+    let path = format!("/projects/{id}/statuses/{}", spec.commit);
+    api.set_status(&path, status, spec).await;
     Ok(pull)
 }
 
@@ -275,7 +277,7 @@ async fn gitea(forge: &Forge, spec: &PullRequestSpec<'_>) -> Result<PullRequest,
         "context": "forgepool",
     });
     let path = format!("/repos/{owner}/{repo}/statuses/{}", spec.commit);
-    api.set_status(&path, status).await;
+    api.set_status(&path, status, spec).await;
     Ok(pull)
 }
 
@@ -343,8 +345,16 @@ impl<'a> Api<'a> {
         })
     }
 
-    /// Sets a commit status; a refusal is logged, not an error (the pull request stands).
-    async fn set_status(&self, path: &str, status: serde_json::Value) {
+    /// Sets a commit status (with the link to the run); a refusal is logged, not an error (the pull request stands).
+    async fn set_status(
+        &self,
+        path: &str,
+        mut status: serde_json::Value,
+        spec: &PullRequestSpec<'_>,
+    ) {
+        if let Some(link) = &spec.link {
+            status["target_url"] = link.as_str().into();
+        }
         if let Err(error) = self
             .call::<serde_json::Value>("POST", path, Some(status))
             .await

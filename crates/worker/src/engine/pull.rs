@@ -41,6 +41,7 @@ impl<R: ContainerRuntime> Engine<R> {
             draft: state == RunState::DeliveredWithWarnings,
             commit: &commit,
             status: reason,
+            link: crate::forges::forges().run_link(&job.run_id.to_string()),
         };
         match crate::pulls::open_or_update(forge, &spec).await {
             Ok(Some(pull)) => {
