@@ -752,6 +752,18 @@ fn serve_json(
     });
 }
 
+/// A review that ends `delivered_with_warnings` when exhausted (a draft pull request).
+const LENIENT_REVIEW: &str =
+    "---\nmax_retries: 1\nblock_on_failure: false\n---\n# Check\nAPPROVED when tests.txt exists.\n";
+
+/// Adds the reviewer profile `rejecter`, which always rejects.
+fn with_rejecter(fixture: Fixture) -> Fixture {
+    let mut agents = std::fs::read_to_string(&fixture.agents).unwrap();
+    agents.push_str("\n[agents.rejecter]\nimage = \"forgepool-test-agent:dev\"\ncommand = [\"/bin/sh\", \"/agents/reviewer.sh\", \"reject\"]\nmemory = \"128m\"\ntimeout_seconds = 60\n");
+    std::fs::write(&fixture.agents, agents).unwrap();
+    fixture
+}
+
 /// A pull request the fake GitHub keeps: number, head, base, title, body, draft.
 type FakePull = (u64, String, String, String, String, bool);
 
@@ -770,6 +782,8 @@ struct FakeGithub {
     state: std::sync::Arc<std::sync::Mutex<GithubState>>,
     prism: Child,
     port: u16,
+    /// The fake itself, for GraphQL (GitHub's REST description has no `/graphql`).
+    upstream: u16,
 }
 
 impl Drop for FakeGithub {
@@ -835,7 +849,12 @@ impl FakeGithub {
                         .pulls
                         .iter()
                         .filter(|p| query.contains(&format!("head=acme:{}", p.1)))
-                        .map(|p| shaped(&simple, p.0))
+                        .map(|p| {
+                            let mut listed = shaped(&simple, p.0);
+                            listed["draft"] = p.5.into();
+                            listed["node_id"] = format!("PR_node_{}", p.0).into();
+                            listed
+                        })
                         .collect();
                     (200, serde_json::Value::Array(open))
                 }
@@ -866,6 +885,46 @@ impl FakeGithub {
                     let mut answer = status_example.clone();
                     answer["state"] = body["state"].clone();
                     (201, answer)
+                }
+                // Modelled on GitHub's GraphQL reference: the two mutations, their input
+                // `pullRequestId`, a bearer token; an error is a 200 with `errors`.
+                ("POST", "/graphql") => {
+                    if request.header("authorization") != Some(&format!("Bearer {TOKEN}")) {
+                        return (401, serde_json::json!({"message": "Bad credentials"}));
+                    }
+                    let query = body["query"].as_str().unwrap_or("");
+                    let draft = if query
+                        .contains("convertPullRequestToDraft(input: {pullRequestId: $id})")
+                    {
+                        true
+                    } else if query
+                        .contains("markPullRequestReadyForReview(input: {pullRequestId: $id})")
+                    {
+                        false
+                    } else {
+                        return (
+                            200,
+                            serde_json::json!({"errors": [{"message": "unknown mutation"}]}),
+                        );
+                    };
+                    let id = body["variables"]["id"].as_str().unwrap_or("");
+                    match state
+                        .pulls
+                        .iter_mut()
+                        .find(|p| id == format!("PR_node_{}", p.0))
+                    {
+                        Some(kept) => {
+                            kept.5 = draft;
+                            (
+                                200,
+                                serde_json::json!({"data": {"pullRequest": {"isDraft": draft}}}),
+                            )
+                        }
+                        None => (
+                            200,
+                            serde_json::json!({"errors": [{"type": "NOT_FOUND", "message": "no such node"}]}),
+                        ),
+                    }
                 }
                 _ => (404, serde_json::json!({"message": "Not Found"})),
             }
@@ -900,7 +959,12 @@ impl FakeGithub {
             );
             std::thread::sleep(Duration::from_millis(200));
         }
-        FakeGithub { state, prism, port }
+        FakeGithub {
+            state,
+            prism,
+            port,
+            upstream,
+        }
     }
 }
 
@@ -910,7 +974,11 @@ impl FakeGithub {
 /// missing from the result, the report and the progress lines.
 #[test]
 fn github_pull_requests_are_opened_once_and_updated_on_redelivery() {
-    let fixture = Fixture::new(None, &["change"], &["approve"]);
+    let fixture = with_rejecter(Fixture::new(
+        Some(LENIENT_REVIEW),
+        &["change"],
+        &["approve"],
+    ));
     let tls = fixture.dir.path().join("tls");
     std::fs::create_dir_all(&tls).unwrap();
     // The repository at https://HOST/acme/shop.git is the fixture's.
@@ -923,22 +991,27 @@ fn github_pull_requests_are_opened_once_and_updated_on_redelivery() {
     std::fs::write(
         &forges,
         format!(
-            "run_url = \"https://forgepool.example/runs/{{run_id}}\"\n[[forge]]\nhost = \"{}\"\nkind = \"github\"\napi_url = \"http://127.0.0.1:{}\"\ntoken_env = \"FORGE_TEST_TOKEN\"\nca_file = \"{}\"\n",
+            "run_url = \"https://forgepool.example/runs/{{run_id}}\"\n[[forge]]\nhost = \"{}\"\nkind = \"github\"\napi_url = \"http://127.0.0.1:{}\"\ngraphql_url = \"http://127.0.0.1:{}/graphql\"\ntoken_env = \"FORGE_TEST_TOKEN\"\nca_file = \"{}\"\n",
             server.host(),
             github.port,
+            github.upstream,
             server.ca.display()
         ),
     )
     .unwrap();
     let url = format!("https://{}/acme/shop.git", server.host());
-    let run = || {
+    let run = |reviewer: &str| {
         let env = [
             ("FORGEPOOL_FORGES_FILE", forges.as_os_str()),
             ("FORGE_TEST_TOKEN", TOKEN.as_ref()),
         ];
-        run_request(&fixture, "PR-1", &request("PR-1", &url), &env, &[])
+        let text = format!(
+            "{}[agents]\nreviewer = \"{reviewer}\"\n",
+            request("PR-1", &url)
+        );
+        run_request(&fixture, "PR-1", &text, &env, &[])
     };
-    let first = run();
+    let first = run("rejecter");
     assert_eq!(first.code, 0, "{}\n{}", first.stdout, first.stderr);
     let url = "https://github.example/acme/shop/pull/1";
     assert!(
@@ -952,7 +1025,8 @@ fn github_pull_requests_are_opened_once_and_updated_on_redelivery() {
     let result = first.record().result.clone().unwrap();
     assert_eq!(result.pull_request.as_deref(), Some(url));
     assert!(result.report.contains(&format!("Pull request: {url}")));
-    let second = run();
+    assert!(github.state.lock().unwrap().pulls[0].5, "opened as a draft");
+    let second = run("rev");
     assert_eq!(second.code, 0, "{}\n{}", second.stdout, second.stderr);
     assert!(
         second
@@ -971,7 +1045,8 @@ fn github_pull_requests_are_opened_once_and_updated_on_redelivery() {
     let (_, head, base, title, body, draft) = &state.pulls[0];
     assert_eq!(
         (head.as_str(), base.as_str(), *draft),
-        ("forge/pr-1", "main", false)
+        ("forge/pr-1", "main", false),
+        "ready for review once approved"
     );
     assert_eq!(title, "PR-1: Add the feature");
     assert!(body.contains("# PR-1"), "the report is the body: {body}");
@@ -1316,14 +1391,11 @@ fn gitea_answer(
 /// (delivered with warnings: a draft), then approved.
 fn pull_requests_on(kind: &'static str, user: &str, draft_mark: &str, web: &str) {
     const FORGE_TOKEN: &str = "glpat-forgepoolTestToken0123";
-    let fixture = Fixture::new(
-        Some("---\nmax_retries: 1\nblock_on_failure: false\n---\n# Check\nAPPROVED when tests.txt exists.\n"),
+    let fixture = with_rejecter(Fixture::new(
+        Some(LENIENT_REVIEW),
         &["change"],
         &["approve"],
-    );
-    let mut agents = std::fs::read_to_string(&fixture.agents).unwrap();
-    agents.push_str("\n[agents.rejecter]\nimage = \"forgepool-test-agent:dev\"\ncommand = [\"/bin/sh\", \"/agents/reviewer.sh\", \"reject\"]\nmemory = \"128m\"\ntimeout_seconds = 60\n");
-    std::fs::write(&fixture.agents, agents).unwrap();
+    ));
     let tls = fixture.dir.path().join("tls");
     std::fs::create_dir_all(&tls).unwrap();
     let served = fixture.dir.path().join("served");

@@ -44,6 +44,11 @@ pub struct Forge {
     pub kind: ForgeKind,
     /// The forge's API root.
     pub api_url: String,
+    /// GitHub's GraphQL endpoint (a pull request's draft state changes only there); by
+    /// default `https://api.github.com/graphql`, or `/api/graphql` beside an Enterprise
+    /// Server's `/api/v3`.
+    #[serde(default)]
+    pub graphql_url: Option<String>,
     /// The worker's environment variable holding the token (git over HTTPS and the API).
     #[serde(default)]
     pub token_env: Option<String>,
@@ -96,6 +101,20 @@ pub fn forges() -> &'static Forges {
     FORGES
         .get()
         .unwrap_or_else(|| NONE.get_or_init(Forges::default))
+}
+
+impl Forge {
+    /// GitHub's GraphQL endpoint for this entry.
+    pub fn graphql(&self) -> String {
+        if let Some(url) = &self.graphql_url {
+            return url.clone();
+        }
+        let api = self.api_url.trim_end_matches('/');
+        match api.strip_suffix("/api/v3") {
+            Some(server) => format!("{server}/api/graphql"),
+            None => format!("{api}/graphql"),
+        }
+    }
 }
 
 impl Forges {
@@ -342,14 +361,19 @@ fn check(forge: &Forge, env: &impl Fn(&str) -> Option<String>) -> Result<(), Str
             forge.host
         ));
     }
-    let loopback = ["127.0.0.1", "localhost", "[::1]"]
-        .iter()
-        .any(|l| forge.api_url.starts_with(&format!("http://{l}")));
-    if !(forge.api_url.starts_with("https://") || loopback) {
-        return Err(format!(
-            "api_url must be an https:// URL (http:// only on loopback), got {:?}",
-            forge.api_url
-        ));
+    for (key, url) in [
+        ("api_url", Some(&forge.api_url)),
+        ("graphql_url", forge.graphql_url.as_ref()),
+    ] {
+        let Some(url) = url else { continue };
+        let loopback = ["127.0.0.1", "localhost", "[::1]"]
+            .iter()
+            .any(|l| url.starts_with(&format!("http://{l}")));
+        if !(url.starts_with("https://") || loopback) {
+            return Err(format!(
+                "{key} must be an https:// URL (http:// only on loopback), got {url:?}"
+            ));
+        }
     }
     if let Some(variable) = &forge.token_env {
         let shaped = variable
@@ -523,5 +547,40 @@ api_url = "https://git.example:8443/api/v1"
         );
         let none = forges.explain("fatal: repository 'https://gitlab.com/x' not found");
         assert_eq!(none, None);
+    }
+
+    /// Catches: draft changes sent to a wrong GraphQL endpoint (GitHub.com's or an Enterprise
+    /// Server's), and a plain-HTTP endpoint off loopback accepted.
+    #[test]
+    fn github_graphql_endpoints_follow_the_api_root() {
+        let entry = |api: &str, graphql: Option<&str>| Forge {
+            host: "h".into(),
+            kind: ForgeKind::Github,
+            api_url: api.into(),
+            graphql_url: graphql.map(String::from),
+            token_env: None,
+            username: None,
+            ssh_key_file: None,
+            known_hosts_file: None,
+            ca_file: None,
+        };
+        assert_eq!(
+            entry("https://api.github.com", None).graphql(),
+            "https://api.github.com/graphql"
+        );
+        assert_eq!(
+            entry("https://ghe.example/api/v3/", None).graphql(),
+            "https://ghe.example/api/graphql"
+        );
+        assert_eq!(
+            entry("https://x", Some("https://y/graphql")).graphql(),
+            "https://y/graphql"
+        );
+        let text = "[[forge]]\nhost = \"h\"\nkind = \"github\"\napi_url = \"https://h\"\ngraphql_url = \"http://h/graphql\"\n";
+        let error = Forges::parse(text, Path::new("forges.toml"), |_| None).unwrap_err();
+        assert!(
+            error.contains("graphql_url must be an https:// URL"),
+            "{error}"
+        );
     }
 }

@@ -1,7 +1,7 @@
 //! Pull requests and commit statuses on the forge a repository lives on (SPEC 9), through its
 //! REST API with the forges file's token: find the open pull request from `forge/{ticket}` to
 //! the base ref and update it, or open one, then set a commit status on the delivered commit.
-//! GitHub (REST v3: pull requests, `draft` when opened), GitLab (v4: merge requests, a draft
+//! GitHub (REST v3: pull requests, `draft` when opened, changed later through GraphQL), GitLab (v4: merge requests, a draft
 //! is a `Draft: ` title, so updates change it too) and Gitea or Forgejo (v1: pull requests, a
 //! draft is a `WIP: ` title).
 //!
@@ -63,6 +63,10 @@ pub struct PullRequest {
 struct Pull {
     number: u64,
     html_url: String,
+    #[serde(default)]
+    node_id: String,
+    #[serde(default)]
+    draft: Option<bool>,
 }
 
 #[derive(Deserialize)]
@@ -111,6 +115,12 @@ async fn github(forge: &Forge, spec: &PullRequestSpec<'_>) -> Result<PullRequest
             let update = json!({"title": spec.title, "body": body});
             let path = format!("/repos/{owner}/{repo}/pulls/{}", existing.number);
             let updated: Pull = api.call("PATCH", &path, Some(update)).await?;
+            // REST cannot change a pull request's draft state; GraphQL can.
+            if existing.draft.is_some_and(|draft| draft != spec.draft) {
+                if let Err(error) = api.set_draft(&existing.node_id, spec.draft).await {
+                    warn!(%error, "cannot change the pull request's draft state");
+                }
+            }
             PullRequest {
                 url: updated.html_url,
                 action: "updated",
@@ -363,6 +373,29 @@ impl<'a> Api<'a> {
         }
     }
 
+    /// Turns a GitHub pull request (its GraphQL node id) into a draft, or marks it ready.
+    async fn set_draft(&self, node_id: &str, draft: bool) -> Result<(), String> {
+        let mutation = if draft {
+            "convertPullRequestToDraft"
+        } else {
+            "markPullRequestReadyForReview"
+        };
+        let query = format!(
+            "mutation($id: ID!) {{ {mutation}(input: {{pullRequestId: $id}}) {{ pullRequest {{ isDraft }} }} }}"
+        );
+        let body = json!({"query": query, "variables": {"id": node_id}});
+        let answer: serde_json::Value =
+            self.call("POST", &self.forge.graphql(), Some(body)).await?;
+        match answer.get("errors") {
+            Some(errors) => Err(format!(
+                "{} GraphQL {mutation}: {}",
+                self.forge.host,
+                errors.to_string().chars().take(300).collect::<String>()
+            )),
+            None => Ok(()),
+        }
+    }
+
     /// One API call, tried again after a rate limit (its `Retry-After`) or a server error.
     async fn call<T: serde::de::DeserializeOwned>(
         &self,
@@ -370,7 +403,12 @@ impl<'a> Api<'a> {
         path: &str,
         body: Option<serde_json::Value>,
     ) -> Result<T, String> {
-        let url = format!("{}{path}", self.forge.api_url.trim_end_matches('/'));
+        // A path of the REST API, or a whole address (GraphQL's).
+        let url = if path.starts_with("http://") || path.starts_with("https://") {
+            path.to_string()
+        } else {
+            format!("{}{path}", self.forge.api_url.trim_end_matches('/'))
+        };
         let method = reqwest::Method::from_bytes(method.as_bytes()).map_err(|e| e.to_string())?;
         let what = format!("{} {method} {path}", self.forge.host);
         let mut wait = Duration::from_secs(1);
