@@ -126,18 +126,27 @@ fn git_configuration_an_agent_writes_never_runs_on_the_host() {
     assert_eq!(fixture.branch_file(BRANCH, "feature.txt"), "round 1\n");
 }
 
+/// Catches: forgepool's git following a gitfile the agent made of `/workspace/.git` (a
+/// checked-out workspace), or a `commondir` it wrote into the stages' git folder (a layered
+/// one, where `.git` is a mount the agent cannot replace), into a host repository.
 #[test]
 fn a_gitfile_naming_a_host_repository_leaves_it_untouched() {
-    let fixture = Fixture::new(Some(&review(3)), &["change"], &["approve"]);
-    let host = host_repository(fixture.dir.path());
-    let before = fingerprint(&host);
-    rewrite_implementer(&fixture, &["attack", "gitfile", host.to_str().unwrap()]);
-    let outcome = fixture.run("");
-    assert_eq!(fingerprint(&host), before, "the host repository changed");
-    assert_eq!(outcome.code, 0, "{}", outcome.printed());
-    let files = fixture.branch_files(BRANCH).unwrap();
-    assert!(!files.contains(&"private.txt".to_string()), "{files:?}");
-    assert!(!everything(&outcome).contains(DECOY));
+    for layers in ["false", "auto"] {
+        let fixture = Fixture::new(Some(&review(3)), &["change"], &["approve"]);
+        let host = host_repository(fixture.dir.path());
+        let before = fingerprint(&host);
+        rewrite_implementer(&fixture, &["attack", "gitfile", host.to_str().unwrap()]);
+        let outcome = fixture.run_with("", &[("FORGEPOOL_OVERLAY_WORKSPACES", layers)]);
+        assert_eq!(
+            fingerprint(&host),
+            before,
+            "the host repository changed ({layers})"
+        );
+        assert_eq!(outcome.code, 0, "{layers}: {}", outcome.printed());
+        let files = fixture.branch_files(BRANCH).unwrap();
+        assert!(!files.contains(&"private.txt".to_string()), "{files:?}");
+        assert!(!everything(&outcome).contains(DECOY));
+    }
 }
 
 #[test]

@@ -254,6 +254,29 @@ impl Fixture {
         command
     }
 
+    /// Like [`Fixture::run`], with `env` added to forgepool's environment.
+    pub fn run_with(&self, extra: &str, env: &[(&str, &str)]) -> Outcome {
+        let file = self.dir.path().join("request.toml");
+        std::fs::write(
+            &file,
+            format!(
+                "ticket = \"TEST-1\"\nskill = \"implement-task\"\nbrief = \"Add the feature\"\n{extra}\n[repository]\nurl = \"file://{}\"\nref = \"main\"\n",
+                self.bare.display()
+            ),
+        )
+        .unwrap();
+        let mut command = self.command();
+        command
+            .arg("run")
+            .arg(&file)
+            .arg("--skills")
+            .arg(&self.skills)
+            .arg("--agents")
+            .arg(&self.agents)
+            .envs(env.iter().copied());
+        self.outcome(command)
+    }
+
     /// Runs `forgepool run` on a request text.
     pub fn run_request(&self, request: &str) -> Outcome {
         let file = self.dir.path().join("request.toml");

@@ -198,8 +198,13 @@ touch %s.hook
         echo '* filter=evil diff=evil' > .gitattributes
         ;;
       gitfile)
-        rm -rf .git
-        echo "gitdir: $host/.git" > .git
+        if rm -rf .git 2>/dev/null; then
+          echo "gitdir: $host/.git" > .git
+        else
+          # A layered workspace: .git is a mount of the stages' own git folder. The nearest
+          # attack is to point that folder at the host repository.
+          echo "$host/.git" > .git/commondir
+        fi
         ;;
       forge-link)
         rm -rf .forge

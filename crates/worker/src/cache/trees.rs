@@ -49,6 +49,19 @@ impl RepoCache {
         let trees = trees_dir(&fetched.mirror);
         let name = format!("{}-{}-{}", fetched.commit, owner.0, owner.1);
         let dir = trees.join(&name);
+        let lock_file = trees.join(format!("{name}.lock"));
+        if dir.join("index").is_file() && !intact(&fetched.mirror, &dir).await {
+            // Changed behind forgepool's back (only a host process can): made again, so a
+            // run never starts from content the remote does not have.
+            warn!(checkout = %dir.display(), "a cached checkout differs from its commit; making it again");
+            let Ok(lock) = FileLock::exclusive(&lock_file, Duration::ZERO).await else {
+                return Err(GitError::Refused(
+                    "a cached checkout differs from its commit and another run holds it".into(),
+                ));
+            };
+            let _ = tokio::fs::remove_dir_all(&dir).await;
+            drop(lock);
+        }
         if !dir.join("index").is_file() {
             let began = Instant::now();
             build(&fetched.mirror, &fetched.commit, &dir, owner).await?;
@@ -57,7 +70,6 @@ impl RepoCache {
                 "base checkout made in the cache"
             );
         }
-        let lock_file = trees.join(format!("{name}.lock"));
         let lock = FileLock::shared(&lock_file, GIT_TIMEOUT).await?;
         let _ = touch(&lock_file).await;
         prune(&trees, KEPT_TREES).await;
@@ -165,6 +177,28 @@ impl BaseTree {
     }
 }
 
+/// Whether the checkout in `dir` still is its commit: no file changed, removed or added
+/// (stat data against its index, and a walk for files it does not record).
+async fn intact(mirror: &Path, dir: &Path) -> bool {
+    let index = dir.join("index").to_string_lossy().into_owned();
+    let (git_dir, work_tree) = (
+        format!("--git-dir={}", mirror.display()),
+        format!("--work-tree={}", dir.join("files").display()),
+    );
+    let args = [
+        "--no-optional-locks",
+        git_dir.as_str(),
+        &work_tree,
+        "status",
+        "--porcelain",
+        "--untracked-files=all",
+        "--ignored=no",
+    ];
+    git::git_with_env(dir, &args, &[("GIT_INDEX_FILE", &index)])
+        .await
+        .is_ok_and(|changes| changes.is_empty())
+}
+
 /// Checks `commit` of `mirror` out into `dir` (`files/` and `index`) owned by `owner`: by
 /// git running as `owner` when it can reach the folders, else by git running as the worker
 /// and one ownership walk (the checkout is made once per commit either way).
@@ -226,6 +260,8 @@ async fn check_out(
     if entries >= SMALL_INDEX_BYTES {
         refresh(place, &git_dir, &work_tree, &env, user).await?;
     }
+    // Read in place by `intact` at every later use: dated ahead so it re-hashes nothing.
+    date_ahead(&index).await?;
     // Its size is recorded once, so eviction never walks 50,000 files to weigh it.
     let (measured, record) = (files.clone(), size_file(dir));
     let bytes = tokio::task::spawn_blocking(move || super::size_of(&measured))
@@ -282,17 +318,22 @@ async fn refresh(
     // here: the checkout's files are never written again (a stage's change is a copy in an
     // upper layer, with a new ctime). A run's own index is a copy dated when it is made, so
     // git's racy-entry rule still guards every file a stage can write.
-    let index = PathBuf::from(env[0].1);
+    date_ahead(env[0].1).await?;
+    let refresh = [git_dir, work_tree, "update-index", "-q", "--refresh"];
+    git_by(place, &refresh, env, user).await?;
+    Ok(())
+}
+
+/// Dates the index file `index` two seconds ahead (see [`refresh`]).
+async fn date_ahead(index: &str) -> Result<(), GitError> {
+    let index = PathBuf::from(index);
     let ahead = tokio::task::spawn_blocking(move || {
         std::fs::File::options()
             .write(true)
             .open(&index)?
             .set_modified(SystemTime::now() + Duration::from_secs(2))
     });
-    blocking(ahead.await)?;
-    let refresh = [git_dir, work_tree, "update-index", "-q", "--refresh"];
-    git_by(place, &refresh, env, user).await?;
-    Ok(())
+    blocking(ahead.await)
 }
 
 async fn git_by(
@@ -592,5 +633,39 @@ mod tests {
         drop(held);
         cache.evict(Path::new("/nothing")).await;
         assert!(!trees.exists(), "the released orphan is removed");
+    }
+
+    /// Catches: a cached checkout changed behind forgepool's back (a file changed, one
+    /// removed, one added) trusted by the next run, which would deliver those changes.
+    #[tokio::test]
+    async fn a_changed_cached_checkout_is_made_again() {
+        root_required();
+        let dir = tempfile::tempdir().unwrap();
+        let (url, _) = origin(dir.path(), "shop", 10);
+        let cache = RepoCache::new(dir.path().join("cache"), DEFAULT_CACHE_BYTES);
+        let first = repo_in(dir.path(), "a");
+        let (_, tree) = cache
+            .clone_layered(&url, Some("main"), &first, Some(STAGE_USER))
+            .await
+            .unwrap();
+        let files = tree.unwrap().files.clone();
+        crate::cache::unlay(&first.work_tree).await;
+        let original = std::fs::read_to_string(files.join("f1.txt")).unwrap();
+        std::fs::write(files.join("f1.txt"), "planted\n").unwrap();
+        std::fs::remove_file(files.join("f2.txt")).unwrap();
+        std::fs::write(files.join("extra.txt"), "planted\n").unwrap();
+        let again = repo_in(dir.path(), "b");
+        let (_, tree) = cache
+            .clone_layered(&url, Some("main"), &again, Some(STAGE_USER))
+            .await
+            .unwrap();
+        assert!(tree.is_some(), "layered again, over a checkout made anew");
+        assert_eq!(
+            std::fs::read_to_string(again.work_tree.join("f1.txt")).unwrap(),
+            original
+        );
+        assert!(again.work_tree.join("f2.txt").is_file());
+        assert!(!again.work_tree.join("extra.txt").exists());
+        crate::cache::unlay(&again.work_tree).await;
     }
 }
