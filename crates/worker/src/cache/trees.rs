@@ -177,26 +177,27 @@ impl BaseTree {
     }
 }
 
-/// Whether the checkout in `dir` still is its commit: no file changed, removed or added
-/// (stat data against its index, and a walk for files it does not record).
+/// Whether the checkout in `dir` still is its commit: no file changed or removed (the files
+/// against their index, stat data first, as git's status does) and none added (a walk for
+/// files the index does not record). Both compare with the index only: the mirror's HEAD is
+/// not the checkout's commit.
 async fn intact(mirror: &Path, dir: &Path) -> bool {
     let index = dir.join("index").to_string_lossy().into_owned();
     let (git_dir, work_tree) = (
         format!("--git-dir={}", mirror.display()),
         format!("--work-tree={}", dir.join("files").display()),
     );
-    let args = [
-        "--no-optional-locks",
-        git_dir.as_str(),
-        &work_tree,
-        "status",
-        "--porcelain",
-        "--untracked-files=all",
-        "--ignored=no",
-    ];
-    git::git_with_env(dir, &args, &[("GIT_INDEX_FILE", &index)])
-        .await
-        .is_ok_and(|changes| changes.is_empty())
+    let env = [("GIT_INDEX_FILE", index.as_str())];
+    let common = ["--no-optional-locks", git_dir.as_str(), work_tree.as_str()];
+    let changed = [&common[..], &["diff-files", "--name-only"]].concat();
+    let added = [&common[..], &["ls-files", "--others", "--directory"]].concat();
+    for args in [changed, added] {
+        match git::git_with_env(dir, &args, &env).await {
+            Ok(listed) if listed.is_empty() => {}
+            _ => return false,
+        }
+    }
+    true
 }
 
 /// Checks `commit` of `mirror` out into `dir` (`files/` and `index`) owned by `owner`: by
@@ -640,32 +641,48 @@ mod tests {
     #[tokio::test]
     async fn a_changed_cached_checkout_is_made_again() {
         root_required();
-        let dir = tempfile::tempdir().unwrap();
-        let (url, _) = origin(dir.path(), "shop", 10);
-        let cache = RepoCache::new(dir.path().join("cache"), DEFAULT_CACHE_BYTES);
-        let first = repo_in(dir.path(), "a");
-        let (_, tree) = cache
-            .clone_layered(&url, Some("main"), &first, Some(STAGE_USER))
-            .await
-            .unwrap();
-        let files = tree.unwrap().files.clone();
-        crate::cache::unlay(&first.work_tree).await;
-        let original = std::fs::read_to_string(files.join("f1.txt")).unwrap();
-        std::fs::write(files.join("f1.txt"), "planted\n").unwrap();
-        std::fs::remove_file(files.join("f2.txt")).unwrap();
-        std::fs::write(files.join("extra.txt"), "planted\n").unwrap();
-        let again = repo_in(dir.path(), "b");
-        let (_, tree) = cache
-            .clone_layered(&url, Some("main"), &again, Some(STAGE_USER))
-            .await
-            .unwrap();
-        assert!(tree.is_some(), "layered again, over a checkout made anew");
-        assert_eq!(
-            std::fs::read_to_string(again.work_tree.join("f1.txt")).unwrap(),
-            original
-        );
-        assert!(again.work_tree.join("f2.txt").is_file());
-        assert!(!again.work_tree.join("extra.txt").exists());
-        crate::cache::unlay(&again.work_tree).await;
+        // One tampering at a time, so each of the two checks has to catch its own.
+        let tamperings: [(&str, fn(&Path)); 3] = [
+            ("a changed file", |files| {
+                std::fs::write(files.join("f1.txt"), "planted\n").unwrap()
+            }),
+            ("a removed file", |files| {
+                std::fs::remove_file(files.join("f2.txt")).unwrap()
+            }),
+            ("an added file", |files| {
+                std::fs::write(files.join("extra.txt"), "planted\n").unwrap()
+            }),
+        ];
+        for (what, tamper) in tamperings {
+            let dir = tempfile::tempdir().unwrap();
+            let (url, _) = origin(dir.path(), "shop", 10);
+            let cache = RepoCache::new(dir.path().join("cache"), DEFAULT_CACHE_BYTES);
+            let first = repo_in(dir.path(), "a");
+            let (_, tree) = cache
+                .clone_layered(&url, Some("main"), &first, Some(STAGE_USER))
+                .await
+                .unwrap();
+            let files = tree.unwrap().files.clone();
+            crate::cache::unlay(&first.work_tree).await;
+            let original = std::fs::read_to_string(files.join("f1.txt")).unwrap();
+            tamper(&files);
+            let again = repo_in(dir.path(), "b");
+            let (_, tree) = cache
+                .clone_layered(&url, Some("main"), &again, Some(STAGE_USER))
+                .await
+                .unwrap();
+            assert!(
+                tree.is_some(),
+                "{what}: layered again, over a checkout made anew"
+            );
+            assert_eq!(
+                std::fs::read_to_string(again.work_tree.join("f1.txt")).unwrap(),
+                original,
+                "{what}"
+            );
+            assert!(again.work_tree.join("f2.txt").is_file(), "{what}");
+            assert!(!again.work_tree.join("extra.txt").exists(), "{what}");
+            crate::cache::unlay(&again.work_tree).await;
+        }
     }
 }
