@@ -642,7 +642,8 @@ mod tests {
     async fn a_changed_cached_checkout_is_made_again() {
         root_required();
         // One tampering at a time, so each of the two checks has to catch its own.
-        let tamperings: [(&str, fn(&Path)); 3] = [
+        type Tampering = (&'static str, fn(&Path));
+        let tamperings: [Tampering; 3] = [
             ("a changed file", |files| {
                 std::fs::write(files.join("f1.txt"), "planted\n").unwrap()
             }),
