@@ -4,7 +4,7 @@
 use std::path::PathBuf;
 
 use futures_util::StreamExt;
-use proto::{ApiError, Event, EventKind, RunList, RunView, SubmitResponse};
+use proto::{Event, EventKind, Problem, RunList, RunView, SubmitResponse};
 
 use crate::config::ClientArgs;
 use crate::progress;
@@ -54,8 +54,8 @@ impl Client {
                 EXIT_FAILED
             });
         }
-        match serde_json::from_slice::<ApiError>(&body) {
-            Ok(error) => eprintln!("error: {} ({})", error.error.message, error.error.code),
+        match serde_json::from_slice::<Problem>(&body) {
+            Ok(problem) => eprintln!("error: {} ({})", problem.detail, problem.code),
             Err(_) => eprintln!("error: the dispatcher answered {status}"),
         }
         Err(if status.is_client_error() {
@@ -123,8 +123,8 @@ async fn watch_run(client: &Client, run_id: &str) -> i32 {
         Ok(response) if response.status().is_success() => response,
         Ok(response) => {
             let status = response.status();
-            match response.json::<ApiError>().await {
-                Ok(error) => eprintln!("error: {}", error.error.message),
+            match response.json::<Problem>().await {
+                Ok(problem) => eprintln!("error: {}", problem.detail),
                 Err(_) => eprintln!("error: the dispatcher answered {status}"),
             }
             return if status.is_client_error() {

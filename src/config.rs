@@ -201,6 +201,21 @@ pub const ENV_DRAIN_SECONDS: &str = "FORGEPOOL_DRAIN_SECONDS";
 /// The default RabbitMQ URL.
 pub const DEFAULT_AMQP_URL: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
 
+/// `forgepool prune`.
+#[derive(Debug, Args)]
+pub struct PruneArgs {
+    /// Delete runs that ended more than this long ago (`30d`, `36h`…, at least an hour), with
+    /// everything stored of them.
+    #[arg(long = "older-than", value_parser = |v: &str| dispatcher::retention::parse_horizon("--older-than", v).and_then(|h| h.ok_or_else(|| "--older-than: give a duration; `never` prunes nothing".to_string())))]
+    pub older_than: Duration,
+    /// Delete only the heartbeat and log events of those runs, and keep the runs.
+    #[arg(long = "logs-only")]
+    pub logs_only: bool,
+    /// The run store: a SQLite file path, `sqlite://PATH` or a `postgres://` URL.
+    #[arg(long, env = ENV_DATABASE_URL, default_value = "./forgepool.db", hide_env_values = true)]
+    pub database: String,
+}
+
 /// Settings shared by the services.
 #[derive(Debug, Args)]
 pub struct BrokerArgs {
@@ -243,6 +258,13 @@ pub struct DispatcherArgs {
     /// The webhooks told of runs that end (SPEC 9).
     #[arg(long = "webhooks", env = "FORGEPOOL_WEBHOOKS_FILE")]
     pub webhooks_file: Option<PathBuf>,
+    /// How long the heartbeat and log events of a run that ended are kept (`7d`, `36h`…, at
+    /// least an hour, or `never` to keep them for ever).
+    #[arg(long = "retain-logs", env = "FORGEPOOL_RETAIN_LOGS", default_value = "7d", value_parser = |v: &str| dispatcher::retention::parse_horizon("FORGEPOOL_RETAIN_LOGS", v))]
+    pub retain_logs: Option<Duration>,
+    /// How long a run that ended is kept, with everything stored of it (`90d`…, or `never`).
+    #[arg(long = "retain-runs", env = "FORGEPOOL_RETAIN_RUNS", default_value = "never", value_parser = |v: &str| dispatcher::retention::parse_horizon("FORGEPOOL_RETAIN_RUNS", v))]
+    pub retain_runs: Option<Duration>,
     #[command(flatten)]
     pub job_key: JobKeyArgs,
     #[command(flatten)]

@@ -75,6 +75,9 @@ enum Command {
         #[command(flatten)]
         client: config::ClientArgs,
     },
+    /// Delete what the run store keeps of runs that ended long ago (the dispatcher also does it
+    /// by itself: FORGEPOOL_RETAIN_LOGS, FORGEPOOL_RETAIN_RUNS).
+    Prune(config::PruneArgs),
     /// The egress proxy of `network = "egress"` stages; workers start it in its own container.
     #[command(hide = true)]
     EgressProxy,
@@ -125,6 +128,7 @@ fn main() -> ExitCode {
                 }
             }
             Command::Cancel { run_id, client } => client::cancel(&client, &run_id).await,
+            Command::Prune(args) => services::prune(args).await,
             Command::EgressProxy => {
                 worker::egress::run_from_env(services::shutdown_on_signal()).await
             }

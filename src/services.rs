@@ -73,6 +73,10 @@ pub async fn dispatcher(args: DispatcherArgs) -> i32 {
         silent_after: Duration::from_secs(args.silent_run_seconds),
         auto_resume: args.auto_resume,
         webhooks,
+        retention: dispatcher::retention::Retention {
+            logs: args.retain_logs,
+            runs: args.retain_runs,
+        },
     };
     let shutdown = shutdown_on_signal();
     // The line tests and scripts wait for: printed once the broker topology exists.
@@ -179,7 +183,8 @@ pub async fn worker(args: WorkerArgs) -> i32 {
     code
 }
 
-/// Serves the worker's `/healthz` and `/metrics` on `listener` until `shutdown`.
+/// Serves the worker's `/healthz`, `/readyz` (503 until its jobs consumer is connected to
+/// RabbitMQ, and while it is not) and `/metrics` on `listener` until `shutdown`.
 fn serve_health(
     listener: tokio::net::TcpListener,
     metrics: Arc<telemetry::Metrics>,
@@ -189,6 +194,21 @@ fn serve_health(
         .route(
             "/healthz",
             axum::routing::get(|| async { axum::Json(serde_json::json!({"status": "ok"})) }),
+        )
+        .route(
+            "/readyz",
+            axum::routing::get({
+                let metrics = Arc::clone(&metrics);
+                move || async move {
+                    let broker = metrics.broker_connected();
+                    let status = if broker {
+                        axum::http::StatusCode::OK
+                    } else {
+                        axum::http::StatusCode::SERVICE_UNAVAILABLE
+                    };
+                    (status, axum::Json(serde_json::json!({"broker": broker})))
+                }
+            }),
         )
         .route(
             "/metrics",
@@ -230,4 +250,39 @@ pub fn shutdown_on_signal() -> CancellationToken {
         }
     });
     token
+}
+
+/// `forgepool prune --older-than DURATION [--logs-only]`: deletes, once, what is stored of
+/// runs that ended before then. Runs that have not ended are never touched.
+pub async fn prune(args: crate::config::PruneArgs) -> i32 {
+    use dispatcher::store::{RunStore, Store};
+    let store = match Store::open(&args.database).await {
+        Ok(store) => store,
+        Err(error) => {
+            eprintln!("error: cannot open the run store: {error}");
+            return EXIT_INVALID;
+        }
+    };
+    let horizon = dispatcher::retention::Retention {
+        logs: Some(args.older_than),
+        runs: (!args.logs_only).then_some(args.older_than),
+    };
+    match store
+        .prune(horizon.prune_at(std::time::SystemTime::now()))
+        .await
+    {
+        Ok(pruned) => {
+            println!(
+                "pruned {} runs and {} heartbeat and log events of runs that ended more than {} ago",
+                pruned.runs,
+                pruned.chatter,
+                humantime::format_duration(args.older_than)
+            );
+            0
+        }
+        Err(error) => {
+            eprintln!("error: pruning failed: {error}");
+            1
+        }
+    }
 }

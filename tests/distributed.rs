@@ -111,9 +111,9 @@ async fn every_bad_field_gets_a_4xx_that_names_it() {
         let status = response.status();
         let error: serde_json::Value = response.json().await.unwrap();
         assert!(status.is_client_error(), "{field}: {status} {error}");
-        assert_eq!(error["error"]["field"], field, "{extra}: {error}");
+        assert_eq!(error["field"], field, "{extra}: {error}");
         assert!(
-            error["error"]["message"]
+            error["detail"]
                 .as_str()
                 .unwrap()
                 .contains(field.split('[').next().unwrap()),
@@ -144,7 +144,7 @@ async fn every_bad_field_gets_a_4xx_that_names_it() {
         .unwrap();
     assert_eq!(response.status(), 413);
     let error: serde_json::Value = response.json().await.unwrap();
-    assert_eq!(error["error"]["code"], "too_large");
+    assert_eq!(error["code"], "too_large");
     // Unknown and malformed run ids.
     let response = cluster
         .request(reqwest::Method::GET, "/v1/runs/not-a-uuid")
@@ -182,7 +182,7 @@ async fn missing_or_wrong_token_gets_401() {
     let response = cluster.http.post(&url).json(&body).send().await.unwrap();
     assert_eq!(response.status(), 401);
     let error: serde_json::Value = response.json().await.unwrap();
-    assert_eq!(error["error"]["code"], "unauthorized");
+    assert_eq!(error["code"], "unauthorized");
     let response = cluster
         .http
         .get(&url)
@@ -347,7 +347,7 @@ async fn a_repeated_submission_with_the_same_key_makes_one_run() {
     let bad = post("with space").await.unwrap();
     assert_eq!(bad.status(), 400);
     let body: serde_json::Value = bad.json().await.unwrap();
-    assert_eq!(body["error"]["field"], "Idempotency-Key", "{body}");
+    assert_eq!(body["field"], "Idempotency-Key", "{body}");
 
     // The same on the submission queue, by message_id.
     let mut request = cluster.request_body("ONCE-2", serde_json::json!({}));
@@ -747,7 +747,7 @@ async fn a_paused_run_frees_its_slot_and_resumes_on_another_worker_with_its_budg
         .unwrap();
     assert_eq!(again.status(), 409);
     let body: serde_json::Value = again.json().await.unwrap();
-    assert_eq!(body["error"]["code"], "not_paused");
+    assert_eq!(body["code"], "not_paused");
     cluster.delete_queues().await;
 }
 

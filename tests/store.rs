@@ -4,7 +4,7 @@
 mod common;
 
 use common::postgres::TestDatabase;
-use dispatcher::store::{RunFilter, RunStore, Store};
+use dispatcher::store::{Prune, Pruned, RunFilter, RunStore, Store};
 use proto::{CycleRecord, Event, EventKind, Job, RunState};
 use uuid::Uuid;
 
@@ -122,7 +122,7 @@ async fn store_contract(url: &str) {
     assert!(pending.is_empty(), "only jobs accepted before the cutoff");
 
     // Listing: newest first, pages joined by a cursor, filters.
-    let all = |cursor: Option<String>| RunFilter {
+    let all = |cursor: Option<i64>| RunFilter {
         limit: 2,
         cursor,
         ..RunFilter::default()
@@ -294,6 +294,150 @@ async fn store_contract(url: &str) {
     let old = job("SHOP-4", "2024-01-15T10:30:00Z");
     store.insert_run_once(&old, Some("http:old")).await.unwrap();
     assert_eq!(store.run_of_key("http:old").await.unwrap(), None);
+}
+
+/// An event of `run_id` stored as if it happened at `time`.
+fn at(mut event: Event, time: &str) -> Event {
+    event.time = time.into();
+    event
+}
+
+/// Retention, on either backend. Catches: deleting what a run that has not ended stored;
+/// deleting a run that ended after the cut-off; leaving a pruned run's events, states or
+/// cycles behind; counting what was not deleted.
+async fn retention_contract(url: &str) {
+    let store = Store::open(url).await.unwrap();
+    let chatter = |run_id| {
+        [
+            Event::new(run_id, EventKind::Heartbeat { worker: "w".into() }),
+            Event::new(
+                run_id,
+                EventKind::Log {
+                    stage: proto::Stage::Implement,
+                    stream: proto::LogStream::Stdout,
+                    text: "working\n".into(),
+                },
+            ),
+        ]
+    };
+    // Old and ended; old and still running; recent and ended.
+    let (old, stuck, recent) = (
+        job("OLD-1", "2020-01-01T00:00:00Z"),
+        job("STUCK-1", "2020-01-01T00:00:00Z"),
+        job("NEW-1", "2020-01-01T00:00:00Z"),
+    );
+    for (job, end) in [
+        (&old, Some("2020-01-02T00:00:00Z")),
+        (&stuck, None),
+        (&recent, Some("2020-03-01T00:00:00Z")),
+    ] {
+        store.insert_run(job).await.unwrap();
+        let time = end.unwrap_or("2020-01-02T00:00:00Z");
+        store
+            .record_event(&at(state(job.run_id, RunState::Running, "go"), time))
+            .await
+            .unwrap();
+        for event in chatter(job.run_id) {
+            store.record_event(&at(event, time)).await.unwrap();
+        }
+        store
+            .record_event(&at(cycle(job.run_id, 1, "approved"), time))
+            .await
+            .unwrap();
+        if let Some(end) = end {
+            store
+                .record_event(&at(state(job.run_id, RunState::Cancelled, "stop"), end))
+                .await
+                .unwrap();
+        }
+    }
+    let kinds = |events: Vec<(i64, Event)>| {
+        events
+            .iter()
+            .map(|(_, e)| e.kind.name())
+            .collect::<Vec<_>>()
+    };
+    // Chatter of runs that ended before February goes; everything else stays.
+    let pruned = store
+        .prune(Prune {
+            chatter_before: Some("2020-02-01T00:00:00Z".into()),
+            runs_before: None,
+        })
+        .await
+        .unwrap();
+    assert_eq!(
+        pruned,
+        Pruned {
+            chatter: 2,
+            runs: 0
+        }
+    );
+    assert_eq!(
+        kinds(store.events(old.run_id, 0).await.unwrap()),
+        ["state", "cycle", "state"]
+    );
+    assert_eq!(
+        kinds(store.events(stuck.run_id, 0).await.unwrap()),
+        ["state", "heartbeat", "log", "cycle"]
+    );
+    assert_eq!(
+        kinds(store.events(recent.run_id, 0).await.unwrap()),
+        ["state", "heartbeat", "log", "cycle", "state"]
+    );
+    // Runs that ended before February go, with everything of theirs.
+    let pruned = store
+        .prune(Prune {
+            chatter_before: None,
+            runs_before: Some("2020-02-01T00:00:00Z".into()),
+        })
+        .await
+        .unwrap();
+    assert_eq!(
+        pruned,
+        Pruned {
+            chatter: 0,
+            runs: 1
+        }
+    );
+    assert!(store.get_run(old.run_id).await.unwrap().is_none());
+    assert!(store.events(old.run_id, 0).await.unwrap().is_empty());
+    let kept = store
+        .get_run(stuck.run_id)
+        .await
+        .unwrap()
+        .expect("a running run is kept");
+    assert_eq!(kept.cycles.len(), 1);
+    let kept = store
+        .get_run(recent.run_id)
+        .await
+        .unwrap()
+        .expect("a recent run is kept");
+    assert_eq!((kept.state, kept.cycles.len()), (RunState::Cancelled, 1));
+    let (listed, _) = store
+        .list_runs(RunFilter {
+            limit: 10,
+            ..RunFilter::default()
+        })
+        .await
+        .unwrap();
+    assert_eq!(listed.len(), 2, "{listed:?}");
+}
+
+#[tokio::test]
+async fn the_sqlite_store_prunes_only_what_retention_lets_go() {
+    let dir = tempfile::tempdir().unwrap();
+    retention_contract(&format!(
+        "sqlite://{}",
+        dir.path().join("runs.db").display()
+    ))
+    .await;
+}
+
+#[tokio::test]
+async fn the_postgres_store_prunes_only_what_retention_lets_go() {
+    let database = TestDatabase::create().await;
+    retention_contract(&database.url).await;
+    database.drop_database().await;
 }
 
 #[tokio::test]

@@ -96,12 +96,14 @@ impl Consume for Consumer {
         }
         if self.queue == Queue::Events {
             self.dispatcher.broker_ready.store(true, Ordering::SeqCst);
+            self.dispatcher.metrics.set_broker_connected(true);
         }
     }
 
     fn disconnected(&self) {
         if self.queue == Queue::Events {
             self.dispatcher.broker_ready.store(false, Ordering::SeqCst);
+            self.dispatcher.metrics.set_broker_connected(false);
         }
     }
 }

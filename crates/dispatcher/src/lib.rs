@@ -14,6 +14,7 @@ pub mod notifier;
 mod openapi;
 pub mod request;
 pub mod resumer;
+pub mod retention;
 pub mod schedule;
 pub mod serve;
 pub mod service;

@@ -1,61 +1,152 @@
-//! The OpenAPI 3.1 document served at `/v1/openapi.json`.
+//! The OpenAPI 3.1 document served at `/v1/openapi.json`, generated from the API's Rust types
+//! (`proto::api`, `proto::RunRequest`, each deriving its schema) and its handlers (each
+//! `#[utoipa::path]` beside the handler in `http/`), so the document cannot drift from the code.
 
-use serde_json::{json, Value};
+use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
+use utoipa::{Modify, OpenApi};
 
-/// The document.
-pub fn document() -> Value {
-    let error = json!({"$ref": "#/components/schemas/Error"});
-    let errors = json!({
-        "400": {"description": "invalid input; `error.field` names the field", "content": {"application/json": {"schema": error}}},
-        "401": {"description": "missing or wrong bearer token", "content": {"application/json": {"schema": error}}},
-        "404": {"description": "no such run", "content": {"application/json": {"schema": error}}}
-    });
-    let id = json!([{"name": "id", "in": "path", "required": true, "schema": {"type": "string", "format": "uuid"}}]);
-    json!({
-        "openapi": "3.1.0",
-        "info": {"title": "forgepool dispatcher", "version": env!("CARGO_PKG_VERSION")},
-        "security": [{"bearer": []}],
-        "paths": {
-            "/v1/runs": {
-                "post": {"summary": "Submit a run request", "requestBody": {"required": true, "content": {"application/json": {"schema": {"$ref": "#/components/schemas/RunRequest"}}}},
-                         "parameters": [{"name": "Idempotency-Key", "in": "header", "required": false, "description": "1 to 255 visible ASCII characters; a repeat within 24 hours returns the first run instead of creating another", "schema": {"type": "string", "minLength": 1, "maxLength": 255}}],
-                         "responses": {"201": {"description": "accepted: run id and warnings"}, "200": {"description": "a repeat of an Idempotency-Key seen in the last 24 hours: the first run, as it stands"}, "413": {"description": "request or brief too large (refused as soon as the size is known)", "content": {"application/json": {"schema": error.clone()}}}, "408": {"description": "the body did not arrive within 15 s", "content": {"application/json": {"schema": error.clone()}}}, "400": errors["400"], "401": errors["401"]}},
-                "get": {"summary": "List runs, newest first",
-                        "parameters": [
-                            {"name": "state", "in": "query", "schema": {"type": "string"}},
-                            {"name": "ticket", "in": "query", "schema": {"type": "string"}},
-                            {"name": "limit", "in": "query", "schema": {"type": "integer", "minimum": 1, "maximum": 500}},
-                            {"name": "cursor", "in": "query", "schema": {"type": "string"}}],
-                        "responses": {"200": {"description": "a page of runs"}, "400": errors["400"], "401": errors["401"]}}
-            },
-            "/v1/runs/{id}": {"get": {"summary": "A run: state, history, rounds, cycles, result, report", "parameters": id, "responses": {"200": {"description": "the run"}, "400": errors["400"], "401": errors["401"], "404": errors["404"]}}},
-            "/v1/runs/{id}/events": {"get": {"summary": "The run's events so far, then live (Server-Sent Events)", "parameters": [id[0].clone(), {"name": "Last-Event-ID", "in": "header", "required": false, "description": "continue after this event position", "schema": {"type": "string"}}], "responses": {"200": {"description": "text/event-stream"}, "404": errors["404"], "429": {"description": "the run already has 16 event streams open", "content": {"application/json": {"schema": error.clone()}}}}}},
-            "/v1/runs/{id}/cancel": {"post": {"summary": "Cancel a run", "parameters": id, "responses": {"202": {"description": "stored first: `cancel: done` for a queued or paused run (cancelled now), `cancel: requested` for a running one (its worker stops it)"}, "409": {"description": "the run already ended"}, "404": errors["404"], "500": {"description": "the store failed; nothing was stored"}}}},
-            "/v1/runs/{id}/resume": {"post": {"summary": "Resume a paused run from its latest checkpoint, with its original frozen job", "parameters": id, "responses": {"202": {"description": "queued again: {run_id, state, checkpoint}"}, "409": {"description": "the run is not paused (not_paused), or has no saved progress (no_checkpoint)"}, "503": {"description": "the broker is unavailable; the run stays paused"}}}},
-            "/healthz": {"get": {"summary": "Liveness", "security": [], "responses": {"200": {"description": "alive"}}}},
-            "/readyz": {"get": {"summary": "Readiness: store and broker reachable", "security": [], "responses": {"200": {"description": "ready"}, "503": {"description": "not ready"}}}},
-            "/metrics": {"get": {"summary": "Prometheus metrics", "security": [], "responses": {"200": {"description": "text exposition format"}}}}
-        },
-        "components": {
-            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
-            "schemas": {
-                "Error": {"type": "object", "required": ["error"], "properties": {"error": {"type": "object", "required": ["code", "message"],
-                          "properties": {"code": {"type": "string"}, "message": {"type": "string"}, "field": {"type": "string"}}}}},
-                "RunRequest": {"type": "object", "additionalProperties": false, "required": ["ticket", "skill", "brief", "repository"],
-                    "properties": {
-                        "ticket": {"type": "string", "pattern": "^[A-Za-z][A-Za-z0-9_]*-[0-9]+$"},
-                        "skill": {"type": "string", "pattern": "^[a-z0-9][a-z0-9-]{0,63}$"},
-                        "step": {"type": "string", "pattern": "^[a-z0-9][a-z0-9_]{0,63}$"},
-                        "brief": {"type": "string", "maxLength": 262144},
-                        "repository": {"type": "object", "additionalProperties": false, "required": ["url"], "properties": {"url": {"type": "string"}, "ref": {"type": "string"}}},
-                        "commands": {"type": "array", "items": {"type": "object", "additionalProperties": false, "required": ["argv", "timeout"],
-                                     "properties": {"argv": {"type": "array", "minItems": 1, "items": {"type": "string"}}, "timeout": {"type": "integer", "minimum": 1}}}},
-                        "repair_attempts": {"type": "integer", "minimum": 0, "maximum": 3},
-                        "agents": {"type": "object", "additionalProperties": false, "properties": {"implementer": {"type": "string"}, "reviewer": {"type": "string"}}},
-                        "assurance": {"type": "object", "additionalProperties": false, "properties": {"review_agent": {"type": "string"}}},
-                        "budget": {"type": "object", "additionalProperties": false, "required": ["max_cost_usd"], "properties": {"max_cost_usd": {"type": "number", "exclusiveMinimum": 0}}}
-                    }}
+use crate::http;
+
+/// The document's description: the rules a schema cannot state.
+const DESCRIPTION: &str = "forgepool's dispatcher: submit coding-agent runs, follow their \
+events, cancel and resume them.\n\nErrors are RFC 9457 problem details \
+(`application/problem+json`) with a stable `code` and, where one field is at fault, `field`. \
+`400` means a request breaks the shape this document gives it. `422` means it has that shape \
+but names something this dispatcher does not have or allow: a skill without a SKILL.md for the \
+ticket's project, an agent profile the agents file does not define, a repository URL whose \
+scheme is not allowed (`FORGEPOOL_ALLOWED_URL_SCHEMES`) or that is not a git URL, a ref git \
+would refuse, a brief of only white space, or a command whose program is empty. `413` means \
+the body is over 1 MiB.\n\nWhen the dispatcher has a token (`FORGEPOOL_API_TOKEN`), every \
+`/v1/runs` request needs `Authorization: Bearer TOKEN`.";
+
+#[derive(OpenApi)]
+#[openapi(
+    info(title = "forgepool dispatcher", description = DESCRIPTION),
+    paths(
+        http::runs::submit,
+        http::runs::list,
+        http::runs::show,
+        http::events::events,
+        http::runs::cancel,
+        http::runs::resume,
+        http::healthz,
+        http::ready,
+        http::metrics,
+    ),
+    components(schemas(proto::Problem)),
+    modifiers(&Bearer),
+    security(("bearer" = [])),
+    tags(
+        (name = "runs", description = "runs and their events"),
+        (name = "service", description = "health, readiness and metrics (no token)"),
+    )
+)]
+struct Api;
+
+/// Adds the bearer scheme the `security` requirement names.
+struct Bearer;
+
+impl Modify for Bearer {
+    fn modify(&self, openapi: &mut utoipa::openapi::OpenApi) {
+        let components = openapi.components.get_or_insert_with(Default::default);
+        components.add_security_scheme(
+            "bearer",
+            SecurityScheme::Http(HttpBuilder::new().scheme(HttpAuthScheme::Bearer).build()),
+        );
+    }
+}
+
+/// The document, with this build's version.
+pub fn document() -> serde_json::Value {
+    let mut api = Api::openapi();
+    api.info.version = env!("CARGO_PKG_VERSION").to_string();
+    serde_json::to_value(&api).unwrap_or_default()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Catches: an operation, a status or a body missing from the generated document.
+    #[test]
+    fn every_route_status_and_body_is_described() {
+        let document = document();
+        let paths = &document["paths"];
+        let expected: &[(&str, &str, &[&str])] = &[
+            (
+                "/v1/runs",
+                "post",
+                &["200", "201", "400", "401", "408", "413", "422", "500"],
+            ),
+            ("/v1/runs", "get", &["200", "400", "401", "500"]),
+            (
+                "/v1/runs/{id}",
+                "get",
+                &["200", "304", "400", "401", "404", "500"],
+            ),
+            (
+                "/v1/runs/{id}/events",
+                "get",
+                &["200", "400", "401", "404", "429", "500"],
+            ),
+            (
+                "/v1/runs/{id}/cancel",
+                "post",
+                &["202", "400", "401", "404", "409", "500"],
+            ),
+            (
+                "/v1/runs/{id}/resume",
+                "post",
+                &["202", "400", "401", "404", "409", "500", "503"],
+            ),
+            ("/healthz", "get", &["200"]),
+            ("/readyz", "get", &["200", "503"]),
+            ("/metrics", "get", &["200"]),
+        ];
+        for (path, method, statuses) in expected {
+            let responses = &paths[path][method]["responses"];
+            let mut found: Vec<&str> = responses
+                .as_object()
+                .unwrap_or_else(|| panic!("{method} {path} is not described: {document}"))
+                .keys()
+                .map(String::as_str)
+                .collect();
+            found.sort_unstable();
+            assert_eq!(&found, statuses, "{method} {path}");
+            for (status, response) in responses.as_object().unwrap() {
+                if status.starts_with('4') || status.starts_with('5') {
+                    if *path == "/readyz" {
+                        continue;
+                    }
+                    assert!(
+                        response["content"]["application/problem+json"]["schema"].is_object(),
+                        "{method} {path} {status} is not problem details: {response}"
+                    );
+                }
             }
         }
-    })
+        let events = &paths["/v1/runs/{id}/events"]["get"]["responses"]["200"]["content"];
+        assert!(events["text/event-stream"].is_object(), "{events}");
+        let created = &paths["/v1/runs"]["post"]["responses"]["201"];
+        assert!(created["headers"]["Location"].is_object(), "{created}");
+        assert!(created["content"]["application/json"]["schema"].is_object());
+        let request = &document["components"]["schemas"]["RunRequest"];
+        assert_eq!(request["additionalProperties"], false, "{request}");
+        assert_eq!(
+            request["properties"]["ticket"]["pattern"],
+            "^[A-Za-z][A-Za-z0-9_]*-[0-9]+$"
+        );
+        for schema in [
+            "RunView",
+            "RunList",
+            "SubmitResponse",
+            "CancelAnswer",
+            "ResumeAnswer",
+        ] {
+            assert!(
+                document["components"]["schemas"][schema].is_object(),
+                "{schema} missing"
+            );
+        }
+    }
 }

@@ -54,6 +54,9 @@ pub struct DispatcherConfig {
     pub auto_resume: bool,
     /// The webhooks told of runs that end (`FORGEPOOL_WEBHOOKS_FILE`).
     pub webhooks: Option<crate::webhooks::Webhooks>,
+    /// What the store keeps of runs that ended (`FORGEPOOL_RETAIN_LOGS`,
+    /// `FORGEPOOL_RETAIN_RUNS`).
+    pub retention: crate::retention::Retention,
 }
 
 /// The queue of runs that ended, for the webhooks; none without webhooks.
@@ -133,17 +136,13 @@ pub async fn run(
     let serve_shutdown = shutdown.clone();
     let server =
         tokio::spawn(async move { crate::serve::serve(listener, app, serve_shutdown).await });
+    // The broker is waited for as long as it takes (`/readyz` answers 503 meanwhile).
     let declared =
         amqp::declare_with_retry(&dispatcher.publisher, &dispatcher.topology, &shutdown).await;
     // Stopped while RabbitMQ was being set up: nothing else was started, so nothing is lost.
-    let stopped = shutdown.is_cancelled();
-    if stopped || declared.is_err() {
+    if !declared {
         shutdown.cancel();
-        let served = stop_server(server, &shutdown).await;
-        return match declared {
-            Err(error) if !stopped => Err(error.into()),
-            _ => served,
-        };
+        return stop_server(server, &shutdown).await;
     }
     let declared_at = std::time::SystemTime::now();
     dispatcher.topology_ready.store(true, Ordering::SeqCst);
@@ -157,6 +156,11 @@ pub async fn run(
         shutdown.clone(),
     ));
     tasks.spawn(refresh_gauges(Arc::clone(&dispatcher), shutdown.clone()));
+    tasks.spawn(crate::retention::keep_pruning(
+        Arc::clone(&dispatcher),
+        config.retention,
+        shutdown.clone(),
+    ));
     if let Some((webhooks, receiver)) = ended_runs {
         tasks.spawn(crate::notifier::notify_ended(
             Arc::clone(&dispatcher),

@@ -7,6 +7,7 @@ use crate::{CycleRecord, RoundRecord, RunResult, RunState};
 
 /// `201` answer to `POST /v1/runs`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct SubmitResponse {
     /// The new run's id.
     pub run_id: Uuid,
@@ -18,6 +19,7 @@ pub struct SubmitResponse {
 
 /// One state change in a run's history.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct StateChange {
     /// The state entered.
     pub state: RunState,
@@ -29,6 +31,7 @@ pub struct StateChange {
 
 /// `GET /v1/runs/{id}`: everything about a run.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct RunView {
     /// The run id.
     pub run_id: Uuid,
@@ -69,6 +72,7 @@ pub struct RunView {
 
 /// One entry of `GET /v1/runs`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct RunSummary {
     /// The run id.
     pub run_id: Uuid,
@@ -84,6 +88,7 @@ pub struct RunSummary {
 
 /// `GET /v1/runs`: a page of runs, newest first.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct RunList {
     /// The runs.
     pub runs: Vec<RunSummary>,
@@ -91,23 +96,93 @@ pub struct RunList {
     pub next_cursor: Option<String>,
 }
 
-/// The error document of every 4xx and 5xx answer.
+/// `202` answer to `POST /v1/runs/{id}/cancel`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct ApiError {
-    /// The error.
-    pub error: ApiErrorBody,
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct CancelAnswer {
+    /// The run.
+    pub run_id: Uuid,
+    /// `done`: the run was queued or paused and is cancelled now; `requested`: it is running
+    /// and its worker stops it.
+    pub cancel: CancelProgress,
 }
 
-/// What went wrong.
+/// How far a cancel went when it was answered.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "snake_case")]
+pub enum CancelProgress {
+    /// The run is cancelled.
+    Done,
+    /// The run's worker was told; the run ends `cancelled` when it stops.
+    Requested,
+}
+
+/// `202` answer to `POST /v1/runs/{id}/resume`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct ApiErrorBody {
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct ResumeAnswer {
+    /// The run.
+    pub run_id: Uuid,
+    /// Always `queued`.
+    pub state: RunState,
+    /// The checkpoint the run continues from.
+    pub checkpoint: u32,
+}
+
+/// `GET /readyz`: whether the store and the broker can be reached.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct Readiness {
+    /// The store answered.
+    pub store: bool,
+    /// The broker is connected and its queues exist.
+    pub broker: bool,
+}
+
+/// The error document of every 4xx and 5xx answer: RFC 9457 problem details, served as
+/// `application/problem+json`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct Problem {
+    /// The problem type: `urn:forgepool:problem:{code}`.
+    #[serde(rename = "type")]
+    pub kind: String,
+    /// The HTTP status's reason phrase (`Bad Request`, `Not Found`…), the same for every
+    /// occurrence of a type.
+    pub title: String,
+    /// The HTTP status code.
+    pub status: u16,
+    /// A sentence for a person: what was wrong and what to do.
+    pub detail: String,
     /// A stable code (`invalid_field`, `unknown_skill`, `not_found`, `unauthorized`…).
     pub code: String,
-    /// A sentence for a person.
-    pub message: String,
-    /// The field at fault, when there is one.
+    /// The field (or header, or query parameter) at fault, when there is one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub field: Option<String>,
+}
+
+/// The media type of [`Problem`].
+pub const PROBLEM_CONTENT_TYPE: &str = "application/problem+json";
+
+impl Problem {
+    /// A problem of `status` (its code and reason phrase) with `code`, `detail` and `field`.
+    pub fn new(
+        status: u16,
+        title: &str,
+        code: &str,
+        detail: impl Into<String>,
+        field: Option<&str>,
+    ) -> Problem {
+        Problem {
+            kind: format!("urn:forgepool:problem:{code}"),
+            title: title.to_string(),
+            status,
+            detail: detail.into(),
+            code: code.to_string(),
+            field: field.map(String::from),
+        }
+    }
 }
 
 /// A control message from the dispatcher to the workers, on `cancel.{run_id}`.
@@ -136,19 +211,19 @@ mod tests {
 
     #[test]
     fn api_documents_round_trip() {
-        let error = ApiError {
-            error: ApiErrorBody {
-                code: "invalid_field".into(),
-                message: "ticket: bad".into(),
-                field: Some("ticket".into()),
-            },
-        };
-        let text = serde_json::to_string(&error).unwrap();
+        let problem = Problem::new(
+            400,
+            "Bad Request",
+            "invalid_field",
+            "ticket: bad",
+            Some("ticket"),
+        );
+        let text = serde_json::to_string(&problem).unwrap();
         assert_eq!(
             text,
-            r#"{"error":{"code":"invalid_field","message":"ticket: bad","field":"ticket"}}"#
+            r#"{"type":"urn:forgepool:problem:invalid_field","title":"Bad Request","status":400,"detail":"ticket: bad","code":"invalid_field","field":"ticket"}"#
         );
-        assert_eq!(serde_json::from_str::<ApiError>(&text).unwrap(), error);
+        assert_eq!(serde_json::from_str::<Problem>(&text).unwrap(), problem);
         let control = Control {
             schema_version: 1,
             run_id: Uuid::new_v4(),

@@ -211,6 +211,7 @@ pub enum LogStream {
 
 /// A review cycle file (SPEC 8), as collected from `.forge/{step}/review_cycle_{N}.json`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct CycleRecord {
     /// The step folder the file was found in.
     pub step: String,
@@ -225,6 +226,7 @@ pub struct CycleRecord {
     /// The reviewer's feedback.
     pub feedback: String,
     /// The whole file, exactly as written.
+    #[cfg_attr(feature = "openapi", schema(value_type = Object))]
     pub content: serde_json::Value,
     /// Who wrote it: forgepool's own review, or a container's own loop. A container's file
     /// never replaces forgepool's record of the same name.
@@ -263,6 +265,7 @@ impl StageOutcome {
 
 /// Who wrote a review cycle file.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "snake_case")]
 pub enum CycleOrigin {
     /// A stage container wrote it into `/workspace/.forge/` for its own review loop.
@@ -336,6 +339,7 @@ pub struct CheckResult {
 
 /// One completed implementation round, as kept in `repair_history`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct RoundRecord {
     /// The round number (1-based).
     pub round: u32,
@@ -344,6 +348,7 @@ pub struct RoundRecord {
     /// The git tree the implementer left.
     pub tree: String,
     /// The failing commands with their exit codes (empty when verification passed).
+    #[cfg_attr(feature = "openapi", schema(value_type = Vec<Vec<serde_json::Value>>))]
     pub failing: Vec<(Vec<String>, Option<i64>)>,
     /// The tail of the first failing command's output.
     pub output_tail: String,
@@ -351,6 +356,7 @@ pub struct RoundRecord {
 
 /// The final outcome of a run.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct RunResult {
     /// The terminal state the run ends in.
     pub state: RunState,

@@ -18,8 +18,8 @@ mod state;
 mod usage;
 
 pub use api::{
-    ApiError, ApiErrorBody, Control, ControlAction, RunList, RunSummary, RunView, StateChange,
-    SubmitResponse,
+    CancelAnswer, CancelProgress, Control, ControlAction, Problem, Readiness, ResumeAnswer,
+    RunList, RunSummary, RunView, StateChange, SubmitResponse, PROBLEM_CONTENT_TYPE,
 };
 pub use checkpoint::{
     Checkpoint, FailureSignature, FinalReport, Finding, Limits, LoopState, MachineState, Phase,

@@ -7,19 +7,28 @@ use serde::{Deserialize, Serialize};
 /// Unknown fields are refused. Optional numbers are kept as `i64` so that the dispatcher can
 /// name the field and its range when a value is out of bounds, instead of a bare parse error.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields)]
 pub struct RunRequest {
     /// Set by AMQP producers; absent in API and CLI requests, which are always current.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "openapi", schema(minimum = 1, maximum = 1))]
     pub schema_version: Option<u32>,
     /// The ticket key, `PROJECT-123`.
+    #[cfg_attr(
+        feature = "openapi",
+        schema(pattern = r"^[A-Za-z][A-Za-z0-9_]*-[0-9]+$", max_length = 128)
+    )]
     pub ticket: String,
     /// The skill to run, resolved under the skills directory.
+    #[cfg_attr(feature = "openapi", schema(pattern = r"^[a-z0-9][a-z0-9-]{0,63}$"))]
     pub skill: String,
     /// The workflow step that names the cycle-file folder; defaults from the skill name.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "openapi", schema(pattern = r"^[a-z0-9][a-z0-9_]{0,63}$"))]
     pub step: Option<String>,
     /// What the implementer must do.
+    #[cfg_attr(feature = "openapi", schema(min_length = 1, max_length = 262144))]
     pub brief: String,
     /// Where the source lives and which ref to start from.
     pub repository: RepositoryRef,
@@ -28,6 +37,7 @@ pub struct RunRequest {
     pub commands: Vec<VerifyCommand>,
     /// Repair rounds after the first implementation round, 0..=3.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "openapi", schema(minimum = 0, maximum = 3))]
     pub repair_attempts: Option<i64>,
     /// Agent profile names for the implementer and the reviewer.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -42,9 +52,12 @@ pub struct RunRequest {
 
 /// The repository a run works on.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields)]
 pub struct RepositoryRef {
-    /// A git URL the worker can clone from and push to.
+    /// A git URL the worker can clone from and push to, with a scheme the dispatcher allows
+    /// (`FORGEPOOL_ALLOWED_URL_SCHEMES`); a URL it does not allow is refused with `422`.
+    #[cfg_attr(feature = "openapi", schema(min_length = 1))]
     pub url: String,
     /// The ref to start from; the remote's default branch when absent.
     #[serde(rename = "ref", default, skip_serializing_if = "Option::is_none")]
@@ -53,16 +66,20 @@ pub struct RepositoryRef {
 
 /// One verification command.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields)]
 pub struct VerifyCommand {
     /// The program and its arguments; never run through a shell by forgepool.
+    #[cfg_attr(feature = "openapi", schema(min_items = 1))]
     pub argv: Vec<String>,
     /// The command's time limit in seconds.
+    #[cfg_attr(feature = "openapi", schema(minimum = 1, maximum = 86400))]
     pub timeout: u64,
 }
 
 /// Agent profile names chosen by the submitter.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields)]
 pub struct AgentChoice {
     /// Profile for the implement stage.
@@ -75,6 +92,7 @@ pub struct AgentChoice {
 
 /// The independent final review request.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields)]
 pub struct Assurance {
     /// Profile for the final review; absent means `not_requested`.

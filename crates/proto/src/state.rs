@@ -4,6 +4,7 @@ use serde::{Deserialize, Serialize};
 
 /// The state of a run. Every change is an event stored with its time and reason.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "snake_case")]
 pub enum RunState {
     /// Accepted and waiting for a worker.

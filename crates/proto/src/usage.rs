@@ -82,6 +82,7 @@ impl Usage {
 
 /// A run's usage: the sum over every stage that reported one.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct UsageTotals {
     /// Prompt tokens.
     pub input_tokens: u64,
@@ -137,10 +138,12 @@ impl UsageTotals {
 
 /// A run's spending limit, from the request.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields)]
 pub struct Budget {
     /// Once the run's reported cost exceeds this, no further stage starts and the run ends
     /// `failed`.
+    #[cfg_attr(feature = "openapi", schema(exclusive_minimum = 0.0))]
     pub max_cost_usd: f64,
 }
 

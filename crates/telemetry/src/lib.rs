@@ -43,6 +43,7 @@ pub struct Metrics {
     runs_by_state: IntGaugeVec,
     stage_duration: HistogramVec,
     containers_running: IntGauge,
+    broker_connected: IntGauge,
     repair_rounds: IntCounter,
     no_progress_stops: IntCounter,
     deliveries: IntCounter,
@@ -147,6 +148,11 @@ impl Metrics {
                 "Stage containers this worker is running now.",
             )
             .expect("a valid gauge"),
+            broker_connected: IntGauge::new(
+                "forgepool_broker_connected",
+                "1 while this service's main consumer is connected to RabbitMQ (it is ready), else 0.",
+            )
+            .expect("a valid gauge"),
             repair_rounds: IntCounter::new(
                 "forgepool_repair_rounds_total",
                 "Implementation rounds started to repair failed checks.",
@@ -233,6 +239,7 @@ impl Metrics {
             Box::new(metrics.deliveries.clone()),
             Box::new(metrics.runs_in_progress.clone()),
             Box::new(metrics.run_slots.clone()),
+            Box::new(metrics.broker_connected.clone()),
         ] {
             metrics.registry.register(single).expect("a unique metric");
         }
@@ -385,6 +392,16 @@ impl Metrics {
                 .with_label_values(&[state.as_str()])
                 .set(i64::try_from(count).unwrap_or(i64::MAX));
         }
+    }
+
+    /// Records whether the service's main consumer is connected to the broker.
+    pub fn set_broker_connected(&self, connected: bool) {
+        self.broker_connected.set(i64::from(connected));
+    }
+
+    /// Whether the service's main consumer is connected to the broker (its readiness).
+    pub fn broker_connected(&self) -> bool {
+        self.broker_connected.get() == 1
     }
 
     /// Counts a reconnection of the named consumer.

@@ -43,7 +43,10 @@ pub async fn run<R: ContainerRuntime>(
         &config.amqp_url,
         "forgepool-worker-publish",
     )?);
-    amqp::declare_with_retry(&publisher, &topology, &shutdown).await?;
+    // The broker is waited for as long as it takes (`/readyz` answers 503 meanwhile).
+    if !amqp::declare_with_retry(&publisher, &topology, &shutdown).await {
+        return Ok(());
+    }
     let in_flight = Arc::new(InFlight::default());
     let instance = engine.runtime().instance().to_string();
     let leases = Arc::new(Leases::new(

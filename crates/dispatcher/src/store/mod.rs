@@ -228,7 +228,9 @@ pub trait RunStore: Send + Sync + 'static {
     fn list_runs(
         &self,
         filter: RunFilter,
-    ) -> impl Future<Output = Result<(Vec<RunSummary>, Option<String>), StoreError>> + Send;
+    ) -> impl Future<Output = Result<(Vec<RunSummary>, Option<i64>), StoreError>> + Send;
+    /// Deletes what a retention policy no longer keeps (see [`Prune`]); returns how much.
+    fn prune(&self, prune: Prune) -> impl Future<Output = Result<Pruned, StoreError>> + Send;
     /// Checks the store answers.
     fn ping(&self) -> impl Future<Output = Result<(), StoreError>> + Send;
     /// How many runs are in each state (states with none are left out).
@@ -261,6 +263,29 @@ pub trait RunStore: Send + Sync + 'static {
     ) -> impl Future<Output = Result<Vec<(i64, Event)>, StoreError>> + Send;
 }
 
+/// What [`RunStore::prune`] deletes. Only runs in a terminal state are touched, and only by
+/// the time of their last change (`updated_at`, RFC 3339 on the dispatcher's clock).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Prune {
+    /// The `heartbeat` and `log` events of runs that ended before this time.
+    pub chatter_before: Option<String>,
+    /// Runs that ended before this time, with everything stored of them.
+    pub runs_before: Option<String>,
+}
+
+/// What [`RunStore::prune`] deleted.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Pruned {
+    /// Heartbeat and log events deleted (of runs that are kept).
+    pub chatter: u64,
+    /// Runs deleted, each with its events, states and cycle files.
+    pub runs: u64,
+}
+
+/// The `state` values of runs that ended, as an SQL list.
+pub(crate) const TERMINAL_STATES_SQL: &str =
+    "('delivered', 'delivered_with_warnings', 'blocked', 'failed', 'cancelled')";
+
 /// Which runs `list_runs` returns.
 #[derive(Debug, Clone, Default)]
 pub struct RunFilter {
@@ -270,8 +295,8 @@ pub struct RunFilter {
     pub ticket: Option<String>,
     /// At most this many (1..=500).
     pub limit: u32,
-    /// Continue after this cursor.
-    pub cursor: Option<String>,
+    /// Continue after this cursor (the `next_cursor` of the page before).
+    pub cursor: Option<i64>,
 }
 
 /// The run store a `FORGEPOOL_DATABASE_URL` names: PostgreSQL for `postgres://` and
@@ -355,8 +380,11 @@ impl RunStore for Store {
     async fn list_runs(
         &self,
         filter: RunFilter,
-    ) -> Result<(Vec<RunSummary>, Option<String>), StoreError> {
+    ) -> Result<(Vec<RunSummary>, Option<i64>), StoreError> {
         delegate!(self, s => s.list_runs(filter).await)
+    }
+    async fn prune(&self, prune: Prune) -> Result<Pruned, StoreError> {
+        delegate!(self, s => s.prune(prune).await)
     }
     async fn ping(&self) -> Result<(), StoreError> {
         delegate!(self, s => s.ping().await)

@@ -14,7 +14,7 @@ use proto::{Event, EventKind, Job, RunState, RunSummary};
 use tokio_postgres::NoTls;
 use uuid::Uuid;
 
-use super::{RunFilter, RunRecord, RunStore, StoreError};
+use super::{Prune, Pruned, RunFilter, RunRecord, RunStore, StoreError, TERMINAL_STATES_SQL};
 
 /// The longest any store operation may take, waiting for a connection included.
 const OPERATION_TIMEOUT: Duration = Duration::from_secs(15);
@@ -452,14 +452,10 @@ impl RunStore for PostgresStore {
     async fn list_runs(
         &self,
         filter: RunFilter,
-    ) -> Result<(Vec<RunSummary>, Option<String>), StoreError> {
+    ) -> Result<(Vec<RunSummary>, Option<i64>), StoreError> {
         let limit = i64::from(filter.limit.clamp(1, 500));
         // The cursor is the sequence number of the last run of the previous page.
-        let cursor: i64 = filter
-            .cursor
-            .as_deref()
-            .and_then(|c| c.parse().ok())
-            .unwrap_or(i64::MAX);
+        let cursor: i64 = filter.cursor.unwrap_or(i64::MAX);
         let state = filter.state.map(RunState::as_str);
         self.bounded(async {
             let rows = self
@@ -475,7 +471,7 @@ impl RunStore for PostgresStore {
             let more = rows.len() as i64 > limit;
             let rows = &rows[..rows.len().min(limit as usize)];
             let next = if more {
-                rows.last().map(|r| r.get::<_, i64>(0).to_string())
+                rows.last().map(|r| r.get::<_, i64>(0))
             } else {
                 None
             };
@@ -494,6 +490,38 @@ impl RunStore for PostgresStore {
             Ok((runs, next))
         })
         .await
+    }
+
+    async fn prune(&self, prune: Prune) -> Result<Pruned, StoreError> {
+        // Not bounded by the operation timeout: a first prune of a large store may take long,
+        // and it holds one connection of the pool meanwhile.
+        let mut client = self.client().await?;
+        let tx = client.transaction().await?;
+        let mut pruned = Pruned::default();
+        let ended = format!(
+            "SELECT run_id FROM runs WHERE state IN {TERMINAL_STATES_SQL} AND updated_at < $1"
+        );
+        if let Some(before) = &prune.runs_before {
+            for table in ["events", "state_history", "cycles", "submission_keys"] {
+                tx.execute(
+                    &format!("DELETE FROM {table} WHERE run_id IN ({ended})"),
+                    &[before],
+                )
+                .await?;
+            }
+            let runs = format!(
+                "DELETE FROM runs WHERE state IN {TERMINAL_STATES_SQL} AND updated_at < $1"
+            );
+            pruned.runs = tx.execute(&runs, &[before]).await?;
+        }
+        if let Some(before) = &prune.chatter_before {
+            let chatter = format!(
+                "DELETE FROM events WHERE kind IN ('heartbeat', 'log') AND run_id IN ({ended})"
+            );
+            pruned.chatter = tx.execute(&chatter, &[before]).await?;
+        }
+        tx.commit().await?;
+        Ok(pruned)
     }
 
     async fn ping(&self) -> Result<(), StoreError> {

@@ -7,7 +7,7 @@ use proto::{Event, EventKind, Job, RunState, RunSummary};
 use rusqlite::{params, Connection, OptionalExtension};
 use uuid::Uuid;
 
-use super::{RunFilter, RunRecord, RunStore, StoreError};
+use super::{Prune, Pruned, RunFilter, RunRecord, RunStore, StoreError, TERMINAL_STATES_SQL};
 
 /// The SQLite run store. Queries run on the blocking pool, never on the async runtime.
 #[derive(Debug, Clone)]
@@ -357,15 +357,11 @@ impl RunStore for SqliteStore {
     async fn list_runs(
         &self,
         filter: RunFilter,
-    ) -> Result<(Vec<RunSummary>, Option<String>), StoreError> {
+    ) -> Result<(Vec<RunSummary>, Option<i64>), StoreError> {
         self.with(move |c| {
             let limit = filter.limit.clamp(1, 500);
             // The cursor is the rowid of the last run of the previous page.
-            let cursor: i64 = filter
-                .cursor
-                .as_deref()
-                .and_then(|c| c.parse().ok())
-                .unwrap_or(i64::MAX);
+            let cursor: i64 = filter.cursor.unwrap_or(i64::MAX);
             let mut statement = c.prepare(
                 "SELECT rowid, run_id, ticket, state, created_at, updated_at FROM runs
                  WHERE rowid < ?1 AND (?2 IS NULL OR state = ?2) AND (?3 IS NULL OR ticket = ?3)
@@ -393,11 +389,7 @@ impl RunStore for SqliteStore {
                 .collect::<Result<Vec<_>, _>>()?;
             let more = rows.len() > limit as usize;
             let rows: Vec<_> = rows.into_iter().take(limit as usize).collect();
-            let next = if more {
-                rows.last().map(|r| r.0.to_string())
-            } else {
-                None
-            };
+            let next = if more { rows.last().map(|r| r.0) } else { None };
             let runs = rows
                 .into_iter()
                 .filter_map(|(_, id, ticket, state, created_at, updated_at)| {
@@ -411,6 +403,37 @@ impl RunStore for SqliteStore {
                 })
                 .collect();
             Ok((runs, next))
+        })
+        .await
+    }
+
+    async fn prune(&self, prune: Prune) -> Result<Pruned, StoreError> {
+        self.with(move |c| {
+            let tx = c.transaction()?;
+            let mut pruned = Pruned::default();
+            let ended = format!(
+                "SELECT run_id FROM runs WHERE state IN {TERMINAL_STATES_SQL} AND updated_at < ?1"
+            );
+            if let Some(before) = &prune.runs_before {
+                for table in ["events", "state_history", "cycles", "submission_keys"] {
+                    tx.execute(
+                        &format!("DELETE FROM {table} WHERE run_id IN ({ended})"),
+                        [before],
+                    )?;
+                }
+                let runs = format!(
+                    "DELETE FROM runs WHERE state IN {TERMINAL_STATES_SQL} AND updated_at < ?1"
+                );
+                pruned.runs = tx.execute(&runs, [before])? as u64;
+            }
+            if let Some(before) = &prune.chatter_before {
+                let chatter = format!(
+                    "DELETE FROM events WHERE kind IN ('heartbeat', 'log') AND run_id IN ({ended})"
+                );
+                pruned.chatter = tx.execute(&chatter, [before])? as u64;
+            }
+            tx.commit()?;
+            Ok(pruned)
         })
         .await
     }

@@ -311,32 +311,43 @@ pub async fn consume<C: Consume>(consumer: &C, shutdown: &CancellationToken) -> 
     None
 }
 
-/// Declares the topology, retrying a broker that refuses or does not answer (30 attempts of up
-/// to [`SESSION_TIMEOUT`], a second apart). Returns `Ok` as soon as `shutdown` is cancelled.
+/// The longest wait between two attempts of [`declare_with_retry`].
+pub const DECLARE_BACKOFF_CAP: Duration = Duration::from_secs(30);
+
+/// Declares the topology, retrying a broker that refuses or does not answer for as long as it
+/// takes (each attempt within [`SESSION_TIMEOUT`]; the waits between them double from 1 s up
+/// to [`DECLARE_BACKOFF_CAP`]), so a service started before its broker waits for it instead of
+/// exiting. Returns `false` when `shutdown` is cancelled first.
 pub async fn declare_with_retry(
     publisher: &Publisher,
     topology: &Topology,
     shutdown: &CancellationToken,
-) -> Result<(), AmqpError> {
-    let mut attempts = 0;
+) -> bool {
+    let mut wait = Duration::from_secs(1);
+    let mut attempts = 0u64;
     loop {
         let declare = async { topology.declare(&publisher.channel().await?).await };
         let result = tokio::select! {
             result = tokio::time::timeout(SESSION_TIMEOUT, declare) => result
                 .unwrap_or_else(|_| Err(AmqpError::Pool("the broker did not answer in time".into()))),
-            () = shutdown.cancelled() => return Ok(()),
+            () = shutdown.cancelled() => return false,
         };
         match result {
-            Ok(()) => return Ok(()),
-            Err(error) if attempts < 30 && !shutdown.is_cancelled() => {
-                attempts += 1;
-                warn!(%error, "cannot set up RabbitMQ yet; retrying");
-                tokio::select! {
-                    () = tokio::time::sleep(Duration::from_secs(1)) => {},
-                    () = shutdown.cancelled() => return Ok(()),
+            Ok(()) => {
+                if attempts > 0 {
+                    info!(attempts, "RabbitMQ is set up");
                 }
+                return true;
             }
-            Err(error) => return Err(error),
+            Err(error) => {
+                attempts += 1;
+                warn!(%error, attempts, retry_in_seconds = wait.as_secs(), "cannot set up RabbitMQ yet; retrying (FORGEPOOL_AMQP_URL)");
+                tokio::select! {
+                    () = tokio::time::sleep(wait) => {},
+                    () = shutdown.cancelled() => return false,
+                }
+                wait = (wait * 2).min(DECLARE_BACKOFF_CAP);
+            }
         }
     }
 }

@@ -117,9 +117,14 @@ impl<R: ContainerRuntime> Consume for JobFeed<R> {
     }
 
     fn connected(&self, again: bool) {
+        self.jobs.metrics.set_broker_connected(true);
         if again {
             self.jobs.metrics.broker_reconnected("worker-jobs");
         }
+    }
+
+    fn disconnected(&self) {
+        self.jobs.metrics.set_broker_connected(false);
     }
 
     /// The runs in flight settle their deliveries on the lost session's channel, if it still

@@ -1,0 +1,162 @@
+//! A run's events as Server-Sent Events: stored events page by page, then live ones.
+
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::extract::{Path, State};
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
+use futures_util::Stream;
+use proto::{Problem, RunState};
+use uuid::Uuid;
+
+use crate::dispatcher::Dispatcher;
+use crate::store::RunStore;
+use crate::streams::StreamSlot;
+
+use super::problem::Failure;
+use super::runs::record;
+use super::{EVENT_PAGE, MAX_STREAMS_PER_RUN};
+
+/// Where one Server-Sent Events stream is.
+struct Follow {
+    _slot: StreamSlot,
+    dispatcher: Arc<Dispatcher>,
+    wake: tokio::sync::watch::Receiver<u64>,
+    position: i64,
+    finished: bool,
+    paused: bool,
+    pending: std::collections::VecDeque<SseEvent>,
+}
+
+impl Follow {
+    /// Reads the next page of stored events into `pending` (one page at a time: the stream
+    /// holds at most a page, whatever the run printed, and reads the next one only when the
+    /// client has taken this one). Returns how many were read.
+    async fn read_page(&mut self, run_id: Uuid) -> usize {
+        let stored = self
+            .dispatcher
+            .store
+            .events_page(run_id, self.position, EVENT_PAGE)
+            .await
+            .unwrap_or_default();
+        let read = stored.len();
+        for (at, event) in stored {
+            self.position = at;
+            if let proto::EventKind::State { state, .. } = &event.kind {
+                // A terminal state is final even if a late event follows it.
+                self.finished |= state.is_terminal();
+                self.paused = *state == RunState::Paused;
+            }
+            let data = serde_json::to_string(&event).unwrap_or_default();
+            self.pending.push_back(
+                SseEvent::default()
+                    .id(at.to_string())
+                    .event(event.kind.name())
+                    .data(data),
+            );
+        }
+        read
+    }
+
+    /// Whether the run is paused now (a resume starts a new stream).
+    async fn still_paused(&self, run_id: Uuid) -> bool {
+        self.dispatcher
+            .store
+            .get_run(run_id)
+            .await
+            .ok()
+            .flatten()
+            .is_some_and(|r| r.state == RunState::Paused)
+    }
+}
+
+#[utoipa::path(
+    get,
+    path = "/v1/runs/{id}/events",
+    tag = "runs",
+    summary = "The run's events so far, then live, as Server-Sent Events",
+    params(
+        ("id" = String, Path, description = "the run id (a UUID)"),
+        ("Last-Event-ID" = Option<String>, Header, description = "continue after this event position (the `id` of the last event received)"),
+    ),
+    responses(
+        (status = 200, description = "Server-Sent Events: each `event` is an event kind, each `data` an event (JSON), each `id` its position; the stream ends after a terminal state, or once everything stored is sent while the run is paused", content_type = "text/event-stream", body = String),
+        (status = 400, description = "the id is not a UUID (`field`: `id`)", content_type = "application/problem+json", body = Problem),
+        (status = 401, description = "a token is configured and the request has none, or a wrong one", content_type = "application/problem+json", body = Problem),
+        (status = 404, description = "no such run", content_type = "application/problem+json", body = Problem),
+        (status = 429, description = "the run already has 16 event streams open", content_type = "application/problem+json", body = Problem),
+        (status = 500, description = "the store failed; nothing was changed", content_type = "application/problem+json", body = Problem),
+    )
+)]
+pub(crate) async fn events(
+    State(dispatcher): State<Arc<Dispatcher>>,
+    Path(id): Path<String>,
+    headers: HeaderMap,
+) -> Result<Sse<impl Stream<Item = Result<SseEvent, Infallible>>>, Failure> {
+    let current = record(&dispatcher, &id).await?;
+    let run_id = current.job.run_id;
+    // A stream of a run that has already ended (or paused) ends once everything after its
+    // starting point is sent, even when that point is past the final state.
+    let ended_at_start = current.state.is_terminal();
+    let paused_at_start = current.state == RunState::Paused;
+    // A reconnecting client continues after the last event it saw.
+    let position = headers
+        .get("last-event-id")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().parse::<i64>().ok())
+        .filter(|p| *p >= 0)
+        .unwrap_or(0);
+    let slot = StreamSlot::take(&dispatcher.streams, run_id, MAX_STREAMS_PER_RUN).ok_or_else(|| {
+        Failure::new(
+            StatusCode::TOO_MANY_REQUESTS,
+            "too_many_streams",
+            format!("run {run_id} already has {MAX_STREAMS_PER_RUN} event streams open; close one or poll GET /v1/runs/{run_id}"),
+            None,
+        )
+    })?;
+    let wake = dispatcher.events_stored.subscribe();
+    let follow = Follow {
+        _slot: slot,
+        dispatcher,
+        wake,
+        position,
+        finished: false,
+        paused: paused_at_start,
+        pending: std::collections::VecDeque::new(),
+    };
+    // The stream ends after a terminal state, once everything stored is sent while the run
+    // is paused (a resume starts a new stream), or when the dispatcher shuts down (clients
+    // say so and can watch again).
+    let stream = futures_util::stream::unfold(follow, move |mut follow| async move {
+        loop {
+            if let Some(event) = follow.pending.pop_front() {
+                return Some((Ok(event), follow));
+            }
+            if follow.finished || follow.dispatcher.stopping.is_cancelled() {
+                return None;
+            }
+            follow.wake.borrow_and_update();
+            let read = follow.read_page(run_id).await;
+            let full_page = read == EVENT_PAGE as usize;
+            if read == 0 && ended_at_start {
+                return None;
+            }
+            if follow.pending.is_empty() && follow.paused && follow.still_paused(run_id).await {
+                return None;
+            }
+            if follow.pending.is_empty() && !full_page {
+                let stopping = follow.dispatcher.stopping.clone();
+                tokio::select! {
+                    _ = tokio::time::timeout(Duration::from_secs(1), follow.wake.changed()) => {},
+                    () = stopping.cancelled() => {},
+                }
+            }
+        }
+    });
+    // A comment first: the response starts at once, even for a run with nothing stored yet,
+    // instead of at the first event or keep-alive.
+    let opening = futures_util::stream::once(async { Ok(SseEvent::default().comment("events")) });
+    Ok(Sse::new(futures_util::StreamExt::chain(opening, stream)).keep_alive(KeepAlive::default()))
+}

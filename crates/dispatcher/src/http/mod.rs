@@ -1,0 +1,140 @@
+//! The dispatcher's HTTP API (SPEC 12): runs, their events as Server-Sent Events, health,
+//! readiness, and the OpenAPI document. Every error, the framework's own included (unknown
+//! routes, wrong methods, bodies it refuses), is RFC 9457 problem details
+//! (`application/problem+json`, [`proto::Problem`]).
+
+mod body;
+pub(crate) mod events;
+mod problem;
+pub(crate) mod runs;
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::extract::{DefaultBodyLimit, Request, State};
+use axum::http::{header, HeaderMap, StatusCode};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use proto::Readiness;
+
+use crate::dispatcher::Dispatcher;
+use crate::store::RunStore;
+
+use events::events;
+use problem::{problems_everywhere, unknown_route};
+use runs::{cancel, list, resume, show, submit};
+
+pub use problem::Failure;
+pub use runs::view;
+
+/// The router with every route and the bearer-token check on `/v1`.
+pub fn router(dispatcher: Arc<Dispatcher>) -> Router {
+    let api = Router::new()
+        .route("/v1/runs", post(submit).get(list))
+        .route("/v1/runs/{id}", get(show))
+        .route("/v1/runs/{id}/events", get(events))
+        .route("/v1/runs/{id}/cancel", post(cancel))
+        .route("/v1/runs/{id}/resume", post(resume))
+        .route_layer(middleware::from_fn_with_state(
+            Arc::clone(&dispatcher),
+            authenticate,
+        ));
+    Router::new()
+        .merge(api)
+        .fallback(unknown_route)
+        .route("/v1/openapi.json", get(openapi))
+        .route("/healthz", get(healthz))
+        .route("/readyz", get(ready))
+        .route("/metrics", get(metrics))
+        // Bodies are checked against the 1 MiB limit by the request parser, which answers in
+        // JSON; this larger limit only stops abuse.
+        .layer(DefaultBodyLimit::max(8 * 1024 * 1024))
+        .layer(middleware::map_response(problems_everywhere))
+        .with_state(dispatcher)
+}
+
+async fn authenticate(
+    State(dispatcher): State<Arc<Dispatcher>>,
+    headers: HeaderMap,
+    request: Request,
+    next: Next,
+) -> Response {
+    if let Some(token) = &dispatcher.api_token {
+        let given = headers
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "));
+        let matches =
+            given.is_some_and(|given| constant_time_eq(given.as_bytes(), token.as_bytes()));
+        if !matches {
+            let message = if given.is_none() {
+                "a bearer token is required (Authorization: Bearer TOKEN)"
+            } else {
+                "the bearer token is wrong"
+            };
+            return Failure::new(StatusCode::UNAUTHORIZED, "unauthorized", message, None)
+                .into_response();
+        }
+    }
+    next.run(request).await
+}
+
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+/// The time a client has to send a request body.
+pub const BODY_READ_TIMEOUT: Duration = Duration::from_secs(15);
+/// The most event streams open on one run at once.
+pub const MAX_STREAMS_PER_RUN: usize = 16;
+/// The most events an event stream reads from the store at once.
+pub const EVENT_PAGE: u32 = 256;
+
+/// Whether the process answers.
+#[derive(serde::Serialize, utoipa::ToSchema)]
+pub(crate) struct Liveness {
+    /// Always `ok`.
+    status: &'static str,
+}
+
+#[utoipa::path(get, path = "/healthz", tag = "service", summary = "Liveness", security(()),
+    responses((status = 200, description = "the process answers", body = Liveness)))]
+pub(crate) async fn healthz() -> Json<Liveness> {
+    Json(Liveness { status: "ok" })
+}
+
+#[utoipa::path(get, path = "/readyz", tag = "service", summary = "Readiness: store and broker reachable", security(()),
+    responses(
+        (status = 200, description = "ready", body = Readiness),
+        (status = 503, description = "the store or the broker cannot be reached (yet)", body = Readiness),
+    ))]
+pub(crate) async fn ready(State(dispatcher): State<Arc<Dispatcher>>) -> Response {
+    let store = dispatcher.store.ping().await.is_ok();
+    let broker = dispatcher.broker_ready.load(Ordering::SeqCst);
+    let status = if store && broker {
+        StatusCode::OK
+    } else {
+        StatusCode::SERVICE_UNAVAILABLE
+    };
+    (status, Json(Readiness { store, broker })).into_response()
+}
+
+#[utoipa::path(get, path = "/metrics", tag = "service", summary = "Prometheus metrics", security(()),
+    responses((status = 200, description = "the text exposition format", content_type = "text/plain", body = String)))]
+pub(crate) async fn metrics(State(dispatcher): State<Arc<Dispatcher>>) -> Response {
+    (
+        [(header::CONTENT_TYPE, telemetry::CONTENT_TYPE)],
+        dispatcher.metrics.render(),
+    )
+        .into_response()
+}
+
+/// The OpenAPI document, made once.
+async fn openapi() -> Json<serde_json::Value> {
+    static DOCUMENT: std::sync::LazyLock<serde_json::Value> =
+        std::sync::LazyLock::new(crate::openapi::document);
+    Json(DOCUMENT.clone())
+}

@@ -1,0 +1,245 @@
+//! The HTTP API's contract (SPEC 12): every error is RFC 9457 problem details, the framework's
+//! own answers included; `201` carries `Location`; a run has an entity tag; a bad cursor is
+//! refused; and schemathesis, run with all its checks against a live dispatcher and the
+//! document it serves, finds no failure.
+//! Needs RabbitMQ and Docker (`scripts/services.sh && scripts/build-images.sh`), and
+//! schemathesis for the last test (`scripts/test.sh` installs it; see `schemathesis()`).
+
+mod common;
+
+use std::path::PathBuf;
+use std::process::Command;
+use std::time::Duration;
+
+use common::cluster::Cluster;
+use common::Fixture;
+use reqwest::{Method, StatusCode};
+
+const TOKEN: &str = "contract-token-0123456789";
+
+/// Checks that `response` is problem details with `status` and `code`; returns the document.
+async fn problem(response: reqwest::Response, status: u16, code: &str) -> serde_json::Value {
+    assert_eq!(response.status().as_u16(), status, "{response:?}");
+    let content_type = response
+        .headers()
+        .get("content-type")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("")
+        .to_string();
+    let text = response.text().await.unwrap();
+    assert_eq!(
+        content_type, "application/problem+json",
+        "{status} {code}: {text}"
+    );
+    let body: serde_json::Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(body["status"], status, "{body}");
+    assert_eq!(body["code"], code, "{body}");
+    assert_eq!(
+        body["type"],
+        format!("urn:forgepool:problem:{code}"),
+        "{body}"
+    );
+    assert!(
+        body["title"].as_str().is_some_and(|t| !t.is_empty()),
+        "{body}"
+    );
+    assert!(
+        body["detail"].as_str().is_some_and(|d| !d.is_empty()),
+        "{body}"
+    );
+    body
+}
+
+/// Catches: an answer of the router or of an extractor (unknown route, wrong method, a body
+/// too large, a malformed query) in plain text or empty; a 401 without `WWW-Authenticate`; a
+/// cursor that silently means page 1; a 201 without `Location`; a run without an entity tag,
+/// or one that does not give 304 while the run is unchanged.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_error_is_problem_details_and_runs_carry_location_and_entity_tags() {
+    let fixture = Fixture::new(None, &["change"], &["approve"]);
+    let cluster = Cluster::start(fixture, 0, 1, Some(TOKEN)).await;
+    let url = cluster.url();
+
+    let unknown = cluster
+        .http
+        .get(format!("{url}/nowhere"))
+        .send()
+        .await
+        .unwrap();
+    problem(unknown, 404, "not_found").await;
+    let wrong = cluster
+        .request(Method::DELETE, "/v1/runs")
+        .send()
+        .await
+        .unwrap();
+    let allow = wrong.headers().get("allow").cloned();
+    problem(wrong, 405, "method_not_allowed").await;
+    let allow = allow.expect("a 405 names the methods allowed");
+    assert!(allow.to_str().unwrap().contains("POST"), "{allow:?}");
+    let huge = vec![b'x'; 9 * 1024 * 1024];
+    let too_large = cluster
+        .request(Method::POST, "/v1/runs")
+        .body(huge)
+        .send()
+        .await
+        .unwrap();
+    problem(too_large, 413, "too_large").await;
+    let anonymous = cluster
+        .http
+        .get(format!("{url}/v1/runs"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(
+        anonymous
+            .headers()
+            .get("www-authenticate")
+            .map(|v| v.to_str().unwrap()),
+        Some("Bearer")
+    );
+    problem(anonymous, 401, "unauthorized").await;
+    let bad_cursor = cluster
+        .request(Method::GET, "/v1/runs?cursor=page-two")
+        .send()
+        .await
+        .unwrap();
+    let body = problem(bad_cursor, 400, "invalid_field").await;
+    assert_eq!(body["field"], "cursor");
+    let bad_limit = cluster
+        .request(Method::GET, "/v1/runs?limit=%ZZ")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(
+        bad_limit.headers()["content-type"],
+        "application/problem+json"
+    );
+    let missing = cluster
+        .request(Method::GET, &format!("/v1/runs/{}", uuid::Uuid::new_v4()))
+        .send()
+        .await
+        .unwrap();
+    problem(missing, 404, "not_found").await;
+    let unknown_skill = cluster
+        .request(Method::POST, "/v1/runs")
+        .json(
+            &serde_json::json!({"ticket": "API-1", "skill": "no-such-skill", "brief": "b",
+                                  "repository": {"url": "file:///nowhere"}}),
+        )
+        .send()
+        .await
+        .unwrap();
+    let body = problem(unknown_skill, 422, "unknown_skill").await;
+    assert_eq!(body["field"], "skill");
+
+    // A run: Location on 201, an entity tag, 304 while unchanged, a new tag once it changes.
+    let created = cluster
+        .request(Method::POST, "/v1/runs")
+        .json(&cluster.request_body("API-2", serde_json::json!({})))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(created.status(), StatusCode::CREATED);
+    let location = created.headers()["location"].to_str().unwrap().to_string();
+    let answer: serde_json::Value = created.json().await.unwrap();
+    assert_eq!(
+        location,
+        format!("/v1/runs/{}", answer["run_id"].as_str().unwrap())
+    );
+    let first = cluster
+        .request(Method::GET, &location)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(first.status(), StatusCode::OK);
+    let tag = first.headers()["etag"].to_str().unwrap().to_string();
+    assert!(tag.starts_with('"') && tag.ends_with('"'), "{tag}");
+    let again = cluster
+        .request(Method::GET, &location)
+        .header("if-none-match", &tag)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(again.status(), StatusCode::NOT_MODIFIED);
+    assert_eq!(again.headers()["etag"].to_str().unwrap(), tag);
+    let cancelled = cluster
+        .request(Method::POST, &format!("{location}/cancel"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(cancelled.status(), StatusCode::ACCEPTED);
+    let changed = cluster
+        .request(Method::GET, &location)
+        .header("if-none-match", &tag)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(
+        changed.status(),
+        StatusCode::OK,
+        "a changed run is sent again"
+    );
+    assert_ne!(changed.headers()["etag"].to_str().unwrap(), tag);
+    let ended = cluster
+        .request(Method::POST, &format!("{location}/cancel"))
+        .send()
+        .await
+        .unwrap();
+    problem(ended, 409, "not_cancellable").await;
+}
+
+/// Where schemathesis's `st` is: `FORGEPOOL_ST`, else the virtual environment
+/// `scripts/test.sh` makes, else `st` on the PATH. Fails (never skips) without it.
+fn schemathesis() -> PathBuf {
+    let candidates = [
+        std::env::var_os("FORGEPOOL_ST").map(PathBuf::from),
+        Some(PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(".tools/schemathesis/bin/st")),
+    ];
+    for candidate in candidates.into_iter().flatten() {
+        if candidate.is_file() {
+            return candidate;
+        }
+    }
+    match Command::new("st").arg("--version").output() {
+        Ok(output) if output.status.success() => PathBuf::from("st"),
+        _ => panic!(
+            "schemathesis is not installed: run `scripts/api-tools.sh` (or `pip install schemathesis==4.32.5` and set FORGEPOOL_ST to its `st`)"
+        ),
+    }
+}
+
+/// Catches: the served document and the API disagreeing anywhere schemathesis looks (an
+/// undocumented status or content type, a body that breaks its schema, a schema-valid
+/// request refused as malformed, a schema-breaking one accepted, a method answered that is
+/// not allowed, a 5xx, the token not enforced).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn schemathesis_with_all_checks_finds_no_failure() {
+    let st = schemathesis();
+    let fixture = Fixture::new(None, &["change"], &["approve"]);
+    let cluster = Cluster::start(fixture, 0, 1, Some(TOKEN)).await;
+    let url = cluster.url();
+    let config = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/schemathesis.toml");
+    let mut command = Command::new(st);
+    command
+        .args(["run", &format!("{url}/v1/openapi.json"), "--url", &url])
+        .arg("--config-file")
+        .arg(&config)
+        .args(["--header", &format!("Authorization: Bearer {TOKEN}")])
+        .args(["--checks", "all", "--max-examples", "25", "--seed", "1"])
+        .args(["--request-timeout", "20", "--no-color"])
+        .current_dir(cluster.fixture.dir.path());
+    let output = common::output_within(&mut command, Duration::from_secs(900));
+    let text = format!(
+        "{}\n{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    assert!(
+        output.status.success(),
+        "schemathesis found failures:\n{text}"
+    );
+    assert!(
+        text.contains("No issues found") || text.contains("passed"),
+        "{text}"
+    );
+}
