@@ -981,6 +981,7 @@ async fn a_run_submitted_before_rabbitmq_is_reachable_is_delivered_once_it_is() 
     // The dispatcher's broker is a port where nothing listens yet.
     let (http_port, broker_port) = (free_port(), free_port());
     let prefix = format!("t{}", &uuid::Uuid::new_v4().simple().to_string()[..10]);
+    let started = tokio::time::Instant::now();
     let (mut dispatcher, log) = bare_dispatcher(
         &fixture,
         &format!("127.0.0.1:{http_port}"),
@@ -1045,6 +1046,17 @@ async fn a_run_submitted_before_rabbitmq_is_reachable_is_delivered_once_it_is() 
         logged()
     );
 
+    // It never gives up on the broker: past the 30 one-second attempts after which it once
+    // exited (and crash-looped in a pod), it is still there, alive and not ready.
+    tokio::time::sleep_until(started + Duration::from_secs(40)).await;
+    assert!(
+        matches!(dispatcher.child.try_wait(), Ok(None)),
+        "the dispatcher waits for RabbitMQ instead of exiting: {}",
+        logged()
+    );
+    let still = http.get(format!("{base}/readyz")).send().await.unwrap();
+    assert_eq!(still.status(), 503, "not ready while RabbitMQ is away");
+
     // RabbitMQ becomes reachable on that port, and a worker joins.
     let forwarder = tokio::net::TcpListener::bind(("127.0.0.1", broker_port))
         .await
@@ -1094,6 +1106,12 @@ async fn a_run_submitted_before_rabbitmq_is_reachable_is_delivered_once_it_is() 
     );
     let ready = http.get(format!("{base}/readyz")).send().await.unwrap();
     assert_eq!(ready.status(), 200, "ready once it consumes events");
+    let worker_ready = http
+        .get(format!("http://{}/readyz", worker.address))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(worker_ready.status(), 200, "a connected worker is ready");
 
     // SIGTERM stops the dispatcher at once, even while a client follows a run that is not
     // finished (no worker is left to take it): the event stream ends.
