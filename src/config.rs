@@ -201,6 +201,10 @@ pub const ENV_DRAIN_SECONDS: &str = "FORGEPOOL_DRAIN_SECONDS";
 /// The default RabbitMQ URL.
 pub const DEFAULT_AMQP_URL: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
 
+/// A retention horizon: how long something is kept; `None` is for ever.
+#[derive(Debug, Clone, Copy)]
+pub struct Horizon(pub Option<Duration>);
+
 /// `forgepool prune`.
 #[derive(Debug, Args)]
 pub struct PruneArgs {
@@ -260,11 +264,11 @@ pub struct DispatcherArgs {
     pub webhooks_file: Option<PathBuf>,
     /// How long the heartbeat and log events of a run that ended are kept (`7d`, `36h`…, at
     /// least an hour, or `never` to keep them for ever).
-    #[arg(long = "retain-logs", env = "FORGEPOOL_RETAIN_LOGS", default_value = "7d", value_parser = |v: &str| dispatcher::retention::parse_horizon("FORGEPOOL_RETAIN_LOGS", v))]
-    pub retain_logs: Option<Duration>,
+    #[arg(long = "retain-logs", env = "FORGEPOOL_RETAIN_LOGS", default_value = "7d", value_parser = |v: &str| dispatcher::retention::parse_horizon("FORGEPOOL_RETAIN_LOGS", v).map(Horizon))]
+    pub retain_logs: Horizon,
     /// How long a run that ended is kept, with everything stored of it (`90d`…, or `never`).
-    #[arg(long = "retain-runs", env = "FORGEPOOL_RETAIN_RUNS", default_value = "never", value_parser = |v: &str| dispatcher::retention::parse_horizon("FORGEPOOL_RETAIN_RUNS", v))]
-    pub retain_runs: Option<Duration>,
+    #[arg(long = "retain-runs", env = "FORGEPOOL_RETAIN_RUNS", default_value = "never", value_parser = |v: &str| dispatcher::retention::parse_horizon("FORGEPOOL_RETAIN_RUNS", v).map(Horizon))]
+    pub retain_runs: Horizon,
     #[command(flatten)]
     pub job_key: JobKeyArgs,
     #[command(flatten)]

@@ -74,8 +74,8 @@ pub async fn dispatcher(args: DispatcherArgs) -> i32 {
         auto_resume: args.auto_resume,
         webhooks,
         retention: dispatcher::retention::Retention {
-            logs: args.retain_logs,
-            runs: args.retain_runs,
+            logs: args.retain_logs.0,
+            runs: args.retain_runs.0,
         },
     };
     let shutdown = shutdown_on_signal();

@@ -76,7 +76,9 @@ async fn every_error_is_problem_details_and_runs_carry_location_and_entity_tags(
     problem(wrong, 405, "method_not_allowed").await;
     let allow = allow.expect("a 405 names the methods allowed");
     assert!(allow.to_str().unwrap().contains("POST"), "{allow:?}");
-    let huge = vec![b'x'; 9 * 1024 * 1024];
+    // (Bodies announced over 8 MiB are answered before they are read: tests/http_limits.rs
+    // reads that answer on a raw socket, since a client still writing sees a broken pipe.)
+    let huge = vec![b'x'; 2 * 1024 * 1024];
     let too_large = cluster
         .request(Method::POST, "/v1/runs")
         .body(huge)
@@ -221,12 +223,13 @@ async fn schemathesis_with_all_checks_finds_no_failure() {
     let config = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/schemathesis.toml");
     let mut command = Command::new(st);
     command
-        .args(["run", &format!("{url}/v1/openapi.json"), "--url", &url])
         .arg("--config-file")
         .arg(&config)
+        .arg("--no-color")
+        .args(["run", &format!("{url}/v1/openapi.json"), "--url", &url])
         .args(["--header", &format!("Authorization: Bearer {TOKEN}")])
-        .args(["--checks", "all", "--max-examples", "25", "--seed", "1"])
-        .args(["--request-timeout", "20", "--no-color"])
+        .args(["--checks", "all", "--max-examples", "100", "--seed", "1"])
+        .args(["--request-timeout", "20"])
         .current_dir(cluster.fixture.dir.path());
     let output = common::output_within(&mut command, Duration::from_secs(900));
     let text = format!(

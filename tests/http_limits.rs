@@ -94,6 +94,12 @@ async fn bodies_must_be_small_and_arrive_in_time_and_errors_are_json() {
         let (answer, _) = read_until_closed(&mut stream, Duration::from_secs(20)).await;
         assert!(answer.starts_with("HTTP/1.1 413"), "{size} bytes: {answer}");
         assert!(answer.contains("\"too_large\""), "{size} bytes: {answer}");
+        assert!(
+            answer
+                .to_ascii_lowercase()
+                .contains("content-type: application/problem+json"),
+            "{size} bytes: {answer}"
+        );
     }
     // A body that never comes: a JSON 408 after the body timeout, and the connection ends.
     let mut slow = TcpStream::connect(&address).await.unwrap();

@@ -11,7 +11,6 @@ pub mod freeze;
 pub mod http;
 pub mod names;
 pub mod notifier;
-mod openapi;
 pub mod request;
 pub mod resumer;
 pub mod retention;

@@ -95,7 +95,8 @@ pub enum DispatcherError {
 
 /// Runs the dispatcher until `shutdown` is cancelled: HTTP on `listener` (served at once), the
 /// consumers, and the republisher. `ready` is called once the broker topology exists and the
-/// consumers are started. Shutdown stops accepting HTTP first, then the consumers.
+/// consumers are started (the broker is waited for as long as it takes, with `/readyz` at 503
+/// meanwhile). Shutdown stops accepting HTTP first, then the consumers.
 pub async fn run(
     config: DispatcherConfig,
     listener: tokio::net::TcpListener,
@@ -136,7 +137,6 @@ pub async fn run(
     let serve_shutdown = shutdown.clone();
     let server =
         tokio::spawn(async move { crate::serve::serve(listener, app, serve_shutdown).await });
-    // The broker is waited for as long as it takes (`/readyz` answers 503 meanwhile).
     let declared =
         amqp::declare_with_retry(&dispatcher.publisher, &dispatcher.topology, &shutdown).await;
     // Stopped while RabbitMQ was being set up: nothing else was started, so nothing is lost.

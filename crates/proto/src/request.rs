@@ -13,6 +13,7 @@ pub struct RunRequest {
     /// Set by AMQP producers; absent in API and CLI requests, which are always current.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[cfg_attr(feature = "openapi", schema(minimum = 1, maximum = 1))]
+    #[serde(deserialize_with = "integral::option")]
     pub schema_version: Option<u32>,
     /// The ticket key, `PROJECT-123`.
     #[cfg_attr(
@@ -38,6 +39,7 @@ pub struct RunRequest {
     /// Repair rounds after the first implementation round, 0..=3.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[cfg_attr(feature = "openapi", schema(minimum = 0, maximum = 3))]
+    #[serde(deserialize_with = "integral::option")]
     pub repair_attempts: Option<i64>,
     /// Agent profile names for the implementer and the reviewer.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -74,6 +76,7 @@ pub struct VerifyCommand {
     pub argv: Vec<String>,
     /// The command's time limit in seconds.
     #[cfg_attr(feature = "openapi", schema(minimum = 1, maximum = 86400))]
+    #[serde(deserialize_with = "integral::value")]
     pub timeout: u64,
 }
 
@@ -100,6 +103,72 @@ pub struct Assurance {
     pub review_agent: Option<String>,
 }
 
+/// Integers as JSON Schema counts them: `600` and `600.0` are the same integer, so a request
+/// a schema validator accepts is never refused by the parser for its number's spelling.
+mod integral {
+    use serde::de::{Deserializer, Error, Visitor};
+
+    struct Integral;
+
+    impl Visitor<'_> for Integral {
+        type Value = i128;
+
+        fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+            f.write_str("an integer")
+        }
+
+        fn visit_i64<E: Error>(self, v: i64) -> Result<i128, E> {
+            Ok(i128::from(v))
+        }
+
+        fn visit_u64<E: Error>(self, v: u64) -> Result<i128, E> {
+            Ok(i128::from(v))
+        }
+
+        fn visit_f64<E: Error>(self, v: f64) -> Result<i128, E> {
+            // Beyond 2^63 an f64 has no fraction to lose, and no field here goes that far.
+            if v.is_finite() && v.fract() == 0.0 && v.abs() < 9.2e18 {
+                Ok(v as i128)
+            } else {
+                Err(E::custom(format!(
+                    "invalid value: {v}, expected an integer"
+                )))
+            }
+        }
+    }
+
+    fn read<'de, D: Deserializer<'de>, T: TryFrom<i128>>(d: D) -> Result<T, D::Error> {
+        let n = d.deserialize_any(Integral)?;
+        T::try_from(n).map_err(|_| D::Error::custom(format!("{n} is out of range")))
+    }
+
+    pub fn value<'de, D: Deserializer<'de>, T: TryFrom<i128>>(d: D) -> Result<T, D::Error> {
+        read(d)
+    }
+
+    pub fn option<'de, D: Deserializer<'de>, T: TryFrom<i128>>(
+        d: D,
+    ) -> Result<Option<T>, D::Error> {
+        struct Maybe<T>(std::marker::PhantomData<T>);
+        impl<'de, T: TryFrom<i128>> Visitor<'de> for Maybe<T> {
+            type Value = Option<T>;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("an integer or null")
+            }
+            fn visit_none<E: Error>(self) -> Result<Option<T>, E> {
+                Ok(None)
+            }
+            fn visit_unit<E: Error>(self) -> Result<Option<T>, E> {
+                Ok(None)
+            }
+            fn visit_some<D: Deserializer<'de>>(self, d: D) -> Result<Option<T>, D::Error> {
+                read(d).map(Some)
+            }
+        }
+        d.deserialize_option(Maybe(std::marker::PhantomData))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -121,6 +190,29 @@ mod tests {
         let again: RunRequest =
             serde_json::from_str(&serde_json::to_string(&request).unwrap()).unwrap();
         assert_eq!(again, request);
+    }
+
+    /// Catches: `600.0`, an integer to JSON Schema, refused as "expected u64".
+    #[test]
+    fn integral_numbers_are_integers_whatever_their_spelling() {
+        let text = r#"{"ticket": "A-1", "skill": "s", "brief": "b", "repository": {"url": "u"},
+                       "commands": [{"argv": ["x"], "timeout": 600.0}], "repair_attempts": 2.0,
+                       "schema_version": null}"#;
+        let request: RunRequest = serde_json::from_str(text).unwrap();
+        assert_eq!(request.commands[0].timeout, 600);
+        assert_eq!(request.repair_attempts, Some(2));
+        assert_eq!(request.schema_version, None);
+        for bad in [
+            r#""timeout": 1.5"#,
+            r#""timeout": -1"#,
+            r#""timeout": "600""#,
+        ] {
+            let text = format!(r#"{{"argv": ["x"], {bad}}}"#);
+            assert!(
+                serde_json::from_str::<VerifyCommand>(&text).is_err(),
+                "{bad}"
+            );
+        }
     }
 
     #[test]

@@ -78,7 +78,7 @@ impl Follow {
     tag = "runs",
     summary = "The run's events so far, then live, as Server-Sent Events",
     params(
-        ("id" = String, Path, description = "the run id (a UUID)"),
+        ("id" = uuid::Uuid, Path, description = "the run id"),
         ("Last-Event-ID" = Option<String>, Header, description = "continue after this event position (the `id` of the last event received)"),
     ),
     responses(
@@ -90,7 +90,7 @@ impl Follow {
         (status = 500, description = "the store failed; nothing was changed", content_type = "application/problem+json", body = Problem),
     )
 )]
-pub(crate) async fn events(
+pub(super) async fn events(
     State(dispatcher): State<Arc<Dispatcher>>,
     Path(id): Path<String>,
     headers: HeaderMap,

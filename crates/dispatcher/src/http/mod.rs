@@ -4,11 +4,12 @@
 //! (`application/problem+json`, [`proto::Problem`]).
 
 mod body;
-pub(crate) mod events;
+mod events;
+mod health;
+mod openapi;
 mod problem;
-pub(crate) mod runs;
+mod runs;
 
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -18,12 +19,11 @@ use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use proto::Readiness;
 
 use crate::dispatcher::Dispatcher;
-use crate::store::RunStore;
 
 use events::events;
+use health::{healthz, metrics, ready};
 use problem::{problems_everywhere, unknown_route};
 use runs::{cancel, list, resume, show, submit};
 
@@ -93,48 +93,9 @@ pub const MAX_STREAMS_PER_RUN: usize = 16;
 /// The most events an event stream reads from the store at once.
 pub const EVENT_PAGE: u32 = 256;
 
-/// Whether the process answers.
-#[derive(serde::Serialize, utoipa::ToSchema)]
-pub(crate) struct Liveness {
-    /// Always `ok`.
-    status: &'static str,
-}
-
-#[utoipa::path(get, path = "/healthz", tag = "service", summary = "Liveness", security(()),
-    responses((status = 200, description = "the process answers", body = Liveness)))]
-pub(crate) async fn healthz() -> Json<Liveness> {
-    Json(Liveness { status: "ok" })
-}
-
-#[utoipa::path(get, path = "/readyz", tag = "service", summary = "Readiness: store and broker reachable", security(()),
-    responses(
-        (status = 200, description = "ready", body = Readiness),
-        (status = 503, description = "the store or the broker cannot be reached (yet)", body = Readiness),
-    ))]
-pub(crate) async fn ready(State(dispatcher): State<Arc<Dispatcher>>) -> Response {
-    let store = dispatcher.store.ping().await.is_ok();
-    let broker = dispatcher.broker_ready.load(Ordering::SeqCst);
-    let status = if store && broker {
-        StatusCode::OK
-    } else {
-        StatusCode::SERVICE_UNAVAILABLE
-    };
-    (status, Json(Readiness { store, broker })).into_response()
-}
-
-#[utoipa::path(get, path = "/metrics", tag = "service", summary = "Prometheus metrics", security(()),
-    responses((status = 200, description = "the text exposition format", content_type = "text/plain", body = String)))]
-pub(crate) async fn metrics(State(dispatcher): State<Arc<Dispatcher>>) -> Response {
-    (
-        [(header::CONTENT_TYPE, telemetry::CONTENT_TYPE)],
-        dispatcher.metrics.render(),
-    )
-        .into_response()
-}
-
 /// The OpenAPI document, made once.
 async fn openapi() -> Json<serde_json::Value> {
     static DOCUMENT: std::sync::LazyLock<serde_json::Value> =
-        std::sync::LazyLock::new(crate::openapi::document);
+        std::sync::LazyLock::new(openapi::document);
     Json(DOCUMENT.clone())
 }

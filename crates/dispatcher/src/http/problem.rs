@@ -8,7 +8,7 @@ use crate::SubmitError;
 
 /// An API error: its status and the problem document answered.
 #[derive(Debug)]
-pub struct Failure(StatusCode, Problem);
+pub struct Failure(StatusCode, Box<Problem>);
 
 impl Failure {
     pub(super) fn new(
@@ -20,7 +20,7 @@ impl Failure {
         let title = status.canonical_reason().unwrap_or("Error");
         Failure(
             status,
-            Problem::new(status.as_u16(), title, code, detail, field),
+            Box::new(Problem::new(status.as_u16(), title, code, detail, field)),
         )
     }
 }
@@ -69,16 +69,20 @@ fn framework_code(status: StatusCode) -> &'static str {
 /// The most of a framework error's own text kept as the problem's `detail`.
 const FRAMEWORK_DETAIL_BYTES: usize = 1024;
 
-/// Turns every error answer that is not yet problem details (the router's 404 and 405, an
-/// extractor's plain-text refusal) into problem details, keeping its status and headers
+/// Turns every error answer that is not JSON (the router's 404 and 405, an extractor's
+/// plain-text refusal) into problem details, keeping its status and headers
 /// (`Allow` on a 405) and its text as the detail.
 pub(super) async fn problems_everywhere(response: Response) -> Response {
     let status = response.status();
-    let is_problem = response
+    // A handler's own JSON answer stands: problem details, or a documented body such as
+    // `/readyz`'s 503.
+    let is_json = response
         .headers()
         .get(header::CONTENT_TYPE)
-        .is_some_and(|v| v.as_bytes() == PROBLEM_CONTENT_TYPE.as_bytes());
-    if !(status.is_client_error() || status.is_server_error()) || is_problem {
+        .is_some_and(|v| {
+            v.as_bytes() == PROBLEM_CONTENT_TYPE.as_bytes() || v.as_bytes() == b"application/json"
+        });
+    if !(status.is_client_error() || status.is_server_error()) || is_json {
         return response;
     }
     let (parts, body) = response.into_parts();

@@ -38,14 +38,15 @@ fn run_location(run_id: Uuid) -> [(header::HeaderName, String); 1] {
          headers(("Location" = String, description = "the run: /v1/runs/{id}"))),
         (status = 200, description = "a repeat of an Idempotency-Key seen in the last 24 hours: the first run, as it stands", body = SubmitResponse,
          headers(("Location" = String, description = "the first run: /v1/runs/{id}"))),
-        (status = 400, description = "the request breaks a rule; `field` names the field (or the Idempotency-Key header)", content_type = "application/problem+json", body = Problem),
+        (status = 400, description = "the request breaks its documented shape (a brief over 256 KiB too); `field` names the field (or the Idempotency-Key header)", content_type = "application/problem+json", body = Problem),
         (status = 401, description = "a token is configured and the request has none, or a wrong one", content_type = "application/problem+json", body = Problem),
         (status = 408, description = "the body did not arrive within 15 s", content_type = "application/problem+json", body = Problem),
-        (status = 413, description = "the body is over 1 MiB or the brief over 256 KiB", content_type = "application/problem+json", body = Problem),
+        (status = 413, description = "the body is over 1 MiB", content_type = "application/problem+json", body = Problem),
+        (status = 422, description = "the request has the documented shape but names what this dispatcher does not have or allow (a skill, an agent profile, a URL scheme, a ref git refuses, a blank brief); `field` names it", content_type = "application/problem+json", body = Problem),
         (status = 500, description = "the store failed; nothing was changed", content_type = "application/problem+json", body = Problem),
     )
 )]
-pub(crate) async fn submit(
+pub(super) async fn submit(
     State(dispatcher): State<Arc<Dispatcher>>,
     headers: HeaderMap,
     body: axum::body::Body,
@@ -186,7 +187,7 @@ pub fn view(record: RunRecord) -> RunView {
     tag = "runs",
     summary = "A run: state, history of states, rounds, cycles with their files, result, report",
     params(
-        ("id" = String, Path, description = "the run id (a UUID)"),
+        ("id" = uuid::Uuid, Path, description = "the run id"),
         ("If-None-Match" = Option<String>, Header, description = "an entity tag of an earlier answer: 304 while the run is unchanged"),
     ),
     responses(
@@ -200,7 +201,7 @@ pub fn view(record: RunRecord) -> RunView {
         (status = 500, description = "the store failed; nothing was changed", content_type = "application/problem+json", body = Problem),
     )
 )]
-pub(crate) async fn show(
+pub(super) async fn show(
     State(dispatcher): State<Arc<Dispatcher>>,
     Path(id): Path<String>,
     headers: HeaderMap,
@@ -236,7 +237,7 @@ fn none_match(value: &str, tag: &str) -> bool {
 }
 
 #[derive(Deserialize)]
-pub(crate) struct ListQuery {
+pub(super) struct ListQuery {
     state: Option<String>,
     ticket: Option<String>,
     limit: Option<String>,
@@ -261,12 +262,12 @@ pub(crate) struct ListQuery {
         (status = 500, description = "the store failed; nothing was changed", content_type = "application/problem+json", body = Problem),
     )
 )]
-pub(crate) async fn list(
+pub(super) async fn list(
     State(dispatcher): State<Arc<Dispatcher>>,
     Query(query): Query<ListQuery>,
 ) -> Result<Json<RunList>, Failure> {
     let state = match query.state.as_deref() {
-        None | Some("") => None,
+        None => None,
         Some(name) => Some(RunState::parse(name).ok_or_else(|| {
             Failure::new(
                 StatusCode::BAD_REQUEST,
@@ -277,7 +278,7 @@ pub(crate) async fn list(
         })?),
     };
     let limit = match query.limit.as_deref() {
-        None | Some("") => 50,
+        None => 50,
         Some(text) => text
             .parse::<u32>()
             .ok()
@@ -292,7 +293,7 @@ pub(crate) async fn list(
             })?,
     };
     let cursor = match query.cursor.as_deref() {
-        None | Some("") => None,
+        None => None,
         Some(text) => Some(
             text.parse::<i64>()
                 .ok()
@@ -325,7 +326,7 @@ pub(crate) async fn list(
     path = "/v1/runs/{id}/cancel",
     tag = "runs",
     summary = "Cancel a run (stored first)",
-    params(("id" = String, Path, description = "the run id (a UUID)")),
+    params(("id" = uuid::Uuid, Path, description = "the run id")),
     responses(
         (status = 202, description = "`done` for a queued or paused run (cancelled now), `requested` for a running one (its worker stops it)", body = CancelAnswer),
         (status = 400, description = "the id is not a UUID (`field`: `id`)", content_type = "application/problem+json", body = Problem),
@@ -335,7 +336,7 @@ pub(crate) async fn list(
         (status = 500, description = "the store failed; nothing was changed", content_type = "application/problem+json", body = Problem),
     )
 )]
-pub(crate) async fn cancel(
+pub(super) async fn cancel(
     State(dispatcher): State<Arc<Dispatcher>>,
     Path(id): Path<String>,
 ) -> Result<(StatusCode, Json<CancelAnswer>), Failure> {
@@ -370,7 +371,7 @@ pub(crate) async fn cancel(
     path = "/v1/runs/{id}/resume",
     tag = "runs",
     summary = "Resume a paused run from its latest checkpoint, with its original frozen job",
-    params(("id" = String, Path, description = "the run id (a UUID)")),
+    params(("id" = uuid::Uuid, Path, description = "the run id")),
     responses(
         (status = 202, description = "queued again", body = ResumeAnswer),
         (status = 400, description = "the id is not a UUID (`field`: `id`)", content_type = "application/problem+json", body = Problem),
@@ -381,7 +382,7 @@ pub(crate) async fn cancel(
         (status = 503, description = "the broker cannot be reached; the run stays paused", content_type = "application/problem+json", body = Problem),
     )
 )]
-pub(crate) async fn resume(
+pub(super) async fn resume(
     State(dispatcher): State<Arc<Dispatcher>>,
     Path(id): Path<String>,
 ) -> Result<(StatusCode, Json<ResumeAnswer>), Failure> {

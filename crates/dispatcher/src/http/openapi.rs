@@ -1,11 +1,11 @@
 //! The OpenAPI 3.1 document served at `/v1/openapi.json`, generated from the API's Rust types
 //! (`proto::api`, `proto::RunRequest`, each deriving its schema) and its handlers (each
-//! `#[utoipa::path]` beside the handler in `http/`), so the document cannot drift from the code.
+//! `#[utoipa::path]` beside the handler), so the document cannot drift from the code.
 
 use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
 use utoipa::{Modify, OpenApi};
 
-use crate::http;
+use super::{events, health, runs};
 
 /// The document's description: the rules a schema cannot state.
 const DESCRIPTION: &str = "forgepool's dispatcher: submit coding-agent runs, follow their \
@@ -23,15 +23,15 @@ the body is over 1 MiB.\n\nWhen the dispatcher has a token (`FORGEPOOL_API_TOKEN
 #[openapi(
     info(title = "forgepool dispatcher", description = DESCRIPTION),
     paths(
-        http::runs::submit,
-        http::runs::list,
-        http::runs::show,
-        http::events::events,
-        http::runs::cancel,
-        http::runs::resume,
-        http::healthz,
-        http::ready,
-        http::metrics,
+        runs::submit,
+        runs::list,
+        runs::show,
+        events::events,
+        runs::cancel,
+        runs::resume,
+        health::healthz,
+        health::ready,
+        health::metrics,
     ),
     components(schemas(proto::Problem)),
     modifiers(&Bearer),
