@@ -1378,3 +1378,54 @@ async fn a_producer_with_the_charts_permissions_submits_runs_and_nothing_else() 
     rabbitmqctl(&["-q", "delete_user", &user]);
     cluster.delete_queues().await;
 }
+
+/// Catches: a SIGTERMed worker (scale-in, a rollout) that stops the stage it runs, or hands
+/// back a run whose last stage ends within the drain time, so another worker runs it again.
+/// No other worker exists: a delivered run was finished by the drained one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_waits_for_the_running_stage_and_hands_nothing_back_when_it_ends_in_time() {
+    // One stage of about 3 s, no review: after it only the delivery is left.
+    let fixture = Fixture::new(None, &["sleep", "3"], &["approve"]);
+    let mut cluster = Cluster::start(fixture, 1, 1, None).await;
+    let id = cluster.submit("TERM-1").await;
+    cluster.wait_running(&id).await;
+    // Once its stage has started (the stream of a running run is read for half a second).
+    let mut polls = 0;
+    while !cluster
+        .event_stream_until(&id, Duration::from_millis(500))
+        .await
+        .contains("\"type\":\"stage_started\"")
+    {
+        polls += 1;
+        assert!(polls < 60, "the stage never started\n{}", cluster.logs());
+    }
+    // The drain time is 5 s, longer than what is left of the stage.
+    let code = cluster.workers[0].terminate(Duration::from_secs(60));
+    assert_eq!(
+        code,
+        Some(0),
+        "the worker exits cleanly\n{}",
+        cluster.logs()
+    );
+    let view = cluster.run(&id).await;
+    assert_eq!(
+        view["state"],
+        "delivered",
+        "{}\n{}",
+        view["states"],
+        cluster.logs()
+    );
+    assert_eq!(cluster.pushes("forge/term-1"), 1);
+    let stream = cluster.event_stream(&id).await;
+    assert_eq!(
+        stream.matches("\"type\":\"stage_started\"").count(),
+        1,
+        "one stage, run once: {stream}"
+    );
+    assert!(
+        !stream.contains("\"outcome\":\"cancelled\""),
+        "the stage was not stopped: {stream}"
+    );
+    assert_eq!(container_count(&id), 0);
+    cluster.delete_queues().await;
+}

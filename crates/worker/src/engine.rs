@@ -37,6 +37,8 @@ use crate::verdict::{self, Verdict};
 mod checkpoint;
 use checkpoint::keep_progress;
 mod context;
+mod control;
+pub use control::RunControl;
 mod deliver;
 mod final_review;
 mod gated;
@@ -64,29 +66,6 @@ pub const DEFAULT_STAGE_USER: (u32, u32) = (65_534, 65_534);
 pub const DEFAULT_PIDS_LIMIT: i64 = 512;
 /// Feedback and failure text cut for history entries.
 const TAIL_FOR_PROMPT: usize = 8 * 1024;
-
-/// How a run is steered from outside.
-#[derive(Debug, Clone, Default)]
-pub struct RunControl {
-    /// A user's cancel: the run ends `cancelled`.
-    pub cancel: CancellationToken,
-    /// A drain or a lost claim: the run stops and is handed back without an ending.
-    pub interrupt: CancellationToken,
-    /// The job was delivered again: an earlier execution may have pushed, so the delivery
-    /// branch is read before anything runs.
-    pub again: bool,
-}
-
-impl RunControl {
-    /// A run stopped by `cancel` and `interrupt`, executed for the first time.
-    pub fn new(cancel: CancellationToken, interrupt: CancellationToken) -> RunControl {
-        RunControl {
-            cancel,
-            interrupt,
-            again: false,
-        }
-    }
-}
 
 /// How the engine works; the same for every run.
 #[derive(Debug, Clone)]
@@ -197,8 +176,9 @@ impl<R: ContainerRuntime> Engine<R> {
             cancel,
             interrupt,
             again,
+            handover,
         } = control;
-        self.attempt(job, sink, ledger, (cancel, interrupt), again)
+        self.attempt(job, sink, ledger, (cancel, interrupt, handover), again)
             .await
     }
 
@@ -207,7 +187,7 @@ impl<R: ContainerRuntime> Engine<R> {
         job: &Job,
         sink: &S,
         ledger: &L,
-        (cancel, interrupt): (CancellationToken, CancellationToken),
+        (cancel, interrupt, handover): (CancellationToken, CancellationToken, CancellationToken),
         again: bool,
     ) -> Result<Execution, PublishEvent> {
         let span = tracing::info_span!("run", run_id = %job.run_id, ticket = %job.ticket, stage = tracing::field::Empty, cycle = tracing::field::Empty);
@@ -220,6 +200,7 @@ impl<R: ContainerRuntime> Engine<R> {
             let root = self.config.workspace_root.join(job.run_id.to_string());
             let mut run = RunContext::new(job, &root);
             run.again = again;
+            run.handover = handover;
             // Stages stop on either token; the loop tells the two apart.
             let stop = CancellationToken::new();
             let relay = {
@@ -342,7 +323,7 @@ impl<R: ContainerRuntime> Engine<R> {
                 }
                 return Ok(Some((state, reason.to_string())));
             }
-            if interrupt.is_cancelled() {
+            if interrupt.is_cancelled() || run.hands_over_before(&machine.phase) {
                 return Ok(None);
             }
             if let Some(reason) = over_budget(run, &machine) {

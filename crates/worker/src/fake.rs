@@ -30,6 +30,8 @@ pub enum Act {
     },
     /// Runs until its time limit or its run's cancellation.
     Hang,
+    /// Works for this long (unless its run is cancelled first), then does the other act.
+    Slow(Duration, Box<Act>),
     /// The engine cannot create it.
     Unstartable(String),
 }
@@ -178,6 +180,13 @@ impl ContainerRuntime for FakeRuntime {
             .unwrap()
             .push(prompt.unwrap_or_default());
         let began = tokio::time::Instant::now();
+        let act = match act {
+            Act::Slow(work, then) => tokio::select! {
+                () = tokio::time::sleep(work) => *then,
+                () = cancel.cancelled() => Act::Hang,
+            },
+            act => act,
+        };
         let (exit, stdout) = match act {
             Act::Exit {
                 code,
@@ -212,6 +221,7 @@ impl ContainerRuntime for FakeRuntime {
                 () = cancel.cancelled() => (StageExit::Cancelled, String::new()),
             },
             Act::Unstartable(_) => unreachable!("refused at creation"),
+            Act::Slow(..) => unreachable!("a slow act is done above"),
         };
         Ok(StageOutput {
             exit,

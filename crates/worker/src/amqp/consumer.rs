@@ -435,6 +435,7 @@ impl<R: ContainerRuntime> Jobs<R> {
             cancel: claim.cancel,
             interrupt: claim.lost,
             again: redelivered,
+            handover: self.draining.clone(),
         };
         let execution = self
             .engine

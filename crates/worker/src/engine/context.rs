@@ -43,6 +43,9 @@ pub(super) struct RunContext<'a> {
     pub(super) pull_request_warning: Option<String>,
     /// The role whose profile's cap the run waits for, once it handed itself back.
     pub(super) waiting: Option<crate::gate::Role>,
+    /// Fired when the worker drains: the run is handed back before its next stage (the one
+    /// running is never stopped for it), unless all that is left is its delivery.
+    pub(super) handover: tokio_util::sync::CancellationToken,
 }
 
 impl<'a> RunContext<'a> {
@@ -73,7 +76,21 @@ impl<'a> RunContext<'a> {
             waiting: None,
             pull_request: None,
             pull_request_warning: None,
+            handover: tokio_util::sync::CancellationToken::new(),
         }
+    }
+
+    /// Whether a drain hands the run back before `phase`: before each stage container, with
+    /// its progress kept, so the next execution continues from it. What needs no container
+    /// (verifying without commands, delivering) is short: it is done here.
+    pub(super) fn hands_over_before(&self, phase: &crate::machine::Phase) -> bool {
+        use crate::machine::Phase;
+        let stage_next = match phase {
+            Phase::Implement { .. } | Phase::Review { .. } | Phase::FinalReview { .. } => true,
+            Phase::Verify { .. } => !self.job.commands.is_empty(),
+            _ => false,
+        };
+        stage_next && self.handover.is_cancelled()
     }
 
     pub(super) fn limits(&self) -> Limits {

@@ -203,6 +203,7 @@ impl Bench {
             cancel,
             interrupt,
             again,
+            handover: CancellationToken::new(),
         };
         let execution = engine
             .execute_in_pool(job, &events, &self.ledger, control)
@@ -750,6 +751,94 @@ async fn a_lost_claim_stops_the_stage_and_publishes_no_ending() {
     assert!(endings.is_empty(), "{endings:?}");
     assert_eq!(runtime.stages(), ["implement"]);
     assert!(bench.delivered("feature.txt").is_none());
+}
+
+/// Runs `job` on `runtime` with a drain (`handover`) fired after 60 s; returns whether it
+/// ended (and how) or was handed back.
+async fn drained_after_a_minute(
+    bench: &Bench,
+    runtime: std::sync::Arc<FakeRuntime>,
+    job: &Job,
+) -> (Option<RunResult>, Vec<Event>) {
+    let mut config = EngineConfig::for_process(bench.dir.path().join("worker-1"));
+    config.can_chown = false;
+    let engine = Engine::new(runtime, config);
+    let (events, handover) = (Events::default(), CancellationToken::new());
+    let draining = {
+        let handover = handover.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(std::time::Duration::from_secs(60)).await;
+            handover.cancel();
+        })
+    };
+    let mut control = RunControl::new(CancellationToken::new(), CancellationToken::new());
+    control.handover = handover;
+    let ended = engine
+        .execute(job, &events, &bench.ledger, control)
+        .await
+        .expect("events are published");
+    draining.await.unwrap();
+    (ended, events.0.into_inner().unwrap())
+}
+
+/// Catches: a drain (scale-in, an upgrade) that stops the stage running and loses its work,
+/// or that lets the run start its next stage instead of handing it back between the two.
+#[tokio::test(start_paused = true)]
+async fn a_drain_lets_the_running_stage_finish_and_hands_the_run_back_before_the_next() {
+    let bench = Bench::new();
+    let job = bench.job(Some((3, true)), &[], 0);
+    let slow = Act::Slow(std::time::Duration::from_secs(120), Box::new(implements(1)));
+    let runtime = std::sync::Arc::new(
+        FakeRuntime::default()
+            .with(Stage::Implement, [slow])
+            .with(Stage::Review, [Act::prints("APPROVED")]),
+    );
+    let (ended, events) =
+        drained_after_a_minute(&bench, std::sync::Arc::clone(&runtime), &job).await;
+    assert!(ended.is_none(), "handed back: {ended:?}");
+    assert_eq!(
+        runtime.stages(),
+        ["implement"],
+        "the review waits for the next worker"
+    );
+    let finished: Vec<_> = events
+        .iter()
+        .filter_map(|e| match &e.kind {
+            EventKind::StageFinished { outcome, .. } => Some(*outcome),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(
+        finished,
+        [StageOutcome::Completed],
+        "the implementer was not stopped"
+    );
+    // The next execution goes on with the review: the implementation is not repeated.
+    let second = bench
+        .run_again_on(
+            "worker-2",
+            FakeRuntime::default().with(Stage::Review, [Act::prints("APPROVED")]),
+            &job,
+        )
+        .await;
+    second.assert_state(RunState::Delivered);
+    assert_eq!(second.runtime.stages(), ["review"]);
+    assert_eq!(bench.delivered("feature.txt").as_deref(), Some("round 1\n"));
+}
+
+/// Catches: a drain that hands back a run whose last stage ended in time (only its delivery
+/// was left), so another worker runs it again for nothing.
+#[tokio::test(start_paused = true)]
+async fn a_drain_during_the_last_stage_delivers_the_run_and_hands_nothing_back() {
+    let bench = Bench::new();
+    let job = bench.job(None, &[], 0);
+    let slow = Act::Slow(std::time::Duration::from_secs(120), Box::new(implements(1)));
+    let runtime = std::sync::Arc::new(FakeRuntime::default().with(Stage::Implement, [slow]));
+    let (ended, _) = drained_after_a_minute(&bench, std::sync::Arc::clone(&runtime), &job).await;
+    let result = ended.expect("ended here, not handed back");
+    assert_eq!(result.state, RunState::Delivered, "{}", result.reason);
+    assert_eq!(runtime.stages(), ["implement"]);
+    assert_eq!(bench.pushes().len(), 1);
 }
 
 /// Catches: a run handed to another execution (a drain, a lost worker) that starts over from
