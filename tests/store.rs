@@ -440,6 +440,212 @@ async fn the_postgres_store_prunes_only_what_retention_lets_go() {
     database.drop_database().await;
 }
 
+/// The schema a store of the release before migrations has: `migrations/*/V1__initial.sql`
+/// is that release's schema, word for word.
+fn previous_schema(backend: &str) -> String {
+    let path = format!(
+        "{}/crates/dispatcher/migrations/{backend}/V1__initial.sql",
+        env!("CARGO_MANIFEST_DIR")
+    );
+    std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{path}: {e}"))
+}
+
+/// What an upgraded store must show: the old run readable and changeable, every migration
+/// recorded once, and the new index there.
+async fn check_upgraded(url: &str, old: &Job) {
+    for _ in 0..2 {
+        let store = Store::open(url).await.unwrap();
+        let record = store
+            .get_run(old.run_id)
+            .await
+            .unwrap()
+            .expect("the old run is kept");
+        assert_eq!(record.job, *old);
+        assert_eq!(record.state, RunState::Queued);
+    }
+    let store = Store::open(url).await.unwrap();
+    store
+        .record_event(&state(old.run_id, RunState::Running, "upgraded"))
+        .await
+        .unwrap();
+    assert_eq!(
+        store.get_run(old.run_id).await.unwrap().unwrap().state,
+        RunState::Running
+    );
+}
+
+/// Catches: a schema change that breaks a store made by the release before it (the first
+/// one always did, with `CREATE TABLE IF NOT EXISTS` only), or a migration run twice.
+#[tokio::test]
+async fn a_sqlite_store_of_the_previous_release_is_migrated() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("runs.db");
+    let old = job("OLD-7", "2026-11-30T10:00:00Z");
+    {
+        let connection = rusqlite::Connection::open(&path).unwrap();
+        connection
+            .execute_batch(&previous_schema("sqlite"))
+            .unwrap();
+        connection
+            .execute(
+                "INSERT INTO runs (run_id, ticket, state, job, created_at, updated_at) VALUES (?1, 'OLD-7', 'queued', ?2, ?3, ?3)",
+                rusqlite::params![old.run_id.to_string(), serde_json::to_string(&old).unwrap(), old.submitted_at],
+            )
+            .unwrap();
+    }
+    check_upgraded(&format!("sqlite://{}", path.display()), &old).await;
+    let connection = rusqlite::Connection::open(&path).unwrap();
+    let versions: Vec<i64> = connection
+        .prepare("SELECT version FROM refinery_schema_history ORDER BY version")
+        .unwrap()
+        .query_map([], |r| r.get(0))
+        .unwrap()
+        .collect::<Result<_, _>>()
+        .unwrap();
+    assert_eq!(versions, [1, 2]);
+    let index: i64 = connection
+        .query_row(
+            "SELECT COUNT(*) FROM sqlite_master WHERE type = 'index' AND name = 'runs_by_state_and_change'",
+            [],
+            |r| r.get(0),
+        )
+        .unwrap();
+    assert_eq!(index, 1);
+}
+
+/// The same for PostgreSQL.
+#[tokio::test]
+async fn a_postgres_store_of_the_previous_release_is_migrated() {
+    let database = TestDatabase::create().await;
+    let old = job("OLD-8", "2026-11-30T10:00:00Z");
+    let (client, connection) = tokio_postgres::connect(&database.url, tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    let driving = tokio::spawn(connection);
+    client
+        .batch_execute(&previous_schema("postgres"))
+        .await
+        .unwrap();
+    client
+        .execute(
+            "INSERT INTO runs (run_id, ticket, state, job, created_at, updated_at) VALUES ($1, 'OLD-8', 'queued', $2, $3, $3)",
+            &[&old.run_id.to_string(), &serde_json::to_string(&old).unwrap(), &old.submitted_at],
+        )
+        .await
+        .unwrap();
+    check_upgraded(&database.url, &old).await;
+    let versions: Vec<i32> = client
+        .query(
+            "SELECT version FROM refinery_schema_history ORDER BY version",
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|row| row.get(0))
+        .collect();
+    assert_eq!(versions, [1, 2]);
+    let index = client
+        .query_one(
+            "SELECT COUNT(*) FROM pg_indexes WHERE indexname = 'runs_by_state_and_change'",
+            &[],
+        )
+        .await
+        .unwrap();
+    assert_eq!(index.get::<_, i64>(0), 1);
+    drop(client);
+    let _ = driving.await;
+    database.drop_database().await;
+}
+
+/// The test CA `scripts/services.sh` made for PostgreSQL's certificate (for `localhost` only).
+const TEST_CA: &str = "/etc/postgresql/forgepool-tls/ca.pem";
+
+/// The store's URL for the role `scripts/services.sh` lets in over TLS only.
+fn tls_url(host: &str, query: &str) -> String {
+    format!("postgres://forgepool_tls:forgepool@{host}:5432/forgepool_tls?{query}")
+}
+
+/// Catches: `sslmode` ignored (the role is refused without TLS, so only a TLS connection
+/// opens the store), a certificate accepted from an unknown CA or for another name under
+/// `verify-full`, a setting the store does not implement taken silently, or a refusal waited
+/// on for 30 s as if the server were starting.
+#[tokio::test]
+async fn the_postgres_store_speaks_tls_and_verify_full_checks_the_server() {
+    assert!(
+        std::path::Path::new(TEST_CA).is_file(),
+        "{TEST_CA} is missing: run `scripts/services.sh` (it sets PostgreSQL up with a test CA)"
+    );
+    let verified = tls_url(
+        "localhost",
+        &format!("sslmode=verify-full&sslrootcert={TEST_CA}"),
+    );
+    let store = Store::open(&verified).await.unwrap();
+    let run = job("TLS-1", "2026-12-04T10:00:00Z");
+    store.insert_run(&run).await.unwrap();
+    assert_eq!(store.get_run(run.run_id).await.unwrap().unwrap().job, run);
+    // Encrypted without checking the server, as libpq's `require`.
+    Store::open(&tls_url("127.0.0.1", "sslmode=require"))
+        .await
+        .unwrap();
+
+    let dir = tempfile::tempdir().unwrap();
+    let stranger = dir.path().join("other-ca.pem");
+    let made = std::process::Command::new("openssl")
+        .args([
+            "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+        ])
+        .args(["-subj", "/CN=another CA", "-keyout"])
+        .arg(dir.path().join("other-ca.key"))
+        .arg("-out")
+        .arg(&stranger)
+        .output()
+        .unwrap();
+    assert!(made.status.success(), "{made:?}");
+    let refusals = [
+        (tls_url("127.0.0.1", "sslmode=disable"), "no encryption"),
+        (tls_url("127.0.0.1", ""), "no encryption"),
+        (
+            tls_url(
+                "localhost",
+                &format!("sslmode=verify-full&sslrootcert={}", stranger.display()),
+            ),
+            "certificate",
+        ),
+        (
+            tls_url(
+                "127.0.0.1",
+                &format!("sslmode=verify-full&sslrootcert={TEST_CA}"),
+            ),
+            "certificate",
+        ),
+        (tls_url("localhost", "sslmode=verify-ca"), "sslmode"),
+        (
+            tls_url(
+                "localhost",
+                "sslmode=verify-full&sslrootcert=/nonexistent/ca.pem",
+            ),
+            "sslrootcert",
+        ),
+    ];
+    for (url, named) in refusals {
+        let started = std::time::Instant::now();
+        let error = Store::open(&url).await.map(|_| ()).unwrap_err().to_string();
+        assert!(
+            error.to_lowercase().contains(named) && error.contains("FORGEPOOL_DATABASE_URL"),
+            "{url}: {error}"
+        );
+        assert!(
+            !error.contains(":forgepool@"),
+            "the password is never shown: {error}"
+        );
+        assert!(
+            started.elapsed() < std::time::Duration::from_secs(20),
+            "{url}: a refusal is not waited on like a server that is starting"
+        );
+    }
+}
+
 #[tokio::test]
 async fn the_sqlite_store_keeps_the_contract() {
     let dir = tempfile::tempdir().unwrap();

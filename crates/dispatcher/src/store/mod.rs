@@ -14,6 +14,7 @@ use uuid::Uuid;
 
 mod postgres;
 mod sqlite;
+pub mod tls;
 
 pub use postgres::PostgresStore;
 pub use sqlite::{sqlite_path, SqliteStore};
@@ -32,8 +33,8 @@ pub enum StoreError {
     /// A SQLite query failed.
     #[error("run store query failed: {0}")]
     Query(#[from] rusqlite::Error),
-    /// A PostgreSQL query failed.
-    #[error("run store query failed: {0}")]
+    /// A PostgreSQL query failed (or the server refused a connection).
+    #[error("run store query failed: {}", postgres_text(.0))]
     Postgres(#[from] tokio_postgres::Error),
     /// No PostgreSQL connection could be had, or an operation took too long.
     #[error("run store unavailable: {0}")]
@@ -44,6 +45,24 @@ pub enum StoreError {
     /// The blocking task running the query panicked or was cancelled.
     #[error("run store task failed: {0}")]
     Task(String),
+    /// The store's schema could not be brought up to this release's.
+    #[error("run store migration failed: {0}")]
+    Migration(String),
+}
+
+/// A PostgreSQL error with what the server or the connection said: tokio-postgres shows only
+/// "db error" or "error performing TLS handshake", and keeps the reason in its source.
+fn postgres_text(error: &tokio_postgres::Error) -> String {
+    if let Some(db) = error.as_db_error() {
+        return format!("{}: {} ({})", db.severity(), db.message(), db.code().code());
+    }
+    let mut text = error.to_string();
+    let mut cause = std::error::Error::source(error);
+    while let Some(current) = cause {
+        text.push_str(&format!(": {current}"));
+        cause = current.source();
+    }
+    text
 }
 
 /// A stored run, as read back from the store.

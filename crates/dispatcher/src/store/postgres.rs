@@ -27,54 +27,43 @@ const SCHEMA_LOCK: i64 = 0x6670_7363_6865_6d61;
 /// How long opening waits for a database that is still starting.
 const OPEN_PATIENCE: Duration = Duration::from_secs(30);
 
-const SCHEMA: &str = "
-CREATE TABLE IF NOT EXISTS runs (
-    seq BIGSERIAL UNIQUE,
-    run_id TEXT PRIMARY KEY,
-    ticket TEXT NOT NULL,
-    state TEXT NOT NULL,
-    job TEXT NOT NULL,
-    result TEXT,
-    published BOOLEAN NOT NULL DEFAULT FALSE,
-    created_at TEXT NOT NULL,
-    updated_at TEXT NOT NULL
-);
-ALTER TABLE runs ADD COLUMN IF NOT EXISTS execution TEXT;
-ALTER TABLE runs ADD COLUMN IF NOT EXISTS last_seen TEXT;
-CREATE INDEX IF NOT EXISTS runs_by_state ON runs(state);
-CREATE INDEX IF NOT EXISTS runs_by_ticket ON runs(ticket);
-CREATE TABLE IF NOT EXISTS events (
-    position BIGSERIAL PRIMARY KEY,
-    event_id TEXT NOT NULL UNIQUE,
-    run_id TEXT NOT NULL REFERENCES runs(run_id),
-    kind TEXT NOT NULL,
-    time TEXT NOT NULL,
-    body TEXT NOT NULL
-);
-CREATE INDEX IF NOT EXISTS events_by_run ON events(run_id, position);
-CREATE TABLE IF NOT EXISTS state_history (
-    id BIGSERIAL PRIMARY KEY,
-    run_id TEXT NOT NULL REFERENCES runs(run_id),
-    state TEXT NOT NULL,
-    reason TEXT NOT NULL,
-    time TEXT NOT NULL
-);
-CREATE INDEX IF NOT EXISTS state_history_by_run ON state_history(run_id, id);
-CREATE TABLE IF NOT EXISTS submission_keys (
-    key TEXT PRIMARY KEY,
-    run_id TEXT NOT NULL,
-    created_at TEXT NOT NULL
-);
-CREATE INDEX IF NOT EXISTS submission_keys_by_age ON submission_keys(created_at);
-CREATE TABLE IF NOT EXISTS cycles (
-    run_id TEXT NOT NULL REFERENCES runs(run_id),
-    step TEXT NOT NULL,
-    file TEXT NOT NULL,
-    cycle INTEGER NOT NULL,
-    body TEXT NOT NULL,
-    PRIMARY KEY (run_id, step, file)
-);
-";
+/// The schema, as versioned migrations (`migrations/postgres`, refinery): a store made by an
+/// earlier release is brought up to this one when it is opened, and its table
+/// `refinery_schema_history` says which have run.
+mod migrations {
+    refinery::embed_migrations!("migrations/postgres");
+}
+/// How long the migrations of one start may take (an index on a big table takes a while).
+const MIGRATION_TIMEOUT: Duration = Duration::from_secs(600);
+
+/// Whether opening should try again after `error`: the server is not there yet (the
+/// connection is refused or reset, or it is starting up), rather than refusing us for good (a
+/// password, a `pg_hba.conf` rule, a certificate, a migration).
+fn worth_waiting(error: &StoreError) -> bool {
+    match error {
+        StoreError::Unavailable(_) => true,
+        StoreError::Postgres(error) => {
+            if error.code() == Some(&tokio_postgres::error::SqlState::CANNOT_CONNECT_NOW) {
+                return true;
+            }
+            let mut cause: Option<&(dyn std::error::Error + 'static)> = Some(error);
+            while let Some(current) = cause {
+                if let Some(io) = current.downcast_ref::<std::io::Error>() {
+                    return matches!(
+                        io.kind(),
+                        std::io::ErrorKind::ConnectionRefused
+                            | std::io::ErrorKind::ConnectionReset
+                            | std::io::ErrorKind::ConnectionAborted
+                            | std::io::ErrorKind::UnexpectedEof
+                    );
+                }
+                cause = current.source();
+            }
+            false
+        }
+        _ => false,
+    }
+}
 
 /// The PostgreSQL run store.
 #[derive(Clone)]
@@ -100,16 +89,23 @@ impl PostgresStore {
             target: target.clone(),
             reason,
         };
-        let config: tokio_postgres::Config = url
+        let (url, tls) = super::tls::split(url).map_err(&failed)?;
+        let mut config: tokio_postgres::Config = url
             .parse()
             .map_err(|e: tokio_postgres::Error| failed(format!("not a PostgreSQL URL: {e}")))?;
-        let manager = Manager::from_config(
-            config,
-            NoTls,
-            ManagerConfig {
-                recycling_method: RecyclingMethod::Fast,
-            },
-        );
+        let manager_config = || ManagerConfig {
+            recycling_method: RecyclingMethod::Fast,
+        };
+        let manager = match super::tls::connector(&tls).map_err(&failed)? {
+            None => {
+                config.ssl_mode(tokio_postgres::config::SslMode::Disable);
+                Manager::from_config(config, NoTls, manager_config())
+            }
+            Some(connect) => {
+                config.ssl_mode(tokio_postgres::config::SslMode::Require);
+                Manager::from_config(config, connect, manager_config())
+            }
+        };
         let pool = Pool::builder(manager)
             .max_size(POOL_SIZE)
             .runtime(Runtime::Tokio1)
@@ -126,7 +122,7 @@ impl PostgresStore {
         loop {
             match store.create_schema().await {
                 Ok(()) => return Ok(store),
-                Err(error) if started.elapsed() < OPEN_PATIENCE => {
+                Err(error) if started.elapsed() < OPEN_PATIENCE && worth_waiting(&error) => {
                     tracing::warn!(%error, target = %target, "PostgreSQL not ready yet; retrying");
                     tokio::time::sleep(Duration::from_secs(1)).await;
                 }
@@ -135,24 +131,39 @@ impl PostgresStore {
         }
     }
 
+    /// Brings the schema up to this release's, within [`MIGRATION_TIMEOUT`] (not the usual
+    /// operation bound: a migration of a big store takes longer).
     async fn create_schema(&self) -> Result<(), StoreError> {
-        self.bounded(async {
+        {
             let mut client = self.client().await?;
-            let tx = client.transaction().await?;
-            tx.execute("SELECT pg_advisory_xact_lock($1)", &[&SCHEMA_LOCK])
+            // Dispatchers starting at once migrate one after the other.
+            client
+                .execute("SELECT pg_advisory_lock($1)", &[&SCHEMA_LOCK])
                 .await?;
-            tx.batch_execute(SCHEMA).await?;
-            tx.commit().await?;
-            Ok(())
-        })
-        .await
+            let migrated = tokio::time::timeout(
+                MIGRATION_TIMEOUT,
+                migrations::migrations::runner().run_async(&mut **client),
+            )
+            .await;
+            let _ = client
+                .execute("SELECT pg_advisory_unlock($1)", &[&SCHEMA_LOCK])
+                .await;
+            match migrated {
+                Ok(Ok(_)) => Ok(()),
+                Ok(Err(error)) => Err(StoreError::Migration(error.to_string())),
+                Err(_) => Err(StoreError::Migration(format!(
+                    "not done within {MIGRATION_TIMEOUT:?}"
+                ))),
+            }
+        }
     }
 
     async fn client(&self) -> Result<deadpool_postgres::Object, StoreError> {
-        self.pool
-            .get()
-            .await
-            .map_err(|e| StoreError::Unavailable(format!("no connection to {}: {e}", self.target)))
+        self.pool.get().await.map_err(|e| match e {
+            // The server's own answer (a refused login, a certificate) keeps its cause.
+            deadpool_postgres::PoolError::Backend(error) => StoreError::Postgres(error),
+            other => StoreError::Unavailable(format!("no connection to {}: {other}", self.target)),
+        })
     }
 
     async fn bounded<T>(

@@ -19,41 +19,50 @@ impl SqliteStore {
     /// Opens (creating if needed) the store at a path or `sqlite://` URL.
     pub fn open(url: &str) -> Result<SqliteStore, StoreError> {
         let path = sqlite_path(url);
-        let open = || -> Result<Connection, rusqlite::Error> {
-            let connection = Connection::open(&path)?;
-            connection.busy_timeout(std::time::Duration::from_secs(5))?;
-            connection.pragma_update(None, "journal_mode", "WAL")?;
-            connection.pragma_update(None, "synchronous", "NORMAL")?;
-            connection.pragma_update(None, "foreign_keys", "ON")?;
-            connection.execute_batch(SCHEMA)?;
-            // Stores made before executions were fenced gain the column.
-            let fenced: i64 = connection.query_row(
-                "SELECT COUNT(*) FROM pragma_table_info('runs') WHERE name = 'execution'",
-                [],
-                |r| r.get(0),
-            )?;
-            if fenced == 0 {
-                connection.execute_batch("ALTER TABLE runs ADD COLUMN execution TEXT")?;
-            }
-            let watched: i64 = connection.query_row(
-                "SELECT COUNT(*) FROM pragma_table_info('runs') WHERE name = 'last_seen'",
-                [],
-                |r| r.get(0),
-            )?;
-            if watched == 0 {
-                connection.execute_batch("ALTER TABLE runs ADD COLUMN last_seen TEXT")?;
-            }
+        let open = || -> Result<Connection, String> {
+            let mut connection = Connection::open(&path).map_err(|e| e.to_string())?;
+            set_up(&mut connection).map_err(|e| e.to_string())?;
+            migrations::migrations::runner()
+                .run(&mut connection)
+                .map_err(|e| format!("migrating the schema: {e}"))?;
+            add_late_columns(&connection).map_err(|e| e.to_string())?;
             Ok(connection)
         };
-        let connection = open().map_err(|source| StoreError::Open {
+        let connection = open().map_err(|reason| StoreError::Open {
             target: path.display().to_string(),
-            reason: source.to_string(),
+            reason,
         })?;
         Ok(SqliteStore {
             connection: Arc::new(Mutex::new(connection)),
         })
     }
+}
 
+/// The connection's settings: WAL, a busy timeout, foreign keys.
+fn set_up(connection: &mut Connection) -> Result<(), rusqlite::Error> {
+    connection.busy_timeout(std::time::Duration::from_secs(5))?;
+    connection.pragma_update(None, "journal_mode", "WAL")?;
+    connection.pragma_update(None, "synchronous", "NORMAL")?;
+    connection.pragma_update(None, "foreign_keys", "ON")
+}
+
+/// The columns stores of the release before migrations added by hand after their tables
+/// existed (SQLite has no `ADD COLUMN IF NOT EXISTS`): a store made before them gains them.
+fn add_late_columns(connection: &Connection) -> Result<(), rusqlite::Error> {
+    for column in ["execution", "last_seen"] {
+        let present: i64 = connection.query_row(
+            "SELECT COUNT(*) FROM pragma_table_info('runs') WHERE name = ?1",
+            [column],
+            |r| r.get(0),
+        )?;
+        if present == 0 {
+            connection.execute_batch(&format!("ALTER TABLE runs ADD COLUMN {column} TEXT"))?;
+        }
+    }
+    Ok(())
+}
+
+impl SqliteStore {
     async fn with<T: Send + 'static>(
         &self,
         work: impl FnOnce(&mut Connection) -> Result<T, StoreError> + Send + 'static,
@@ -70,52 +79,12 @@ impl SqliteStore {
     }
 }
 
-const SCHEMA: &str = "
-CREATE TABLE IF NOT EXISTS runs (
-    run_id TEXT PRIMARY KEY,
-    ticket TEXT NOT NULL,
-    state TEXT NOT NULL,
-    job TEXT NOT NULL,
-    result TEXT,
-    published INTEGER NOT NULL DEFAULT 0,
-    created_at TEXT NOT NULL,
-    updated_at TEXT NOT NULL,
-    execution TEXT,
-    last_seen TEXT
-);
-CREATE INDEX IF NOT EXISTS runs_by_state ON runs(state);
-CREATE TABLE IF NOT EXISTS events (
-    position INTEGER PRIMARY KEY AUTOINCREMENT,
-    event_id TEXT NOT NULL UNIQUE,
-    run_id TEXT NOT NULL REFERENCES runs(run_id),
-    kind TEXT NOT NULL,
-    time TEXT NOT NULL,
-    body TEXT NOT NULL
-);
-CREATE INDEX IF NOT EXISTS events_by_run ON events(run_id, position);
-CREATE TABLE IF NOT EXISTS state_history (
-    id INTEGER PRIMARY KEY AUTOINCREMENT,
-    run_id TEXT NOT NULL REFERENCES runs(run_id),
-    state TEXT NOT NULL,
-    reason TEXT NOT NULL,
-    time TEXT NOT NULL
-);
-CREATE TABLE IF NOT EXISTS submission_keys (
-    key TEXT PRIMARY KEY,
-    run_id TEXT NOT NULL,
-    created_at TEXT NOT NULL
-);
-CREATE INDEX IF NOT EXISTS state_history_by_run ON state_history(run_id, id);
-CREATE INDEX IF NOT EXISTS submission_keys_by_age ON submission_keys(created_at);
-CREATE TABLE IF NOT EXISTS cycles (
-    run_id TEXT NOT NULL REFERENCES runs(run_id),
-    step TEXT NOT NULL,
-    file TEXT NOT NULL,
-    cycle INTEGER NOT NULL,
-    body TEXT NOT NULL,
-    PRIMARY KEY (run_id, step, file)
-);
-";
+/// The schema, as versioned migrations (`migrations/sqlite`, refinery): a store made by an
+/// earlier release is brought up to this one when it is opened, and its table
+/// `refinery_schema_history` says which have run.
+mod migrations {
+    refinery::embed_migrations!("migrations/sqlite");
+}
 
 impl RunStore for SqliteStore {
     async fn insert_run_once(
