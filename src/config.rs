@@ -239,6 +239,10 @@ pub struct DispatcherArgs {
     /// HTTP address for the API and `/metrics`.
     #[arg(long, env = ENV_LISTEN, default_value = "127.0.0.1:8080")]
     pub listen: std::net::SocketAddr,
+    /// Serve `/metrics` (with `/healthz` and `/readyz`) here, apart from the API, instead of
+    /// on the API's address.
+    #[arg(long = "metrics-addr", env = ENV_METRICS_ADDR)]
+    pub metrics_addr: Option<std::net::SocketAddr>,
     /// The run store: a SQLite file path or `sqlite://PATH`.
     #[arg(long, env = ENV_DATABASE_URL, default_value = "./forgepool.db", hide_env_values = true)]
     pub database: String,

@@ -11,7 +11,7 @@ use worker::docker::{DockerRuntime, Identity};
 use worker::service::WorkerConfig;
 use worker::{Engine, EngineConfig};
 
-use crate::config::{DispatcherArgs, WorkerArgs, ENV_API_TOKEN, ENV_LISTEN};
+use crate::config::{DispatcherArgs, WorkerArgs, ENV_API_TOKEN, ENV_LISTEN, ENV_METRICS_ADDR};
 
 /// Exit code for invalid configuration.
 const EXIT_INVALID: i32 = 2;
@@ -54,6 +54,17 @@ pub async fn dispatcher(args: DispatcherArgs) -> i32 {
             ))
         }
     };
+    let metrics = match args.metrics_addr {
+        None => None,
+        Some(address) => match tokio::net::TcpListener::bind(address).await {
+            Ok(listener) => Some(listener),
+            Err(error) => {
+                return invalid(format!(
+                    "{ENV_METRICS_ADDR} ({address}): cannot listen: {error}"
+                ))
+            }
+        },
+    };
     let webhooks = match &args.webhooks_file {
         None => None,
         Some(path) => match dispatcher::webhooks::Webhooks::load(path, |n| std::env::var(n).ok()) {
@@ -81,7 +92,11 @@ pub async fn dispatcher(args: DispatcherArgs) -> i32 {
     let shutdown = shutdown_on_signal();
     // The line tests and scripts wait for: printed once the broker topology exists.
     let ready = |address| println!("dispatcher listening on {address}");
-    match dispatcher::service::run(config, listener, shutdown, ready).await {
+    let listeners = dispatcher::service::Listeners {
+        api: listener,
+        metrics,
+    };
+    match dispatcher::service::run(config, listeners, shutdown, ready).await {
         Ok(()) => 0,
         Err(error) => {
             eprintln!("error: {error}");

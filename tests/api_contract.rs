@@ -190,6 +190,54 @@ async fn every_error_is_problem_details_and_runs_carry_location_and_entity_tags(
     problem(ended, 409, "not_cancellable").await;
 }
 
+/// Catches: `/metrics` still on the API's port (an ingress or a network policy for the API
+/// opening it) when the operator gave it a port of its own, or missing from that port.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_answer_on_their_own_port_when_given_one() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let fixture = Fixture::new(None, &["change"], &["approve"]);
+    let options = common::cluster::Options {
+        env: vec![("FORGEPOOL_METRICS_ADDR".into(), format!("127.0.0.1:{port}"))],
+        ..Default::default()
+    };
+    let cluster = Cluster::start_with(fixture, 0, 1, Some(TOKEN), options).await;
+    let on_api = cluster
+        .http
+        .get(format!("{}/metrics", cluster.url()))
+        .send()
+        .await
+        .unwrap();
+    problem(on_api, 404, "not_found").await;
+    let apart = format!("http://127.0.0.1:{port}");
+    let metrics = cluster
+        .http
+        .get(format!("{apart}/metrics"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(metrics.status(), StatusCode::OK);
+    let text = metrics.text().await.unwrap();
+    assert!(text.contains("forgepool_broker_connected"), "{text}");
+    let ready = cluster
+        .http
+        .get(format!("{apart}/readyz"))
+        .send()
+        .await
+        .unwrap();
+    assert!(ready.status() == StatusCode::OK || ready.status() == StatusCode::SERVICE_UNAVAILABLE);
+    let api = cluster
+        .http
+        .get(format!("{apart}/v1/runs"))
+        .send()
+        .await
+        .unwrap();
+    problem(api, 404, "not_found").await;
+}
+
 /// Where schemathesis's `st` is: `FORGEPOOL_ST`, else the virtual environment
 /// `scripts/test.sh` makes, else `st` on the PATH. Fails (never skips) without it.
 fn schemathesis() -> PathBuf {

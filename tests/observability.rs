@@ -70,7 +70,10 @@ async fn metrics_on_the_dispatcher_and_a_worker_follow_real_runs() {
         runs.push(cluster.submit(&format!("METRICS-{n}")).await);
     }
     let text = eventually(&dispatcher, &jobs_queue, 3.0, Duration::from_secs(15)).await;
-    assert_eq!(value(&text, "forgepool_runs{state=\"queued\"}"), 3.0);
+    assert_eq!(
+        value(&text, "forgepool_runs_by_state{state=\"queued\"}"),
+        3.0
+    );
 
     // During: the worker's one slot is busy and its queue gauge sees the rest waiting.
     cluster.start_worker("w0", 1);
@@ -155,12 +158,15 @@ async fn metrics_on_the_dispatcher_and_a_worker_follow_real_runs() {
     assert_eq!(value(&text, "forgepool_runs_in_progress"), 0.0);
     let text = eventually(
         &dispatcher,
-        "forgepool_runs{state=\"delivered\"}",
+        "forgepool_runs_by_state{state=\"delivered\"}",
         3.0,
         Duration::from_secs(15),
     )
     .await;
-    assert_eq!(value(&text, "forgepool_runs{state=\"queued\"}"), 0.0);
+    assert_eq!(
+        value(&text, "forgepool_runs_by_state{state=\"queued\"}"),
+        0.0
+    );
     assert!(
         text.contains(&format!(
             "forge_queue_depth{{queue_name=\"{}.submissions\"}}",
@@ -168,6 +174,71 @@ async fn metrics_on_the_dispatcher_and_a_worker_follow_real_runs() {
         )),
         "every shared queue is reported"
     );
+    // The SLO figures: each run's wait in the queue and its whole time, once per run.
+    assert_eq!(
+        value(
+            &text,
+            "forgepool_queue_wait_seconds_count{skill=\"implement-task\"}"
+        ),
+        3.0
+    );
+    assert_eq!(
+        value(
+            &text,
+            "forgepool_run_duration_seconds_count{outcome=\"delivered\",skill=\"implement-task\"}"
+        ),
+        3.0
+    );
+    // The API's requests, by route template (never a run id).
+    assert!(
+        sample(
+            &text,
+            "forgepool_http_requests_total{method=\"POST\",route=\"/v1/runs\",status=\"201\"}"
+        )
+        .is_some_and(|n| n >= 3.0),
+        "{text}"
+    );
+    assert!(text.contains("route=\"/v1/runs/{id}\""), "{text}");
+    assert_eq!(
+        value(
+            &text,
+            "forgepool_build_info{role=\"dispatcher\",version=\"0.1.0\"}"
+        ),
+        1.0
+    );
+    assert!(value(&text, "process_resident_memory_bytes") > 0.0);
+    for only_on_workers in ["forgepool_containers_running", "forgepool_run_slots"] {
+        assert!(
+            !text.contains(only_on_workers),
+            "the dispatcher exports no {only_on_workers}"
+        );
+    }
+    // Both services' exposition passes promtool's lint.
+    let worker_text = scrape(&worker).await;
+    assert_eq!(value(&worker_text, "forgepool_run_slots"), 1.0);
+    for (service, text) in [("dispatcher", &text), ("worker", &worker_text)] {
+        let mut promtool = std::process::Command::new(common::promtool());
+        promtool
+            .args(["check", "metrics"])
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped());
+        let mut child = promtool.spawn().unwrap();
+        use std::io::Write;
+        child
+            .stdin
+            .take()
+            .unwrap()
+            .write_all(text.as_bytes())
+            .unwrap();
+        let output = child.wait_with_output().unwrap();
+        assert!(
+            output.status.success(),
+            "promtool check metrics on the {service}: {}{}",
+            String::from_utf8_lossy(&output.stdout),
+            String::from_utf8_lossy(&output.stderr)
+        );
+    }
     cluster.delete_queues().await;
 }
 

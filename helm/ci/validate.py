@@ -17,6 +17,7 @@ CUSTOM = {
     ("keda.sh/v1alpha1", "ScaledObject"): "scaledobject.json",
     ("keda.sh/v1alpha1", "TriggerAuthentication"): "triggerauthentication.json",
     ("monitoring.coreos.com/v1", "ServiceMonitor"): "servicemonitor.json",
+    ("monitoring.coreos.com/v1", "PrometheusRule"): "prometheusrule.json",
 }
 
 

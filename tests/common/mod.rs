@@ -436,3 +436,13 @@ pub fn git(dir: &Path, args: &[&str]) -> String {
     );
     String::from_utf8_lossy(&output.stdout).to_string()
 }
+
+/// Prometheus's `promtool`, from Debian's `prometheus` package (`scripts/services.sh`
+/// installs it). Fails (never skips) without it.
+pub fn promtool() -> &'static str {
+    const PROMTOOL: &str = "/usr/bin/promtool";
+    if !std::path::Path::new(PROMTOOL).is_file() {
+        panic!("promtool is not installed: run `scripts/services.sh` (it installs Debian's `prometheus` package)");
+    }
+    PROMTOOL
+}

@@ -82,6 +82,8 @@ pub struct Dispatcher {
     pub events_stored: watch::Sender<u64>,
     /// Whether the events consumer is connected (for `/readyz`).
     pub broker_ready: AtomicBool,
+    /// Whether `/metrics` is served on a port of its own rather than the API's.
+    pub metrics_apart: bool,
     /// Whether the broker topology is declared; before, a submission is only stored, and the
     /// republisher publishes it once the topology exists.
     pub(crate) topology_ready: AtomicBool,
@@ -197,6 +199,7 @@ impl Dispatcher {
         if new {
             if !late_outcome && !repeats {
                 self.metrics.observe(job, &event.kind);
+                self.metrics.observe_run_times(job, event, prior);
             }
             let ends = matches!(&event.kind, EventKind::State { state, .. } if state.is_terminal());
             if let (true, false, Some(ended)) = (ends, late_outcome, &self.ended) {

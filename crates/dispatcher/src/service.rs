@@ -59,6 +59,16 @@ pub struct DispatcherConfig {
     pub retention: crate::retention::Retention,
 }
 
+/// Where the dispatcher listens: the API, and `/metrics` apart from it when the operator gives
+/// it a port of its own (`FORGEPOOL_METRICS_ADDR`).
+#[derive(Debug)]
+pub struct Listeners {
+    /// The API (and `/metrics`, without a port of its own).
+    pub api: tokio::net::TcpListener,
+    /// `/metrics`, `/healthz` and `/readyz`, apart from the API.
+    pub metrics: Option<tokio::net::TcpListener>,
+}
+
 /// The queue of runs that ended, for the webhooks; none without webhooks.
 type EndedRuns = Option<(
     Arc<crate::webhooks::Webhooks>,
@@ -93,13 +103,13 @@ pub enum DispatcherError {
     Serve(std::io::Error),
 }
 
-/// Runs the dispatcher until `shutdown` is cancelled: HTTP on `listener` (served at once), the
+/// Runs the dispatcher until `shutdown` is cancelled: HTTP on `listeners` (served at once), the
 /// consumers, and the republisher. `ready` is called once the broker topology exists and the
 /// consumers are started (the broker is waited for as long as it takes, with `/readyz` at 503
 /// meanwhile). Shutdown stops accepting HTTP first, then the consumers.
 pub async fn run(
     config: DispatcherConfig,
-    listener: tokio::net::TcpListener,
+    listeners: Listeners,
     shutdown: CancellationToken,
     ready: impl FnOnce(std::net::SocketAddr),
 ) -> Result<(), DispatcherError> {
@@ -121,6 +131,7 @@ pub async fn run(
         api_token: config.api_token,
         events_stored,
         broker_ready: AtomicBool::new(false),
+        metrics_apart: listeners.metrics.is_some(),
         topology_ready: AtomicBool::new(false),
         stopping: shutdown.clone(),
         metrics: Metrics::new(telemetry::Role::Dispatcher),
@@ -132,7 +143,18 @@ pub async fn run(
     // The API answers from the start, so that nobody waits on a bound socket while RabbitMQ is
     // set up: `/readyz` says 503 until the events consumer is connected, and a run submitted
     // before the topology exists is stored and published by the republisher afterwards.
+    let Listeners {
+        api: listener,
+        metrics: metrics_listener,
+    } = listeners;
     let address = listener.local_addr().map_err(DispatcherError::Serve)?;
+    if let Some(metrics_listener) = metrics_listener {
+        let (app, stop) = (
+            crate::http::metrics_router(Arc::clone(&dispatcher)),
+            shutdown.clone(),
+        );
+        tokio::spawn(async move { crate::serve::serve(metrics_listener, app, stop).await });
+    }
     let app = crate::http::router(Arc::clone(&dispatcher));
     let serve_shutdown = shutdown.clone();
     let server =
@@ -146,41 +168,13 @@ pub async fn run(
     }
     let declared_at = std::time::SystemTime::now();
     dispatcher.topology_ready.store(true, Ordering::SeqCst);
-    let tasks = TaskTracker::new();
-    for queue in [Queue::Events, Queue::Submissions, Queue::DeadLetters] {
-        tasks.spawn(consume(Arc::clone(&dispatcher), queue, shutdown.clone()));
-    }
-    tasks.spawn(republish(
-        Arc::clone(&dispatcher),
-        declared_at,
-        shutdown.clone(),
-    ));
-    tasks.spawn(refresh_gauges(Arc::clone(&dispatcher), shutdown.clone()));
-    tasks.spawn(crate::retention::keep_pruning(
-        Arc::clone(&dispatcher),
-        config.retention,
-        shutdown.clone(),
-    ));
-    if let Some((webhooks, receiver)) = ended_runs {
-        tasks.spawn(crate::notifier::notify_ended(
-            Arc::clone(&dispatcher),
-            webhooks,
-            receiver,
-            shutdown.clone(),
-        ));
-    }
-    if config.auto_resume {
-        tasks.spawn(crate::resumer::resume_when_due(
-            Arc::clone(&dispatcher),
-            shutdown.clone(),
-        ));
-    }
-    tasks.spawn(requeue_silent_runs(
-        Arc::clone(&dispatcher),
-        config_silent_after,
-        shutdown.clone(),
-    ));
-    tasks.close();
+    let background = Background {
+        retention: config.retention,
+        ended_runs,
+        auto_resume: config.auto_resume,
+        silent_after: config_silent_after,
+    };
+    let tasks = start_background(&dispatcher, background, declared_at, &shutdown);
 
     info!(%address, "dispatcher listening");
     ready(address);
@@ -196,6 +190,60 @@ pub async fn run(
     dispatcher.publisher.close().await;
     info!("dispatcher stopped");
     served
+}
+
+/// What the dispatcher runs beside its API once the broker is set up.
+struct Background {
+    retention: crate::retention::Retention,
+    ended_runs: EndedRuns,
+    auto_resume: bool,
+    silent_after: Duration,
+}
+
+/// Starts the consumers and the loops (republisher, gauges, retention, webhooks, automatic
+/// resumes, silent runs); the tracker is closed, to be waited on at shutdown.
+fn start_background(
+    dispatcher: &Arc<Dispatcher>,
+    background: Background,
+    declared_at: std::time::SystemTime,
+    shutdown: &CancellationToken,
+) -> TaskTracker {
+    let tasks = TaskTracker::new();
+    for queue in [Queue::Events, Queue::Submissions, Queue::DeadLetters] {
+        tasks.spawn(consume(Arc::clone(dispatcher), queue, shutdown.clone()));
+    }
+    tasks.spawn(republish(
+        Arc::clone(dispatcher),
+        declared_at,
+        shutdown.clone(),
+    ));
+    tasks.spawn(refresh_gauges(Arc::clone(dispatcher), shutdown.clone()));
+    tasks.spawn(crate::retention::keep_pruning(
+        Arc::clone(dispatcher),
+        background.retention,
+        shutdown.clone(),
+    ));
+    if let Some((webhooks, receiver)) = background.ended_runs {
+        tasks.spawn(crate::notifier::notify_ended(
+            Arc::clone(dispatcher),
+            webhooks,
+            receiver,
+            shutdown.clone(),
+        ));
+    }
+    if background.auto_resume {
+        tasks.spawn(crate::resumer::resume_when_due(
+            Arc::clone(dispatcher),
+            shutdown.clone(),
+        ));
+    }
+    tasks.spawn(requeue_silent_runs(
+        Arc::clone(dispatcher),
+        background.silent_after,
+        shutdown.clone(),
+    ));
+    tasks.close();
+    tasks
 }
 
 /// How long the HTTP server gets, after shutdown, for the requests in flight.
@@ -222,7 +270,7 @@ async fn stop_server(
     }
 }
 
-/// Keeps `forge_queue_depth` and `forgepool_runs{state}` fresh.
+/// Keeps `forge_queue_depth` and `forgepool_runs_by_state{state}` fresh.
 async fn refresh_gauges(dispatcher: Arc<Dispatcher>, shutdown: CancellationToken) {
     let queues = dispatcher.topology.watched_queues();
     loop {

@@ -20,6 +20,12 @@ pub const REVIEW_BUCKETS: [f64; 8] = [1.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 
 pub const STAGE_BUCKETS: [f64; 11] = [
     0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0,
 ];
+/// The buckets of the HTTP request durations: from a quick answer to a slow store.
+pub const HTTP_BUCKETS: [f64; 9] = [0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0, 5.0];
+/// The buckets of queue waits and whole runs: seconds to hours.
+pub const RUN_BUCKETS: [f64; 12] = [
+    1.0, 5.0, 15.0, 30.0, 60.0, 300.0, 600.0, 1800.0, 3600.0, 7200.0, 14400.0, 43200.0,
+];
 
 /// Which service the metrics belong to; a worker also counts its own containers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -44,6 +50,11 @@ pub struct Metrics {
     stage_duration: HistogramVec,
     containers_running: IntGauge,
     broker_connected: IntGauge,
+    build_info: IntGaugeVec,
+    http_requests: IntCounterVec,
+    http_duration: HistogramVec,
+    queue_wait: HistogramVec,
+    run_duration: HistogramVec,
     repair_rounds: IntCounter,
     no_progress_stops: IntCounter,
     deliveries: IntCounter,
@@ -132,7 +143,7 @@ impl Metrics {
             ),
             runs_by_state: gauge(
                 r,
-                "forgepool_runs",
+                "forgepool_runs_by_state",
                 "Stored runs by current state (dispatcher only).",
                 &["state"],
             ),
@@ -148,6 +159,39 @@ impl Metrics {
                 "Stage containers this worker is running now.",
             )
             .expect("a valid gauge"),
+            build_info: gauge(
+                r,
+                "forgepool_build_info",
+                "1, with this build's version and the service's role as labels.",
+                &["version", "role"],
+            ),
+            http_requests: counter(
+                r,
+                "forgepool_http_requests_total",
+                "HTTP requests the dispatcher answered, by method, route (its template) and status (dispatcher).",
+                &["method", "route", "status"],
+            ),
+            http_duration: histogram(
+                r,
+                "forgepool_http_request_duration_seconds",
+                "Time to answer an HTTP request (the head of a response; an event stream's is its start), by method and route (dispatcher).",
+                &["method", "route"],
+                &HTTP_BUCKETS,
+            ),
+            queue_wait: histogram(
+                r,
+                "forgepool_queue_wait_seconds",
+                "From a run's submission until a worker starts it, by skill (dispatcher).",
+                &["skill"],
+                &RUN_BUCKETS,
+            ),
+            run_duration: histogram(
+                r,
+                "forgepool_run_duration_seconds",
+                "From a run's submission until it ends, pauses included, by skill and outcome (dispatcher).",
+                &["skill", "outcome"],
+                &RUN_BUCKETS,
+            ),
             broker_connected: IntGauge::new(
                 "forgepool_broker_connected",
                 "1 while this service's main consumer is connected to RabbitMQ (it is ready), else 0.",
@@ -184,7 +228,7 @@ impl Metrics {
                 r,
                 "forgepool_dead_lettered_total",
                 "Messages this service sent to the dead-letter exchange, by source queue.",
-                &["queue"],
+                &["queue_name"],
             ),
             runs_in_progress: IntGauge::new(
                 "forgepool_runs_in_progress",
@@ -232,16 +276,77 @@ impl Metrics {
     /// Registers the metrics without labels (the labelled families register themselves).
     fn register_plain_metrics(&self) {
         let metrics = self;
-        for single in [
-            Box::new(metrics.containers_running.clone()) as Box<dyn prometheus::core::Collector>,
-            Box::new(metrics.repair_rounds.clone()),
+        let mut singles = vec![
+            Box::new(metrics.repair_rounds.clone()) as Box<dyn prometheus::core::Collector>,
             Box::new(metrics.no_progress_stops.clone()),
             Box::new(metrics.deliveries.clone()),
-            Box::new(metrics.runs_in_progress.clone()),
-            Box::new(metrics.run_slots.clone()),
             Box::new(metrics.broker_connected.clone()),
-        ] {
+        ];
+        // What only a worker has: a dispatcher would export them stuck at 0.
+        if metrics.role == Role::Worker {
+            singles.push(Box::new(metrics.containers_running.clone()));
+            singles.push(Box::new(metrics.runs_in_progress.clone()));
+            singles.push(Box::new(metrics.run_slots.clone()));
+        }
+        for single in singles {
             metrics.registry.register(single).expect("a unique metric");
+        }
+        // The process's own figures (CPU, resident memory, open files, start time), from /proc.
+        #[cfg(target_os = "linux")]
+        {
+            let process = prometheus::process_collector::ProcessCollector::for_self();
+            metrics
+                .registry
+                .register(Box::new(process))
+                .expect("a unique collector");
+        }
+        let role = match metrics.role {
+            Role::Worker => "worker",
+            Role::Dispatcher => "dispatcher",
+        };
+        metrics
+            .build_info
+            .with_label_values(&[env!("CARGO_PKG_VERSION"), role])
+            .set(1);
+    }
+
+    /// Counts an HTTP request the dispatcher answered: `route` is the matched route's
+    /// template (`/v1/runs/{id}`), or `unmatched`, so that labels stay bounded.
+    pub fn http_request(&self, method: &str, route: &str, status: u16, seconds: f64) {
+        self.http_requests
+            .with_label_values(&[method, route, &status.to_string()])
+            .inc();
+        self.http_duration
+            .with_label_values(&[method, route])
+            .observe(seconds);
+    }
+
+    /// Times a run's state change the dispatcher stored (`prior` was its state before): the
+    /// wait from submission until a worker starts a run that was queued (not a resumed one),
+    /// and the time from submission until the run ends.
+    pub fn observe_run_times(&self, job: &Job, event: &proto::Event, prior: RunState) {
+        let EventKind::State { state, .. } = &event.kind else {
+            return;
+        };
+        let (Some(submitted), Some(at)) = (
+            proto::parse_time(&job.submitted_at),
+            proto::parse_time(&event.time),
+        ) else {
+            return;
+        };
+        let seconds = at
+            .duration_since(submitted)
+            .map(|d| d.as_secs_f64())
+            .unwrap_or(0.0);
+        if *state == RunState::Running && prior == RunState::Queued && job.resume.is_none() {
+            self.queue_wait
+                .with_label_values(&[job.skill.as_str()])
+                .observe(seconds);
+        }
+        if state.is_terminal() && !prior.is_terminal() {
+            self.run_duration
+                .with_label_values(&[job.skill.as_str(), state.as_str()])
+                .observe(seconds);
         }
     }
 
@@ -381,7 +486,7 @@ impl Metrics {
         }
     }
 
-    /// Sets `forgepool_runs{state}` for every state at once (states absent from `counts` are 0).
+    /// Sets `forgepool_runs_by_state{state}` for every state at once (states absent from `counts` are 0).
     pub fn set_runs_by_state(&self, counts: &[(RunState, u64)]) {
         for state in RunState::ALL {
             let count = counts
@@ -710,7 +815,11 @@ mod tests {
             },
         );
         let text = metrics.render();
-        assert_eq!(line(&text, "forgepool_containers_running "), Some("0"));
+        assert_eq!(
+            line(&text, "forgepool_containers_running "),
+            None,
+            "a series only workers have is not exported stuck at 0"
+        );
         assert_eq!(
             line(&text, "forgepool_repair_rounds_total "),
             Some("1"),

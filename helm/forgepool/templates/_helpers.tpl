@@ -23,7 +23,65 @@ app.kubernetes.io/component: {{ .component }}
 {{- end -}}
 
 {{- define "forgepool.image" -}}
+{{- if .Values.image.digest -}}
+{{ .Values.image.repository }}@{{ .Values.image.digest }}
+{{- else -}}
 {{ .Values.image.repository }}:{{ .Values.image.tag | default .Chart.AppVersion }}
+{{- end -}}
+{{- end -}}
+
+{{/* How long a SIGTERMed worker waits for its stages: worker.drainSeconds, or (0) the agent
+profiles' longest timeout_seconds (1800 for a profile without one) plus 60 s. */}}
+{{- define "forgepool.drainSeconds" -}}
+{{- if .Values.worker.drainSeconds -}}
+{{ .Values.worker.drainSeconds }}
+{{- else if .Values.dispatcher.agents.existingConfigMap -}}
+1860
+{{- else -}}
+{{- $longest := 0 -}}
+{{- $profiles := (fromToml .Values.dispatcher.agents.toml).agents | default dict -}}
+{{- range $name, $profile := $profiles -}}
+{{- $timeout := int ($profile.timeout_seconds | default 1800) -}}
+{{- if gt $timeout $longest -}}{{- $longest = $timeout -}}{{- end -}}
+{{- end -}}
+{{ add (max $longest 1800) 60 }}
+{{- end -}}
+{{- end -}}
+
+{{/* The vhost KEDA reads: rabbitmq.vhost, else the path of the external broker URL, else "/". */}}
+{{- define "forgepool.vhost" -}}
+{{- if .Values.rabbitmq.vhost -}}
+{{ .Values.rabbitmq.vhost }}
+{{- else if and (eq .Values.rabbitmq.mode "external") .Values.rabbitmq.externalUrl -}}
+{{- $path := (urlParse .Values.rabbitmq.externalUrl).path | trimPrefix "/" -}}
+{{ $path | default "/" }}
+{{- else -}}
+/
+{{- end -}}
+{{- end -}}
+
+{{/* A generated secret: derived from secrets.seed when set (identical at every render), else
+random. .name tells the values apart. */}}
+{{- define "forgepool.generated" -}}
+{{- if .root.Values.secrets.seed -}}
+{{ printf "%s/%s/%s" .root.Values.secrets.seed .root.Release.Name .name | sha256sum | trunc (int .length) }}
+{{- else -}}
+{{ randAlphaNum (int .length) }}
+{{- end -}}
+{{- end -}}
+
+{{/* The pod-level escape hatches of a component (dispatcher or worker). */}}
+{{- define "forgepool.podExtras" -}}
+{{- with .runtimeClassName }}
+runtimeClassName: {{ . }}
+{{- end }}
+{{- with .priorityClassName }}
+priorityClassName: {{ . }}
+{{- end }}
+{{- with .topologySpreadConstraints }}
+topologySpreadConstraints:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
 {{- end -}}
 
 {{- define "forgepool.secretName" -}}

@@ -30,6 +30,17 @@ use runs::{cancel, list, resume, show, submit};
 pub use problem::Failure;
 pub use runs::view;
 
+/// The routes of the metrics port (`FORGEPOOL_METRICS_ADDR`): `/metrics`, `/healthz` and
+/// `/readyz`, no API, so that a network policy or an ingress for one never opens the other.
+pub fn metrics_router(dispatcher: Arc<Dispatcher>) -> Router {
+    Router::new()
+        .route("/metrics", get(metrics))
+        .route("/healthz", get(healthz))
+        .route("/readyz", get(ready))
+        .fallback(unknown_route)
+        .with_state(dispatcher)
+}
+
 /// The router with every route and the bearer-token check on `/v1`.
 pub fn router(dispatcher: Arc<Dispatcher>) -> Router {
     let api = Router::new()
@@ -42,18 +53,59 @@ pub fn router(dispatcher: Arc<Dispatcher>) -> Router {
             Arc::clone(&dispatcher),
             authenticate,
         ));
-    Router::new()
+    let routes = Router::new()
         .merge(api)
         .fallback(unknown_route)
         .route("/v1/openapi.json", get(openapi))
         .route("/healthz", get(healthz))
-        .route("/readyz", get(ready))
-        .route("/metrics", get(metrics))
+        .route("/readyz", get(ready));
+    // `/metrics` answers on the API's port unless it has a port of its own.
+    let routes = if dispatcher.metrics_apart {
+        routes
+    } else {
+        routes.route("/metrics", get(metrics))
+    };
+    routes
+        .route_layer(middleware::from_fn_with_state(
+            Arc::clone(&dispatcher),
+            count_request,
+        ))
         // Bodies are checked against the 1 MiB limit by the request parser, which answers in
         // JSON; this larger limit only stops abuse.
         .layer(DefaultBodyLimit::max(8 * 1024 * 1024))
         .layer(middleware::map_response(problems_everywhere))
         .with_state(dispatcher)
+}
+
+/// Counts each request a route answered, by method, route template and status, with its
+/// time (`forgepool_http_requests_total`, `forgepool_http_request_duration_seconds`).
+async fn count_request(
+    State(dispatcher): State<Arc<Dispatcher>>,
+    matched: Option<axum::extract::MatchedPath>,
+    request: Request,
+    next: Next,
+) -> Response {
+    use axum::http::Method;
+    let method = match *request.method() {
+        Method::GET => "GET",
+        Method::POST => "POST",
+        Method::PUT => "PUT",
+        Method::DELETE => "DELETE",
+        Method::PATCH => "PATCH",
+        Method::HEAD => "HEAD",
+        Method::OPTIONS => "OPTIONS",
+        _ => "other",
+    };
+    let route = matched.map_or_else(|| "unmatched".to_string(), |m| m.as_str().to_string());
+    let started = std::time::Instant::now();
+    let response = next.run(request).await;
+    dispatcher.metrics.http_request(
+        method,
+        &route,
+        response.status().as_u16(),
+        started.elapsed().as_secs_f64(),
+    );
+    response
 }
 
 async fn authenticate(
