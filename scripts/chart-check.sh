@@ -55,12 +55,12 @@ promtool check rules "$chart/prometheus/rules.yaml"
 # Generated secrets: identical at every render when derived from secrets.seed (no cluster to
 # read them back from), different for another seed or release, and kept on uninstall.
 secret_of() { "$helm" template "$@" --show-only templates/secret.yaml; }
-first="$(secret_of forgepool "$chart" --set secrets.seed=s1)"
-second="$(secret_of forgepool "$chart" --set secrets.seed=s1)"
+first="$(secret_of forgepool "$chart" --set secrets.seed=first-seed-0123456789abcdef0123456789)"
+second="$(secret_of forgepool "$chart" --set secrets.seed=first-seed-0123456789abcdef0123456789)"
 [ "$first" = "$second" ] || { echo "two renders with one seed gave different Secrets" >&2; exit 1; }
-[ "$first" != "$(secret_of forgepool "$chart" --set secrets.seed=s2)" ] \
+[ "$first" != "$(secret_of forgepool "$chart" --set secrets.seed=other-seed-0123456789abcdef0123456789)" ] \
   || { echo "another seed gave the same Secret" >&2; exit 1; }
-[ "$first" != "$(secret_of other "$chart" --set secrets.seed=s1)" ] \
+[ "$first" != "$(secret_of other "$chart" --set secrets.seed=first-seed-0123456789abcdef0123456789)" ] \
   || { echo "another release gave the same Secret" >&2; exit 1; }
 grep -q 'helm.sh/resource-policy: keep' <<<"$first" || { echo "the Secret is not kept on uninstall" >&2; exit 1; }
 echo "generated secrets: stable across renders with a seed, kept on uninstall"
@@ -101,4 +101,6 @@ refuse "typo" --set worker.typo=1
 refuse "format" --set log.format=xml
 refuse "externalManagementUrl" --set rabbitmq.mode=external --set rabbitmq.externalUrl=amqp://u:p@h/ --set keda.enabled=true
 refuse "digest" --set image.digest=latest
+refuse "seed" --set secrets.seed=short
+refuse "metricsPort" --set dispatcher.metricsPort=8080
 echo "chart checks passed"

@@ -193,6 +193,9 @@ pub const ENV_DISPATCHER_URL: &str = "FORGEPOOL_DISPATCHER_URL";
 pub const ENV_CONCURRENCY: &str = "FORGEPOOL_CONCURRENCY";
 /// The worker's `/metrics` and `/healthz` address.
 pub const ENV_METRICS_ADDR: &str = "FORGEPOOL_METRICS_ADDR";
+/// The dispatcher's `/metrics` address, apart from the API (a variable of its own, so that one
+/// environment file can serve a dispatcher and a worker on one host).
+pub const ENV_DISPATCHER_METRICS_ADDR: &str = "FORGEPOOL_DISPATCHER_METRICS_ADDR";
 /// The worker's stable name.
 pub const ENV_WORKER_ID: &str = "FORGEPOOL_WORKER_ID";
 /// Seconds in-flight runs get to finish after SIGTERM.
@@ -208,8 +211,8 @@ pub struct Horizon(pub Option<Duration>);
 /// `forgepool prune`.
 #[derive(Debug, Args)]
 pub struct PruneArgs {
-    /// Delete runs that ended more than this long ago (`30d`, `36h`…, at least an hour), with
-    /// everything stored of them.
+    /// Delete runs that ended more than this long ago (`30d`, `36h`…, at least a day; with
+    /// `--logs-only`, at least an hour), with everything stored of them.
     #[arg(long = "older-than", value_parser = |v: &str| dispatcher::retention::parse_horizon("--older-than", v).and_then(|h| h.ok_or_else(|| "--older-than: give a duration; `never` prunes nothing".to_string())))]
     pub older_than: Duration,
     /// Delete only the heartbeat and log events of those runs, and keep the runs.
@@ -241,7 +244,7 @@ pub struct DispatcherArgs {
     pub listen: std::net::SocketAddr,
     /// Serve `/metrics` (with `/healthz` and `/readyz`) here, apart from the API, instead of
     /// on the API's address.
-    #[arg(long = "metrics-addr", env = ENV_METRICS_ADDR)]
+    #[arg(long = "metrics-addr", env = ENV_DISPATCHER_METRICS_ADDR)]
     pub metrics_addr: Option<std::net::SocketAddr>,
     /// The run store: a SQLite file path or `sqlite://PATH`.
     #[arg(long, env = ENV_DATABASE_URL, default_value = "./forgepool.db", hide_env_values = true)]
@@ -271,7 +274,7 @@ pub struct DispatcherArgs {
     #[arg(long = "retain-logs", env = "FORGEPOOL_RETAIN_LOGS", default_value = "7d", value_parser = |v: &str| dispatcher::retention::parse_horizon("FORGEPOOL_RETAIN_LOGS", v).map(Horizon))]
     pub retain_logs: Horizon,
     /// How long a run that ended is kept, with everything stored of it (`90d`…, or `never`).
-    #[arg(long = "retain-runs", env = "FORGEPOOL_RETAIN_RUNS", default_value = "never", value_parser = |v: &str| dispatcher::retention::parse_horizon("FORGEPOOL_RETAIN_RUNS", v).map(Horizon))]
+    #[arg(long = "retain-runs", env = "FORGEPOOL_RETAIN_RUNS", default_value = "never", value_parser = |v: &str| dispatcher::retention::parse_run_horizon("FORGEPOOL_RETAIN_RUNS", v).map(Horizon))]
     pub retain_runs: Horizon,
     #[command(flatten)]
     pub job_key: JobKeyArgs,

@@ -11,7 +11,9 @@ use worker::docker::{DockerRuntime, Identity};
 use worker::service::WorkerConfig;
 use worker::{Engine, EngineConfig};
 
-use crate::config::{DispatcherArgs, WorkerArgs, ENV_API_TOKEN, ENV_LISTEN, ENV_METRICS_ADDR};
+use crate::config::{
+    DispatcherArgs, WorkerArgs, ENV_API_TOKEN, ENV_DISPATCHER_METRICS_ADDR, ENV_LISTEN,
+};
 
 /// Exit code for invalid configuration.
 const EXIT_INVALID: i32 = 2;
@@ -60,7 +62,7 @@ pub async fn dispatcher(args: DispatcherArgs) -> i32 {
             Ok(listener) => Some(listener),
             Err(error) => {
                 return invalid(format!(
-                    "{ENV_METRICS_ADDR} ({address}): cannot listen: {error}"
+                    "{ENV_DISPATCHER_METRICS_ADDR} ({address}): cannot listen: {error}"
                 ))
             }
         },
@@ -278,6 +280,10 @@ pub async fn prune(args: crate::config::PruneArgs) -> i32 {
             return EXIT_INVALID;
         }
     };
+    if !args.logs_only && args.older_than < dispatcher::retention::MIN_RUN_HORIZON {
+        eprintln!("error: --older-than: a run is kept at least 24 hours, while a repeated submission (Idempotency-Key, message_id) must find it; use --logs-only for a shorter horizon");
+        return EXIT_INVALID;
+    }
     let horizon = dispatcher::retention::Retention {
         logs: Some(args.older_than),
         runs: (!args.logs_only).then_some(args.older_than),

@@ -201,7 +201,10 @@ async fn metrics_answer_on_their_own_port_when_given_one() {
         .port();
     let fixture = Fixture::new(None, &["change"], &["approve"]);
     let options = common::cluster::Options {
-        env: vec![("FORGEPOOL_METRICS_ADDR".into(), format!("127.0.0.1:{port}"))],
+        env: vec![(
+            "FORGEPOOL_DISPATCHER_METRICS_ADDR".into(),
+            format!("127.0.0.1:{port}"),
+        )],
         ..Default::default()
     };
     let cluster = Cluster::start_with(fixture, 0, 1, Some(TOKEN), options).await;

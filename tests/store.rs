@@ -384,6 +384,18 @@ async fn retention_contract(url: &str) {
         kinds(store.events(recent.run_id, 0).await.unwrap()),
         ["state", "heartbeat", "log", "cycle", "state"]
     );
+    // More old runs than one batch of the prune deletes: all of them go.
+    for n in 0..205 {
+        let many = job(&format!("MANY-{n}"), "2020-01-01T00:00:00Z");
+        store.insert_run(&many).await.unwrap();
+        store
+            .record_event(&at(
+                state(many.run_id, RunState::Failed, "old"),
+                "2020-01-03T00:00:00Z",
+            ))
+            .await
+            .unwrap();
+    }
     // Runs that ended before February go, with everything of theirs.
     let pruned = store
         .prune(Prune {
@@ -396,7 +408,7 @@ async fn retention_contract(url: &str) {
         pruned,
         Pruned {
             chatter: 0,
-            runs: 1
+            runs: 206
         }
     );
     assert!(store.get_run(old.run_id).await.unwrap().is_none());

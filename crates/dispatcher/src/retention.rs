@@ -17,8 +17,11 @@ use crate::store::{Prune, Pruned, RunStore};
 pub const PRUNE_INTERVAL: Duration = Duration::from_secs(3600);
 /// How long after start the dispatcher prunes first.
 const FIRST_PRUNE: Duration = Duration::from_secs(60);
-/// The shortest horizon accepted: webhooks read the events of runs that ended in the last hour.
+/// The shortest horizon for logs: webhooks read the events of runs that ended in the last hour.
 pub const MIN_HORIZON: Duration = Duration::from_secs(3600);
+/// The shortest horizon for runs: a submission key (`Idempotency-Key`, `message_id`) names its
+/// run for 24 hours, and is deleted with it.
+pub const MIN_RUN_HORIZON: Duration = Duration::from_secs(24 * 3600);
 
 /// The dispatcher's retention policy; `None` keeps for ever.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -75,6 +78,18 @@ pub fn parse_horizon(name: &str, value: &str) -> Result<Option<Duration>, String
     Ok(Some(horizon))
 }
 
+/// Parses how long runs are kept, as [`parse_horizon`], at least a day: a repeated submission
+/// must find its first run for 24 hours.
+pub fn parse_run_horizon(name: &str, value: &str) -> Result<Option<Duration>, String> {
+    let horizon = parse_horizon(name, value)?;
+    if horizon.is_some_and(|h| h < MIN_RUN_HORIZON) {
+        return Err(format!(
+            "{name}: {value:?} is under a day; a run is kept at least 24 hours, while a repeated submission (Idempotency-Key, message_id) must find it"
+        ));
+    }
+    Ok(horizon)
+}
+
 /// Prunes the store once an hour (first a minute after start) until `shutdown`.
 pub async fn keep_pruning(
     dispatcher: Arc<Dispatcher>,
@@ -109,7 +124,8 @@ pub async fn keep_pruning(
 mod tests {
     use super::*;
 
-    /// Catches: a horizon that accepts nonsense, keeps less than an hour, or misreads `never`.
+    /// Catches: a horizon that accepts nonsense, keeps less than an hour (a run less than a day),
+    /// or misreads `never`.
     #[test]
     fn horizons_are_durations_of_an_hour_or_more_or_never() {
         assert_eq!(
@@ -121,6 +137,11 @@ mod tests {
             let error = parse_horizon("FORGEPOOL_RETAIN_LOGS", bad).unwrap_err();
             assert!(error.starts_with("FORGEPOOL_RETAIN_LOGS: "), "{error}");
         }
+        // Runs outlive their submission keys' 24 hours.
+        assert!(parse_horizon("X", "2h").is_ok());
+        let error = parse_run_horizon("FORGEPOOL_RETAIN_RUNS", "2h").unwrap_err();
+        assert!(error.contains("24 hours"), "{error}");
+        assert_eq!(parse_run_horizon("X", "never").unwrap(), None);
     }
 
     /// Catches: cut-off times in another format than the store's (lexical comparison).

@@ -60,7 +60,7 @@ pub struct DispatcherConfig {
 }
 
 /// Where the dispatcher listens: the API, and `/metrics` apart from it when the operator gives
-/// it a port of its own (`FORGEPOOL_METRICS_ADDR`).
+/// it a port of its own (`FORGEPOOL_DISPATCHER_METRICS_ADDR`).
 #[derive(Debug)]
 pub struct Listeners {
     /// The API (and `/metrics`, without a port of its own).

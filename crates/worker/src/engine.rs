@@ -323,7 +323,12 @@ impl<R: ContainerRuntime> Engine<R> {
                 }
                 return Ok(Some((state, reason.to_string())));
             }
-            if interrupt.is_cancelled() || run.hands_over_before(&machine.phase) {
+            if interrupt.is_cancelled() {
+                return Ok(None);
+            }
+            if run.hands_over_before(&machine.phase) {
+                // The stage that just ended is kept first: the next execution goes on from it.
+                keep_progress(ledger, run.job.run_id, progress.take()).await;
                 return Ok(None);
             }
             if let Some(reason) = over_budget(run, &machine) {

@@ -64,7 +64,7 @@ profiles' longest timeout_seconds (1800 for a profile without one) plus 60 s. */
 random. .name tells the values apart. */}}
 {{- define "forgepool.generated" -}}
 {{- if .root.Values.secrets.seed -}}
-{{ printf "%s/%s/%s" .root.Values.secrets.seed .root.Release.Name .name | sha256sum | trunc (int .length) }}
+{{ printf "%s/%s/%s/%s" .root.Values.secrets.seed .root.Release.Namespace .root.Release.Name .name | sha256sum | trunc (int .length) }}
 {{- else -}}
 {{ randAlphaNum (int .length) }}
 {{- end -}}

@@ -30,7 +30,7 @@ use runs::{cancel, list, resume, show, submit};
 pub use problem::Failure;
 pub use runs::view;
 
-/// The routes of the metrics port (`FORGEPOOL_METRICS_ADDR`): `/metrics`, `/healthz` and
+/// The routes of the metrics port (`FORGEPOOL_DISPATCHER_METRICS_ADDR`): `/metrics`, `/healthz` and
 /// `/readyz`, no API, so that a network policy or an ingress for one never opens the other.
 pub fn metrics_router(dispatcher: Arc<Dispatcher>) -> Router {
     Router::new()

@@ -145,11 +145,14 @@ fn semantic(field: &str) -> bool {
     ) || (field.starts_with("commands[") && field.ends_with("].argv"))
 }
 
+/// A failure of the service's own (its store, mostly): the cause goes to the log, the caller
+/// gets a sentence that shows nothing of the store (a server's refusal can name its users).
 pub(super) fn internal(error: impl std::fmt::Display) -> Failure {
+    tracing::error!(%error, "an API request failed");
     Failure::new(
         StatusCode::INTERNAL_SERVER_ERROR,
         "internal",
-        error.to_string(),
+        "the dispatcher could not answer (its run store failed); try again, and see the dispatcher's log for the cause",
         None,
     )
 }

@@ -283,7 +283,8 @@ pub trait RunStore: Send + Sync + 'static {
 }
 
 /// What [`RunStore::prune`] deletes. Only runs in a terminal state are touched, and only by
-/// the time of their last change (`updated_at`, RFC 3339 on the dispatcher's clock).
+/// the time of their last change as stored (`updated_at`, RFC 3339: the time of the event
+/// that changed it, on its worker's clock; keep the clocks in sync).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Prune {
     /// The `heartbeat` and `log` events of runs that ended before this time.
@@ -300,6 +301,11 @@ pub struct Pruned {
     /// Runs deleted, each with its events, states and cycle files.
     pub runs: u64,
 }
+
+/// How many runs one transaction of [`RunStore::prune`] deletes.
+pub(crate) const PRUNE_RUNS_BATCH: u64 = 200;
+/// How many heartbeat and log events one transaction of [`RunStore::prune`] deletes.
+pub(crate) const PRUNE_EVENTS_BATCH: u64 = 5000;
 
 /// The `state` values of runs that ended, as an SQL list.
 pub(crate) const TERMINAL_STATES_SQL: &str =

@@ -14,7 +14,10 @@ use proto::{Event, EventKind, Job, RunState, RunSummary};
 use tokio_postgres::NoTls;
 use uuid::Uuid;
 
-use super::{Prune, Pruned, RunFilter, RunRecord, RunStore, StoreError, TERMINAL_STATES_SQL};
+use super::{
+    Prune, Pruned, RunFilter, RunRecord, RunStore, StoreError, PRUNE_EVENTS_BATCH,
+    PRUNE_RUNS_BATCH, TERMINAL_STATES_SQL,
+};
 
 /// The longest any store operation may take, waiting for a connection included.
 const OPERATION_TIMEOUT: Duration = Duration::from_secs(15);
@@ -102,7 +105,11 @@ impl PostgresStore {
                 Manager::from_config(config, NoTls, manager_config())
             }
             Some(connect) => {
-                config.ssl_mode(tokio_postgres::config::SslMode::Require);
+                config.ssl_mode(if tls.mode == super::tls::SslMode::Prefer {
+                    tokio_postgres::config::SslMode::Prefer
+                } else {
+                    tokio_postgres::config::SslMode::Require
+                });
                 Manager::from_config(config, connect, manager_config())
             }
         };
@@ -504,34 +511,56 @@ impl RunStore for PostgresStore {
     }
 
     async fn prune(&self, prune: Prune) -> Result<Pruned, StoreError> {
-        // Not bounded by the operation timeout: a first prune of a large store may take long,
-        // and it holds one connection of the pool meanwhile.
-        let mut client = self.client().await?;
-        let tx = client.transaction().await?;
+        // In batches, each its own transaction within the usual operation bound: no lock is
+        // held for long, and a big store is pruned over several calls' worth of batches.
         let mut pruned = Pruned::default();
-        let ended = format!(
-            "SELECT run_id FROM runs WHERE state IN {TERMINAL_STATES_SQL} AND updated_at < $1"
-        );
         if let Some(before) = &prune.runs_before {
-            for table in ["events", "state_history", "cycles", "submission_keys"] {
-                tx.execute(
-                    &format!("DELETE FROM {table} WHERE run_id IN ({ended})"),
-                    &[before],
-                )
-                .await?;
+            loop {
+                let batch = self
+                    .bounded(async {
+                        let mut client = self.client().await?;
+                        let tx = client.transaction().await?;
+                        let ids: Vec<String> = tx
+                            .query(
+                                &format!("SELECT run_id FROM runs WHERE state IN {TERMINAL_STATES_SQL} AND updated_at < $1 LIMIT {PRUNE_RUNS_BATCH}"),
+                                &[before],
+                            )
+                            .await?
+                            .iter()
+                            .map(|row| row.get(0))
+                            .collect();
+                        for table in ["events", "state_history", "cycles", "submission_keys", "runs"] {
+                            tx.execute(&format!("DELETE FROM {table} WHERE run_id = ANY($1)"), &[&ids])
+                                .await?;
+                        }
+                        tx.commit().await?;
+                        Ok(ids.len() as u64)
+                    })
+                    .await?;
+                pruned.runs += batch;
+                if batch < PRUNE_RUNS_BATCH {
+                    break;
+                }
             }
-            let runs = format!(
-                "DELETE FROM runs WHERE state IN {TERMINAL_STATES_SQL} AND updated_at < $1"
-            );
-            pruned.runs = tx.execute(&runs, &[before]).await?;
         }
         if let Some(before) = &prune.chatter_before {
             let chatter = format!(
-                "DELETE FROM events WHERE kind IN ('heartbeat', 'log') AND run_id IN ({ended})"
+                "DELETE FROM events WHERE position IN (
+                   SELECT e.position FROM runs r JOIN events e ON e.run_id = r.run_id
+                   WHERE r.state IN {TERMINAL_STATES_SQL} AND r.updated_at < $1
+                     AND e.kind IN ('heartbeat', 'log')
+                   LIMIT {PRUNE_EVENTS_BATCH})"
             );
-            pruned.chatter = tx.execute(&chatter, &[before]).await?;
+            loop {
+                let batch = self
+                    .bounded(async { Ok(self.client().await?.execute(&chatter, &[before]).await?) })
+                    .await?;
+                pruned.chatter += batch;
+                if batch < PRUNE_EVENTS_BATCH {
+                    break;
+                }
+            }
         }
-        tx.commit().await?;
         Ok(pruned)
     }
 

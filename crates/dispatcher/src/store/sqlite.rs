@@ -7,7 +7,10 @@ use proto::{Event, EventKind, Job, RunState, RunSummary};
 use rusqlite::{params, Connection, OptionalExtension};
 use uuid::Uuid;
 
-use super::{Prune, Pruned, RunFilter, RunRecord, RunStore, StoreError, TERMINAL_STATES_SQL};
+use super::{
+    Prune, Pruned, RunFilter, RunRecord, RunStore, StoreError, PRUNE_EVENTS_BATCH,
+    PRUNE_RUNS_BATCH, TERMINAL_STATES_SQL,
+};
 
 /// The SQLite run store. Queries run on the blocking pool, never on the async runtime.
 #[derive(Debug, Clone)]
@@ -377,34 +380,57 @@ impl RunStore for SqliteStore {
     }
 
     async fn prune(&self, prune: Prune) -> Result<Pruned, StoreError> {
-        self.with(move |c| {
-            let tx = c.transaction()?;
-            let mut pruned = Pruned::default();
-            let ended = format!(
-                "SELECT run_id FROM runs WHERE state IN {TERMINAL_STATES_SQL} AND updated_at < ?1"
-            );
-            if let Some(before) = &prune.runs_before {
-                for table in ["events", "state_history", "cycles", "submission_keys"] {
-                    tx.execute(
-                        &format!("DELETE FROM {table} WHERE run_id IN ({ended})"),
-                        [before],
-                    )?;
+        // In batches, each its own transaction: the store's one connection is never held for
+        // long, so the API and the events consumer go on while a big store is pruned.
+        let mut pruned = Pruned::default();
+        if let Some(before) = prune.runs_before {
+            loop {
+                let before = before.clone();
+                let batch = self
+                    .with(move |c| {
+                        let tx = c.transaction()?;
+                        let ids: Vec<String> = tx
+                            .prepare(&format!("SELECT run_id FROM runs WHERE state IN {TERMINAL_STATES_SQL} AND updated_at < ?1 LIMIT {PRUNE_RUNS_BATCH}"))?
+                            .query_map([&before], |r| r.get(0))?
+                            .collect::<Result<_, _>>()?;
+                        for id in &ids {
+                            for table in ["events", "state_history", "cycles", "submission_keys", "runs"] {
+                                tx.prepare_cached(&format!("DELETE FROM {table} WHERE run_id = ?1"))?
+                                    .execute([id])?;
+                            }
+                        }
+                        tx.commit()?;
+                        Ok(ids.len() as u64)
+                    })
+                    .await?;
+                pruned.runs += batch;
+                if batch < PRUNE_RUNS_BATCH {
+                    break;
                 }
-                let runs = format!(
-                    "DELETE FROM runs WHERE state IN {TERMINAL_STATES_SQL} AND updated_at < ?1"
-                );
-                pruned.runs = tx.execute(&runs, [before])? as u64;
             }
-            if let Some(before) = &prune.chatter_before {
-                let chatter = format!(
-                    "DELETE FROM events WHERE kind IN ('heartbeat', 'log') AND run_id IN ({ended})"
-                );
-                pruned.chatter = tx.execute(&chatter, [before])? as u64;
+        }
+        if let Some(before) = prune.chatter_before {
+            loop {
+                let before = before.clone();
+                let batch = self
+                    .with(move |c| {
+                        let chatter = format!(
+                            "DELETE FROM events WHERE position IN (
+                               SELECT e.position FROM runs r JOIN events e ON e.run_id = r.run_id
+                               WHERE r.state IN {TERMINAL_STATES_SQL} AND r.updated_at < ?1
+                                 AND e.kind IN ('heartbeat', 'log')
+                               LIMIT {PRUNE_EVENTS_BATCH})"
+                        );
+                        Ok(c.execute(&chatter, [&before])? as u64)
+                    })
+                    .await?;
+                pruned.chatter += batch;
+                if batch < PRUNE_EVENTS_BATCH {
+                    break;
+                }
             }
-            tx.commit()?;
-            Ok(pruned)
-        })
-        .await
+        }
+        Ok(pruned)
     }
 
     async fn ping(&self) -> Result<(), StoreError> {

@@ -1,6 +1,7 @@
 //! TLS to PostgreSQL, set in `FORGEPOOL_DATABASE_URL`'s query as libpq does:
-//! `sslmode=disable` (the default: plain TCP), `require` (encrypted; the server's certificate
-//! is not checked, as libpq does without a root certificate) or `verify-full` (encrypted; the
+//! `sslmode=disable` (the default: plain TCP), `prefer` (TLS when the server offers it, plain
+//! TCP otherwise; the certificate is not checked), `require` (encrypted; the server's
+//! certificate is not checked, as libpq does without a root certificate) or `verify-full` (encrypted; the
 //! certificate must chain to `sslrootcert`, a PEM file, or without it to the Mozilla roots,
 //! and must name the host). rustls, with the ring provider already in the build.
 
@@ -19,6 +20,9 @@ use tokio_postgres_rustls::MakeRustlsConnect;
 pub enum SslMode {
     /// Plain TCP.
     Disable,
+    /// TLS when the server offers it, any certificate; plain TCP otherwise (libpq's default,
+    /// common in providers' URLs).
+    Prefer,
     /// TLS, any certificate.
     Require,
     /// TLS, a certificate that chains to the roots and names the host.
@@ -52,11 +56,12 @@ pub fn split(url: &str) -> Result<(String, TlsSettings), String> {
             "sslmode" => {
                 settings.mode = match value {
                     "disable" => SslMode::Disable,
+                    "prefer" => SslMode::Prefer,
                     "require" => SslMode::Require,
                     "verify-full" => SslMode::VerifyFull,
                     other => {
                         return Err(format!(
-                        "sslmode: {other:?} is not supported; use disable, require or verify-full"
+                        "sslmode: {other:?} is not supported; use disable, prefer, require or verify-full"
                     ))
                     }
                 }
@@ -109,7 +114,7 @@ pub fn connector(settings: &TlsSettings) -> Result<Option<MakeRustlsConnect>, St
         .map_err(|e| format!("TLS: {e}"))?;
     let config = match settings.mode {
         SslMode::Disable => return Ok(None),
-        SslMode::Require => builder
+        SslMode::Prefer | SslMode::Require => builder
             .dangerous()
             .with_custom_certificate_verifier(Arc::new(AnyCertificate(provider)))
             .with_no_client_auth(),
@@ -211,7 +216,7 @@ mod tests {
         );
         for (bad, named) in [
             ("postgres://db/r?sslmode=verify-ca", "sslmode"),
-            ("postgres://db/r?sslmode=prefer", "sslmode"),
+            ("postgres://db/r?sslmode=allow", "sslmode"),
             ("postgres://db/r?sslrootcert=/ca.pem", "sslrootcert"),
         ] {
             let error = split(bad).unwrap_err();

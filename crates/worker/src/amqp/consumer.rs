@@ -356,10 +356,12 @@ impl<R: ContainerRuntime> Jobs<R> {
             };
             return (self.park(delivery, waiting).await, both);
         }
-        if disposition == Disposition::Requeue && self.interrupt.is_cancelled() {
-            // A drain hands the run over: a fresh copy of the job goes back, so the hand-over
-            // does not count toward the poison limit, and the next execution continues from
-            // the progress kept on the broker.
+        let drained = self.draining.is_cancelled() || self.interrupt.is_cancelled();
+        if disposition == Disposition::Requeue && drained {
+            // A drain hands the run over (between stages, or when the drain time is over): a
+            // fresh copy of the job goes back, so the hand-over does not count toward the
+            // poison limit, and the next execution continues from the progress kept on the
+            // broker.
             let handed = Carried {
                 holds: 0,
                 again: true,

@@ -782,15 +782,17 @@ async fn drained_after_a_minute(
 }
 
 /// Catches: a drain (scale-in, an upgrade) that stops the stage running and loses its work,
-/// or that lets the run start its next stage instead of handing it back between the two.
+/// lets the run start its next stage instead of handing it back between the two, or hands it
+/// back without keeping the stage that just ended (the next worker would implement again).
 #[tokio::test(start_paused = true)]
 async fn a_drain_lets_the_running_stage_finish_and_hands_the_run_back_before_the_next() {
     let bench = Bench::new();
-    let job = bench.job(Some((3, true)), &[], 0);
+    let job = bench.job(Some((3, true)), &[("check", 60)], 0);
     let slow = Act::Slow(std::time::Duration::from_secs(120), Box::new(implements(1)));
     let runtime = std::sync::Arc::new(
         FakeRuntime::default()
             .with(Stage::Implement, [slow])
+            .with(Stage::Verify, [Act::prints("ok")])
             .with(Stage::Review, [Act::prints("APPROVED")]),
     );
     let (ended, events) =
@@ -799,7 +801,7 @@ async fn a_drain_lets_the_running_stage_finish_and_hands_the_run_back_before_the
     assert_eq!(
         runtime.stages(),
         ["implement"],
-        "the review waits for the next worker"
+        "verification waits for the next worker"
     );
     let finished: Vec<_> = events
         .iter()
@@ -813,17 +815,61 @@ async fn a_drain_lets_the_running_stage_finish_and_hands_the_run_back_before_the
         [StageOutcome::Completed],
         "the implementer was not stopped"
     );
-    // The next execution goes on with the review: the implementation is not repeated.
+    // The next execution verifies and reviews: the implementation is not repeated.
     let second = bench
         .run_again_on(
             "worker-2",
-            FakeRuntime::default().with(Stage::Review, [Act::prints("APPROVED")]),
+            FakeRuntime::default()
+                .with(Stage::Verify, [Act::prints("ok")])
+                .with(Stage::Review, [Act::prints("APPROVED")]),
             &job,
         )
         .await;
     second.assert_state(RunState::Delivered);
-    assert_eq!(second.runtime.stages(), ["review"]);
+    assert_eq!(second.runtime.stages(), ["verify", "review"]);
+    assert_eq!(second.result.implementation_rounds, 1);
     assert_eq!(bench.delivered("feature.txt").as_deref(), Some("round 1\n"));
+}
+
+/// Catches: a drain during a review that rejects, after which the next worker reviews the
+/// same round again (paying for it twice, maybe with another verdict) instead of going on
+/// with the reviewer's feedback.
+#[tokio::test(start_paused = true)]
+async fn a_drain_during_a_rejecting_review_keeps_the_verdict_for_the_next_worker() {
+    let bench = Bench::new();
+    let job = bench.job(Some((3, true)), &[], 0);
+    let slow = Act::Slow(
+        std::time::Duration::from_secs(120),
+        Box::new(Act::prints("REJECTED\nadd tests")),
+    );
+    let runtime = std::sync::Arc::new(
+        FakeRuntime::default()
+            .with(Stage::Implement, [implements(1)])
+            .with(Stage::Review, [slow]),
+    );
+    let (ended, _) = drained_after_a_minute(&bench, std::sync::Arc::clone(&runtime), &job).await;
+    assert!(ended.is_none(), "handed back: {ended:?}");
+    assert_eq!(runtime.stages(), ["implement", "review"]);
+    let second = bench
+        .run_again_on(
+            "worker-2",
+            FakeRuntime::default()
+                .with(Stage::Implement, [implements(2)])
+                .with(Stage::Review, [Act::prints("APPROVED")]),
+            &job,
+        )
+        .await;
+    second.assert_state(RunState::Delivered);
+    assert_eq!(second.runtime.stages(), ["implement", "review"]);
+    assert!(
+        second.runtime.prompts()[0].contains("## Reviewer Feedback\n\nadd tests"),
+        "round 2 has cycle 1's feedback: {}",
+        second.runtime.prompts()[0]
+    );
+    assert_eq!(
+        second.cycles().iter().map(|c| c.cycle).collect::<Vec<_>>(),
+        [2]
+    );
 }
 
 /// Catches: a drain that hands back a run whose last stage ended in time (only its delivery
