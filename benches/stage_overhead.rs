@@ -11,7 +11,9 @@
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
-use bollard::container::{CreateContainerOptions, RemoveContainerOptions, WaitContainerOptions};
+use bollard::query_parameters::{
+    CreateContainerOptions, RemoveContainerOptions, WaitContainerOptions,
+};
 use bollard::Docker;
 use futures_util::StreamExt;
 use tokio_util::sync::CancellationToken;
@@ -87,21 +89,21 @@ async fn raw_stage(docker: &Docker, runtime: &DockerRuntime, i: usize) -> Durati
     let created = docker
         .create_container(
             Some(CreateContainerOptions {
-                name,
-                platform: None,
+                name: Some(name),
+                platform: String::new(),
             }),
             config,
         )
         .await
         .expect("create");
     docker
-        .start_container::<String>(&created.id, None)
+        .start_container(&created.id, None)
         .await
         .expect("start");
     let mut wait = docker.wait_container(
         &created.id,
         Some(WaitContainerOptions {
-            condition: "not-running",
+            condition: "not-running".to_string(),
         }),
     );
     let _ = wait.next().await;

@@ -5,7 +5,7 @@ use std::collections::HashMap;
 
 use super::{unix_now, OVERDUE_GRACE};
 use crate::runtime::LABEL_DEADLINE;
-use bollard::container::Config;
+use bollard::models::ContainerCreateBody as Config;
 use bollard::models::{HostConfig, ResourcesUlimits};
 
 use super::DockerRuntime;
@@ -13,7 +13,7 @@ use crate::runtime::StageSpec;
 
 impl DockerRuntime {
     /// The container configuration for a stage: image, command, hardening, limits and labels.
-    pub fn container_config(&self, spec: &StageSpec) -> Config<String> {
+    pub fn container_config(&self, spec: &StageSpec) -> Config {
         let mut labels = spec.labels.clone();
         labels.extend(self.owner_labels());
         // A container may be created while its run's repository is still being cloned, so

@@ -3,8 +3,9 @@
 
 use std::time::Instant;
 
-use bollard::container::{Config, CreateContainerOptions, LogsOptions};
+use bollard::models::ContainerCreateBody as Config;
 use bollard::models::HostConfig;
+use bollard::query_parameters::{CreateContainerOptions, ListNetworksOptions, LogsOptions};
 use futures_util::StreamExt;
 
 use super::{process_alive, short_instance};
@@ -120,16 +121,15 @@ impl DockerRuntime {
 
     async fn create_egress_network(&self) -> Result<(), RuntimeError> {
         let labels = self.owner_labels();
-        let options = bollard::network::CreateNetworkOptions {
+        let options = bollard::models::NetworkCreateRequest {
             name: self.egress_network(),
-            driver: "bridge".to_string(),
-            internal: true,
-            check_duplicate: true,
-            options: HashMap::from([(
+            driver: Some("bridge".to_string()),
+            internal: Some(true),
+            options: Some(HashMap::from([(
                 "com.docker.network.bridge.inhibit_ipv4".to_string(),
                 "true".to_string(),
-            )]),
-            labels,
+            )])),
+            labels: Some(labels),
             ..Default::default()
         };
         match bounded(
@@ -187,8 +187,8 @@ impl DockerRuntime {
             ..Default::default()
         };
         let options = CreateContainerOptions {
-            name: name.to_string(),
-            platform: None,
+            name: Some(name.to_string()),
+            platform: String::new(),
         };
         bounded(
             "create container",
@@ -197,12 +197,12 @@ impl DockerRuntime {
         )
         .await?
         .map_err(|e| failed(e.to_string()))?;
-        let connect = bollard::network::ConnectNetworkOptions {
+        let connect = bollard::models::NetworkConnectRequest {
             container: name.to_string(),
-            endpoint_config: bollard::models::EndpointSettings {
+            endpoint_config: Some(bollard::models::EndpointSettings {
                 aliases: Some(vec![name.to_string()]),
                 ..Default::default()
-            },
+            }),
         };
         let connected = bounded(
             "connect network",
@@ -214,7 +214,7 @@ impl DockerRuntime {
             Ok(Ok(())) => bounded(
                 "start container",
                 API_TIMEOUT,
-                self.docker.start_container::<String>(name, None),
+                self.docker.start_container(name, None),
             )
             .await
             .map(|r| r.map_err(|e| e.to_string())),
@@ -243,7 +243,7 @@ impl DockerRuntime {
     async fn proxy_ready(&self, name: &str) -> Result<(), RuntimeError> {
         let deadline = Instant::now() + PROXY_READY;
         while Instant::now() < deadline {
-            let options = LogsOptions::<String> {
+            let options = LogsOptions {
                 stdout: true,
                 stderr: true,
                 tail: "all".into(),
@@ -282,7 +282,9 @@ impl DockerRuntime {
     pub(super) async fn remove_orphan_networks(&self) {
         let mut filters = HashMap::new();
         filters.insert("label".to_string(), vec![format!("{LABEL_MANAGED}=true")]);
-        let options = bollard::network::ListNetworksOptions { filters };
+        let options = ListNetworksOptions {
+            filters: Some(filters),
+        };
         let Ok(Ok(networks)) = bounded(
             "list networks",
             API_TIMEOUT,

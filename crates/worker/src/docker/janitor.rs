@@ -3,7 +3,7 @@
 
 use std::collections::{HashMap, HashSet};
 
-use bollard::container::ListContainersOptions;
+use bollard::query_parameters::ListContainersOptions;
 
 use super::{bounded, process_alive, unix_now, DockerRuntime, API_TIMEOUT};
 use crate::runtime::{
@@ -78,7 +78,7 @@ impl DockerRuntime {
         filters.insert("label".to_string(), vec![format!("{LABEL_MANAGED}=true")]);
         let options = ListContainersOptions {
             all: true,
-            filters,
+            filters: Some(filters),
             ..Default::default()
         };
         bounded(

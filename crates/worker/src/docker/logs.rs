@@ -1,6 +1,6 @@
 //! A stage's output as it is read: captured, redacted, capped, and forwarded in chunks.
 
-use bollard::container::LogsOptions;
+use bollard::query_parameters::LogsOptions;
 use bollard::Docker;
 use futures_util::StreamExt;
 
@@ -39,7 +39,7 @@ impl Collected {
         logs: &mpsc::Sender<LogChunk>,
         mut stopped: tokio::sync::watch::Receiver<bool>,
     ) {
-        let options = LogsOptions::<String> {
+        let options = LogsOptions {
             follow: true,
             stdout: true,
             stderr: true,

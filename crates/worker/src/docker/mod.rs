@@ -10,8 +10,9 @@ use std::collections::HashSet;
 use std::sync::Mutex;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use bollard::container::{CreateContainerOptions, RemoveContainerOptions, WaitContainerOptions};
-use bollard::image::CreateImageOptions;
+use bollard::query_parameters::{
+    CreateContainerOptions, CreateImageOptions, RemoveContainerOptions, WaitContainerOptions,
+};
 use bollard::Docker;
 use futures_util::StreamExt;
 use tokio::sync::mpsc;
@@ -144,7 +145,7 @@ impl DockerRuntime {
         .await?;
         if inspected.is_err() {
             let options = CreateImageOptions {
-                from_image: image.to_string(),
+                from_image: Some(image.to_string()),
                 ..Default::default()
             };
             let pull = async {
@@ -212,7 +213,7 @@ impl DockerRuntime {
         bounded(
             "start container",
             API_TIMEOUT,
-            self.docker.start_container::<String>(id, None),
+            self.docker.start_container(id, None),
         )
         .await?
         .map_err(|e| RuntimeError::StartContainer {
@@ -221,7 +222,7 @@ impl DockerRuntime {
         })?;
         let wait = async {
             let options = WaitContainerOptions {
-                condition: "not-running",
+                condition: "not-running".to_string(),
             };
             let mut stream = self.docker.wait_container(id, Some(options));
             match stream.next().await {
@@ -303,8 +304,8 @@ impl ContainerRuntime for DockerRuntime {
             spec.redact.push(url);
         }
         let options = CreateContainerOptions {
-            name: spec.name.clone(),
-            platform: None,
+            name: Some(spec.name.clone()),
+            platform: String::new(),
         };
         let created = bounded(
             "create container",
