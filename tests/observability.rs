@@ -202,7 +202,10 @@ async fn metrics_on_the_dispatcher_and_a_worker_follow_real_runs() {
     assert_eq!(
         value(
             &text,
-            "forgepool_build_info{role=\"dispatcher\",version=\"0.1.0\"}"
+            &format!(
+                "forgepool_build_info{{role=\"dispatcher\",version=\"{}\"}}",
+                env!("CARGO_PKG_VERSION")
+            )
         ),
         1.0
     );
