@@ -225,13 +225,25 @@ async fn metrics_answer_on_their_own_port_when_given_one() {
     assert_eq!(metrics.status(), StatusCode::OK);
     let text = metrics.text().await.unwrap();
     assert!(text.contains("forgepool_broker_connected"), "{text}");
-    let ready = cluster
-        .http
-        .get(format!("{apart}/readyz"))
-        .send()
-        .await
-        .unwrap();
-    assert!(ready.status() == StatusCode::OK || ready.status() == StatusCode::SERVICE_UNAVAILABLE);
+    // Readiness answers there too, and turns ready once the events consumer is connected.
+    let mut polls = 0;
+    loop {
+        let ready = cluster
+            .http
+            .get(format!("{apart}/readyz"))
+            .send()
+            .await
+            .unwrap();
+        if ready.status() == StatusCode::OK {
+            let body: serde_json::Value = ready.json().await.unwrap();
+            assert_eq!(body["broker"], true, "{body}");
+            break;
+        }
+        assert_eq!(ready.status(), StatusCode::SERVICE_UNAVAILABLE);
+        polls += 1;
+        assert!(polls < 100, "the dispatcher never became ready");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
     let api = cluster
         .http
         .get(format!("{apart}/v1/runs"))
