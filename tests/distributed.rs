@@ -444,7 +444,10 @@ async fn a_job_the_broker_gives_up_on_fails_its_run() {
     let deadline = std::time::Instant::now() + Duration::from_secs(30);
     while std::time::Instant::now() < deadline {
         let message = channel
-            .basic_get(&jobs, lapin::options::BasicGetOptions::default())
+            .basic_get(
+                jobs.as_str().into(),
+                lapin::options::BasicGetOptions::default(),
+            )
             .await
             .unwrap();
         let Some(message) = message else {
@@ -922,7 +925,7 @@ async fn the_final_review_ledger_on_the_broker_keeps_intents_and_receipts() {
     let channel = connection.create_channel().await.unwrap();
     channel
         .queue_declare(
-            &topology.review_receipt(&forged),
+            topology.review_receipt(&forged).into(),
             lapin::options::QueueDeclareOptions::default(),
             Default::default(),
         )
@@ -931,7 +934,7 @@ async fn the_final_review_ledger_on_the_broker_keeps_intents_and_receipts() {
     // `moved`'s genuine receipt message, signature and all, copied into `forged`'s queue.
     let genuine = channel
         .basic_get(
-            &topology.review_receipt(&moved),
+            topology.review_receipt(&moved).into(),
             lapin::options::BasicGetOptions { no_ack: true },
         )
         .await
@@ -962,7 +965,7 @@ async fn the_final_review_ledger_on_the_broker_keeps_intents_and_receipts() {
     // Clean up the test's queues.
     for run in [&run, &forged, &moved] {
         for queue in [topology.review_intent(run), topology.review_receipt(run)] {
-            let _ = channel.queue_delete(&queue, Default::default()).await;
+            let _ = channel.queue_delete(queue.into(), Default::default()).await;
         }
     }
 }
@@ -1331,9 +1334,7 @@ async fn a_producer_with_the_charts_permissions_submits_runs_and_nothing_else() 
         "^amq\\.gen-.*",
     ]);
     let url = format!("amqp://{user}:{password}@127.0.0.1:5672/%2f");
-    let properties = lapin::ConnectionProperties::default()
-        .with_executor(tokio_executor_trait::Tokio::current())
-        .with_reactor(tokio_reactor_trait::Tokio);
+    let properties = lapin::ConnectionProperties::default();
     let connection = lapin::Connection::connect(&url, properties).await.unwrap();
     let channel = connection.create_channel().await.unwrap();
     channel
@@ -1344,8 +1345,8 @@ async fn a_producer_with_the_charts_permissions_submits_runs_and_nothing_else() 
     body["schema_version"] = serde_json::json!(1);
     channel
         .basic_publish(
-            &format!("{}.submit", cluster.prefix),
-            "",
+            format!("{}.submit", cluster.prefix).into(),
+            "".into(),
             lapin::options::BasicPublishOptions::default(),
             &serde_json::to_vec(&body).unwrap(),
             lapin::BasicProperties::default().with_delivery_mode(2),
@@ -1357,8 +1358,8 @@ async fn a_producer_with_the_charts_permissions_submits_runs_and_nothing_else() 
     // The jobs queue, by name through the default exchange: refused by the broker.
     let forged = channel
         .basic_publish(
-            "",
-            &format!("{}.jobs", cluster.prefix),
+            "".into(),
+            format!("{}.jobs", cluster.prefix).into(),
             lapin::options::BasicPublishOptions::default(),
             br#"{"schema_version": 1}"#,
             lapin::BasicProperties::default(),
@@ -1369,7 +1370,7 @@ async fn a_producer_with_the_charts_permissions_submits_runs_and_nothing_else() 
         Ok(confirm) => confirm.await.is_err(),
     };
     assert!(refused, "the producer published to the jobs queue");
-    let _ = connection.close(200, "bye").await;
+    let _ = connection.close(200, "bye".into()).await;
     let run_id = cluster.run_of_ticket("PRODUCER-1").await;
     let views = cluster
         .wait_terminal(&[run_id], Duration::from_secs(60))

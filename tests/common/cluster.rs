@@ -589,8 +589,8 @@ impl Cluster {
             }
             channel
                 .basic_publish(
-                    exchange,
-                    routing_key,
+                    exchange.into(),
+                    routing_key.into(),
                     BasicPublishOptions {
                         mandatory: true,
                         ..Default::default()
@@ -604,7 +604,7 @@ impl Cluster {
                 .unwrap();
         };
         on_broker("confirm a publish", publish).await;
-        let _ = on_broker("close a connection", connection.close(200, "bye")).await;
+        let _ = on_broker("close a connection", connection.close(200, "bye".into())).await;
     }
 
     /// Takes every message from the dead-letter queue: (payload, reason header).
@@ -615,7 +615,7 @@ impl Cluster {
             let mut found = Vec::new();
             while let Some(message) = channel
                 .basic_get(
-                    &format!("{}.dead", self.prefix),
+                    format!("{}.dead", self.prefix).into(),
                     BasicGetOptions { no_ack: true },
                 )
                 .await
@@ -640,7 +640,7 @@ impl Cluster {
             found
         };
         let found = on_broker("hand over the dead letters", take).await;
-        let _ = on_broker("close a connection", connection.close(200, "bye")).await;
+        let _ = on_broker("close a connection", connection.close(200, "bye".into())).await;
         found
     }
 
@@ -685,9 +685,7 @@ impl Cluster {
 
 /// A connection to the test broker, within [`BROKER_LIMIT`].
 pub async fn connect_broker() -> Connection {
-    let properties = ConnectionProperties::default()
-        .with_executor(tokio_executor_trait::Tokio::current())
-        .with_reactor(tokio_reactor_trait::Tokio);
+    let properties = ConnectionProperties::default();
     on_broker(
         "accept a connection",
         Connection::connect(AMQP_URL, properties),
@@ -711,14 +709,17 @@ pub async fn delete_prefix_queues(prefix: &str) {
         let delete = async {
             let channel = connection.create_channel().await?;
             channel
-                .queue_delete(&format!("{prefix}.{queue}"), QueueDeleteOptions::default())
+                .queue_delete(
+                    format!("{prefix}.{queue}").into(),
+                    QueueDeleteOptions::default(),
+                )
                 .await
         };
         on_broker("delete a queue", delete)
             .await
             .unwrap_or_else(|e| panic!("the queue {prefix}.{queue} cannot be deleted: {e}"));
     }
-    let _ = on_broker("close a connection", connection.close(200, "bye")).await;
+    let _ = on_broker("close a connection", connection.close(200, "bye".into())).await;
 }
 
 /// How long a service may take to print its ready line. The dispatcher prints it once the

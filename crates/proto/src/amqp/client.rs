@@ -10,16 +10,13 @@ use tokio::sync::Mutex;
 
 use super::delivery::header_text;
 use super::{
-    AmqpError, Topology, CONFIRM_TIMEOUT, CONNECT_TIMEOUT, REASON_HEADER, SESSION_TIMEOUT,
-    SOURCE_HEADER,
+    refusal_code, AmqpError, Topology, CONFIRM_TIMEOUT, CONNECT_TIMEOUT, REASON_HEADER,
+    SESSION_TIMEOUT, SOURCE_HEADER,
 };
 
 /// Connection properties that run lapin on the current tokio runtime.
 pub fn connection_properties(name: &str) -> ConnectionProperties {
-    ConnectionProperties::default()
-        .with_executor(tokio_executor_trait::Tokio::current())
-        .with_reactor(tokio_reactor_trait::Tokio)
-        .with_connection_name(LongString::from(name.to_string()))
+    ConnectionProperties::default().with_connection_name(LongString::from(name.to_string()))
 }
 
 /// The largest AMQP frame forgepool asks for, unless the URL sets `frame_max` itself. The
@@ -123,15 +120,15 @@ pub async fn queue_exists(channel: Channel, queue: &str) -> Result<bool, AmqpErr
         ..Default::default()
     };
     match channel
-        .queue_declare(queue, passive, FieldTable::default())
+        .queue_declare(queue.into(), passive, FieldTable::default())
         .await
     {
         Ok(_) => {
-            let _ = channel.close(200, "checked").await;
+            let _ = channel.close(200, "checked".into()).await;
             Ok(true)
         }
-        Err(lapin::Error::ProtocolError(error)) if error.get_id() == 404 => Ok(false),
-        Err(lapin::Error::ProtocolError(error)) if error.get_id() == 405 => Ok(true),
+        Err(error) if refusal_code(&error) == Some(404) => Ok(false),
+        Err(error) if refusal_code(&error) == Some(405) => Ok(true),
         Err(source) => Err(AmqpError::Broker {
             operation: "check queue",
             source,
@@ -168,11 +165,18 @@ pub const PUBLISH_ATTEMPT_TIMEOUT: Duration = Duration::from_secs(15);
 impl Publisher {
     /// A publisher connecting to `url` (lazily, and again after a lost connection).
     pub fn new(url: &str, name: &str) -> Result<Publisher, AmqpError> {
-        let manager =
-            deadpool_lapin::Manager::new(with_frame_max(url), connection_properties(name));
-        let pool = deadpool_lapin::Pool::builder(manager)
+        let name = name.to_string();
+        let config = deadpool_lapin::Config {
+            url: Some(with_frame_max(url)),
+            pool: None,
+        };
+        let pool = config
+            .builder(
+                move || connection_properties(&name),
+                deadpool_lapin::Runtime::Tokio1,
+            )
+            .map_err(|e| AmqpError::Pool(e.to_string()))?
             .max_size(2)
-            .runtime(deadpool_lapin::Runtime::Tokio1)
             .build()
             .map_err(|e| AmqpError::Pool(e.to_string()))?;
         Ok(Publisher {
@@ -215,15 +219,19 @@ impl Publisher {
     pub async fn close(&self) {
         let work = async {
             if let Some((object, channel)) = self.channel.lock().await.take() {
-                let _ = channel.close(200, "bye").await;
-                let _ = deadpool_lapin::Object::take(object).close(200, "bye").await;
+                let _ = channel.close(200, "bye".into()).await;
+                let _ = deadpool_lapin::Object::take(object)
+                    .close(200, "bye".into())
+                    .await;
             }
             // The idle pooled connections, taken out of the pool so none is made anew.
             for _ in 0..self.pool.status().available {
                 let Ok(object) = self.pool.get().await else {
                     break;
                 };
-                let _ = deadpool_lapin::Object::take(object).close(200, "bye").await;
+                let _ = deadpool_lapin::Object::take(object)
+                    .close(200, "bye".into())
+                    .await;
             }
         };
         let _ = tokio::time::timeout(CONFIRM_TIMEOUT, work).await;
@@ -257,12 +265,12 @@ impl Publisher {
             let mut depths = Vec::with_capacity(names.len());
             for name in names {
                 let queue = channel
-                    .queue_declare(name, passive, FieldTable::default())
+                    .queue_declare(name.as_str().into(), passive, FieldTable::default())
                     .await
                     .map_err(broker("read queue depth"))?;
                 depths.push((name.clone(), queue.message_count()));
             }
-            let _ = channel.close(200, "done").await;
+            let _ = channel.close(200, "done".into()).await;
             Ok(depths)
         };
         tokio::time::timeout(SESSION_TIMEOUT, work)
@@ -315,7 +323,13 @@ impl Publisher {
             ..Default::default()
         };
         let confirm = channel
-            .basic_publish(exchange, routing_key, options, payload, properties)
+            .basic_publish(
+                exchange.into(),
+                routing_key.into(),
+                options,
+                payload,
+                properties,
+            )
             .await
             .map_err(|source| AmqpError::Broker {
                 operation: "publish",

@@ -174,8 +174,8 @@ pub async fn open_consumer(
             .map_err(broker("set prefetch"))?;
         let consumer = channel
             .basic_consume(
-                queue,
-                name,
+                queue.into(),
+                name.into(),
                 lapin::options::BasicConsumeOptions::default(),
                 FieldTable::default(),
             )
@@ -220,15 +220,17 @@ impl Session {
     pub async fn stop_consuming(&self) {
         let _ = tokio::time::timeout(
             SETTLE_TIMEOUT,
-            self.channel.basic_cancel(&self.tag, Default::default()),
+            self.channel
+                .basic_cancel(self.tag.as_str().into(), Default::default()),
         )
         .await;
     }
 
     /// Closes the channel and the connection with a goodbye, each within [`SETTLE_TIMEOUT`].
     pub async fn close(self) {
-        let _ = tokio::time::timeout(SETTLE_TIMEOUT, self.channel.close(200, "bye")).await;
-        let _ = tokio::time::timeout(SETTLE_TIMEOUT, self.connection.close(200, "bye")).await;
+        let _ = tokio::time::timeout(SETTLE_TIMEOUT, self.channel.close(200, "bye".into())).await;
+        let _ =
+            tokio::time::timeout(SETTLE_TIMEOUT, self.connection.close(200, "bye".into())).await;
     }
 }
 
@@ -434,9 +436,13 @@ pub async fn requeue(delivery: &Delivery) -> Result<(), String> {
     .await
 }
 
-async fn bounded(operation: impl Future<Output = lapin::Result<()>>) -> Result<(), String> {
+/// Runs one settling call within [`SETTLE_TIMEOUT`]. The client answers `false` when it sent
+/// nothing: the delivery was settled already, or its channel is gone (the broker then offers
+/// the message again), so that is not a success either.
+async fn bounded(operation: impl Future<Output = lapin::Result<bool>>) -> Result<(), String> {
     match tokio::time::timeout(SETTLE_TIMEOUT, operation).await {
-        Ok(Ok(())) => Ok(()),
+        Ok(Ok(true)) => Ok(()),
+        Ok(Ok(false)) => Err("the delivery was settled already, or its channel is closed".into()),
         Ok(Err(error)) => Err(error.to_string()),
         Err(_) => Err(format!("no answer within {SETTLE_TIMEOUT:?}")),
     }

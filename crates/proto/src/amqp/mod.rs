@@ -38,6 +38,15 @@ pub const DONE_MARKER_TTL_MS: i64 = 3600 * 1000;
 /// The limit on connecting, declaring the topology and starting a consumer.
 pub const SESSION_TIMEOUT: Duration = Duration::from_secs(30);
 
+/// The AMQP reply code of a broker refusal (404 not found, 405 locked, 406 precondition
+/// failed), or `None` for any other failure.
+pub fn refusal_code(error: &lapin::Error) -> Option<u16> {
+    match error.kind() {
+        lapin::ErrorKind::ProtocolError(refusal) => Some(refusal.get_id()),
+        _ => None,
+    }
+}
+
 /// A failed AMQP operation.
 #[derive(Debug, thiserror::Error)]
 pub enum AmqpError {

@@ -141,7 +141,7 @@ impl Topology {
         ];
         for (name, kind) in exchanges {
             channel
-                .exchange_declare(&name, kind, durable, FieldTable::default())
+                .exchange_declare(name.into(), kind, durable, FieldTable::default())
                 .await
                 .map_err(broker("declare exchange"))?;
         }
@@ -161,7 +161,7 @@ impl Topology {
         ];
         for (name, arguments) in queues {
             channel
-                .queue_declare(&name, queue, arguments)
+                .queue_declare(name.into(), queue, arguments)
                 .await
                 .map_err(broker("declare queue"))?;
         }
@@ -176,9 +176,9 @@ impl Topology {
         for (queue, exchange, key) in bindings {
             channel
                 .queue_bind(
-                    &queue,
-                    &exchange,
-                    key,
+                    queue.into(),
+                    exchange.into(),
+                    key.into(),
                     QueueBindOptions::default(),
                     FieldTable::default(),
                 )

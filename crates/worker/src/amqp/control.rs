@@ -58,15 +58,15 @@ impl Consume for Cancels {
         let opened = async {
             let (connection, channel) = amqp::connect_channel(&self.amqp_url, self.name()).await?;
             let queue = channel
-                .queue_declare("", amqp::exclusive_queue(), FieldTable::default())
+                .queue_declare("".into(), amqp::exclusive_queue(), FieldTable::default())
                 .await
                 .map_err(broker("declare control queue"))?;
             for key in ["cancel.*", "pause.*"] {
                 channel
                     .queue_bind(
-                        queue.name().as_str(),
-                        &self.topology.control(),
-                        key,
+                        queue.name().clone(),
+                        self.topology.control().into(),
+                        key.into(),
                         QueueBindOptions::default(),
                         FieldTable::default(),
                     )
@@ -85,8 +85,8 @@ impl Consume for Cancels {
             };
             let consumer = channel
                 .basic_consume(
-                    queue.name().as_str(),
-                    "control",
+                    queue.name().clone(),
+                    "control".into(),
                     no_ack,
                     FieldTable::default(),
                 )

@@ -308,8 +308,8 @@ impl PauseBook {
             );
             let mut consumer = channel
                 .basic_consume(
-                    &self.topology.pauses(),
-                    "pauses-catch-up",
+                    self.topology.pauses().into(),
+                    "pauses-catch-up".into(),
                     BasicConsumeOptions::default(),
                     arguments,
                 )
@@ -322,7 +322,7 @@ impl PauseBook {
                 // A stream keeps its messages: the ack only lets the next ones come.
                 let _ = delivery.acker.ack(BasicAckOptions::default()).await;
             }
-            let _ = channel.close(200, "caught up").await;
+            let _ = channel.close(200, "caught up".into()).await;
             Ok(())
         };
         tokio::time::timeout(CATCH_UP_LIMIT, read)

@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 use lapin::options::{QueueDeclareOptions, QueueDeleteOptions};
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{Channel, Connection};
-use proto::amqp::{self, AmqpError, Topology, DONE_MARKER_TTL_MS};
+use proto::amqp::{self, refusal_code, AmqpError, Topology, DONE_MARKER_TTL_MS};
 use tokio::sync::Mutex;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
@@ -156,7 +156,7 @@ impl Leases {
     pub async fn refresh(&self) -> Result<(), AmqpError> {
         self.bounded(async {
             let channel = self.channel().await?;
-            let _ = channel.close(200, "presence").await;
+            let _ = channel.close(200, "presence".into()).await;
             Ok(())
         })
         .await
@@ -207,14 +207,14 @@ impl Leases {
                 ..Default::default()
             };
             match channel
-                .queue_declare(lease, exclusive, FieldTable::default())
+                .queue_declare(lease.into(), exclusive, FieldTable::default())
                 .await
             {
                 Ok(_) => {
-                    let _ = channel.close(200, "leased").await;
+                    let _ = channel.close(200, "leased".into()).await;
                     Ok(true)
                 }
-                Err(lapin::Error::ProtocolError(error)) if error.get_id() == 405 => Ok(false),
+                Err(error) if refusal_code(&error) == Some(405) => Ok(false),
                 Err(source) => Err(AmqpError::Broker {
                     operation: "lease run",
                     source,
@@ -236,9 +236,9 @@ impl Leases {
             .bounded(async {
                 let channel = self.channel().await?;
                 let _ = channel
-                    .queue_delete(lease, QueueDeleteOptions::default())
+                    .queue_delete(lease.into(), QueueDeleteOptions::default())
                     .await;
-                let _ = channel.close(200, "released").await;
+                let _ = channel.close(200, "released".into()).await;
                 Ok(())
             })
             .await;
@@ -259,13 +259,13 @@ impl Leases {
         let declared = self.bounded(async {
             let channel = self.channel().await?;
             channel
-                .queue_declare(&self.topology.done(execution), durable, arguments)
+                .queue_declare(self.topology.done(execution).into(), durable, arguments)
                 .await
                 .map_err(|source| AmqpError::Broker {
                     operation: "mark run done",
                     source,
                 })?;
-            let _ = channel.close(200, "done").await;
+            let _ = channel.close(200, "done".into()).await;
             Ok(())
         });
         if let Err(error) = declared.await {
@@ -277,7 +277,8 @@ impl Leases {
     pub async fn close(&self) {
         if let Some(connection) = self.connection.lock().await.take() {
             let _ =
-                tokio::time::timeout(Duration::from_secs(5), connection.close(200, "bye")).await;
+                tokio::time::timeout(Duration::from_secs(5), connection.close(200, "bye".into()))
+                    .await;
         }
     }
 
@@ -310,7 +311,7 @@ impl Leases {
                 amqp::connect_channel(&self.amqp_url, "forgepool-worker-leases").await?;
             channel
                 .queue_declare(
-                    &self.topology.presence(&self.instance),
+                    self.topology.presence(&self.instance).into(),
                     amqp::exclusive_queue(),
                     FieldTable::default(),
                 )
@@ -339,9 +340,9 @@ impl Leases {
         for slot in self.slots.lock().await.iter() {
             if let Ok(channel) = connection.create_channel().await {
                 let _ = channel
-                    .queue_declare(slot, held, FieldTable::default())
+                    .queue_declare(slot.as_str().into(), held, FieldTable::default())
                     .await;
-                let _ = channel.close(200, "slot").await;
+                let _ = channel.close(200, "slot".into()).await;
             }
         }
         for run_id in self.in_flight.ids().await {
@@ -349,9 +350,9 @@ impl Leases {
             let taken = match connection.create_channel().await {
                 Ok(channel) => {
                     let taken = channel
-                        .queue_declare(&lease, held, FieldTable::default())
+                        .queue_declare(lease.as_str().into(), held, FieldTable::default())
                         .await;
-                    let _ = channel.close(200, "leased").await;
+                    let _ = channel.close(200, "leased".into()).await;
                     taken.map(|_| ())
                 }
                 Err(error) => Err(error),
@@ -359,7 +360,7 @@ impl Leases {
             match taken {
                 Ok(()) => {}
                 // Another worker holds the lease now: this execution is superseded.
-                Err(lapin::Error::ProtocolError(error)) if error.get_id() == 405 => {
+                Err(error) if refusal_code(&error) == Some(405) => {
                     self.in_flight.abandon(run_id).await;
                 }
                 Err(error) => {

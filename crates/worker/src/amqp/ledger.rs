@@ -6,7 +6,7 @@ use std::sync::Arc;
 use lapin::options::{QueueDeclareOptions, QueueDeleteOptions};
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{Channel, Connection};
-use proto::amqp::{self, AmqpError, Publisher, Topology};
+use proto::amqp::{self, refusal_code, AmqpError, Publisher, Topology};
 use proto::{Checkpoint, JobKey, Progress};
 use tracing::warn;
 
@@ -105,7 +105,10 @@ impl AmqpLedger {
         }
         let channel = self.channel(connection).await?;
         let message = channel
-            .basic_get(queue, lapin::options::BasicGetOptions { no_ack: false })
+            .basic_get(
+                queue.into(),
+                lapin::options::BasicGetOptions { no_ack: false },
+            )
             .await
             .map_err(|e| LedgerError(e.to_string()))?;
         let body = match message {
@@ -128,7 +131,7 @@ impl AmqpLedger {
             }
             None => None,
         };
-        let _ = channel.close(200, "read").await;
+        let _ = channel.close(200, "read".into()).await;
         Ok(body)
     }
 
@@ -147,14 +150,14 @@ impl AmqpLedger {
             ..Default::default()
         };
         channel
-            .queue_declare(queue, durable, arguments)
+            .queue_declare(queue.into(), durable, arguments)
             .await
             .map_err(|e| LedgerError(e.to_string()))?;
         channel
-            .queue_purge(queue, Default::default())
+            .queue_purge(queue.into(), Default::default())
             .await
             .map_err(|e| LedgerError(e.to_string()))?;
-        let _ = channel.close(200, "declared").await;
+        let _ = channel.close(200, "declared".into()).await;
         let signature = self.key.sign(&bound(queue, body));
         self.publisher
             .publish("", queue, body, Some(amqp::signature_headers(signature)))
@@ -214,16 +217,16 @@ impl AmqpLedger {
         for _ in 0..2 {
             let channel = self.channel(connection).await?;
             match channel
-                .queue_declare(queue, durable, arguments.clone())
+                .queue_declare(queue.into(), durable, arguments.clone())
                 .await
             {
                 Ok(_) => {
-                    let _ = channel.close(200, "declared").await;
+                    let _ = channel.close(200, "declared".into()).await;
                     return Ok(());
                 }
                 // Declared by an older version with other arguments: its progress is about
                 // to be replaced anyway.
-                Err(lapin::Error::ProtocolError(error)) if error.get_id() == 406 => {
+                Err(error) if refusal_code(&error) == Some(406) => {
                     self.delete(connection, queue).await?;
                 }
                 Err(error) => return Err(LedgerError(error.to_string())),
@@ -251,14 +254,14 @@ impl AmqpLedger {
     async fn delete(&self, connection: &Connection, queue: &str) -> Result<(), LedgerError> {
         let channel = self.channel(connection).await?;
         match channel
-            .queue_delete(queue, QueueDeleteOptions::default())
+            .queue_delete(queue.into(), QueueDeleteOptions::default())
             .await
         {
             Ok(_) => {
-                let _ = channel.close(200, "deleted").await;
+                let _ = channel.close(200, "deleted".into()).await;
                 Ok(())
             }
-            Err(lapin::Error::ProtocolError(error)) if error.get_id() == 404 => Ok(()),
+            Err(error) if refusal_code(&error) == Some(404) => Ok(()),
             Err(error) => Err(LedgerError(error.to_string())),
         }
     }
@@ -315,7 +318,8 @@ impl AmqpLedger {
     /// Closes the kept connection with a goodbye (at shutdown).
     pub async fn close(&self) {
         if let Some(connection) = self.connection.lock().await.take() {
-            let _ = tokio::time::timeout(amqp::SETTLE_TIMEOUT, connection.close(200, "bye")).await;
+            let _ = tokio::time::timeout(amqp::SETTLE_TIMEOUT, connection.close(200, "bye".into()))
+                .await;
         }
     }
 }
