@@ -514,15 +514,15 @@ async fn a_sqlite_store_of_the_previous_release_is_migrated() {
         .unwrap()
         .collect::<Result<_, _>>()
         .unwrap();
-    assert_eq!(versions, [1, 2]);
+    assert_eq!(versions, [1, 2, 3]);
     let index: i64 = connection
         .query_row(
-            "SELECT COUNT(*) FROM sqlite_master WHERE type = 'index' AND name = 'runs_by_state_and_change'",
+            "SELECT COUNT(*) FROM sqlite_master WHERE type = 'index' AND name IN ('runs_by_state_and_change', 'events_by_run_and_kind', 'runs_by_skill')",
             [],
             |r| r.get(0),
         )
         .unwrap();
-    assert_eq!(index, 1);
+    assert_eq!(index, 3);
 }
 
 /// The same for PostgreSQL.
@@ -556,15 +556,15 @@ async fn a_postgres_store_of_the_previous_release_is_migrated() {
         .iter()
         .map(|row| row.get(0))
         .collect();
-    assert_eq!(versions, [1, 2]);
+    assert_eq!(versions, [1, 2, 3]);
     let index = client
         .query_one(
-            "SELECT COUNT(*) FROM pg_indexes WHERE indexname = 'runs_by_state_and_change'",
+            "SELECT COUNT(*) FROM pg_indexes WHERE indexname IN ('runs_by_state_and_change', 'events_by_run_and_kind', 'runs_by_skill')",
             &[],
         )
         .await
         .unwrap();
-    assert_eq!(index.get::<_, i64>(0), 1);
+    assert_eq!(index.get::<_, i64>(0), 3);
     drop(client);
     let _ = driving.await;
     database.drop_database().await;

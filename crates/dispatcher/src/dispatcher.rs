@@ -8,7 +8,6 @@ use std::time::Duration;
 
 use proto::amqp::{self, AmqpError, Publisher, Topology};
 use proto::{Control, Event, EventKind, Job, RunRequest, RunState, SCHEMA_VERSION};
-use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 use uuid::Uuid;
@@ -63,6 +62,11 @@ pub enum ResumeFailure {
     Broker(AmqpError),
 }
 
+/// How many stored events the live channel of the event streams holds: a stream more than
+/// this far behind reads the rest from the store (the channel's memory is bounded whatever
+/// the streams do).
+pub const LIVE_EVENTS: usize = 1024;
+
 /// The shared state of the dispatcher's tasks and handlers.
 #[derive(Debug)]
 pub struct Dispatcher {
@@ -78,8 +82,16 @@ pub struct Dispatcher {
     pub(crate) allowed_schemes: Vec<String>,
     /// The bearer token, when authentication is on.
     pub api_token: Option<String>,
-    /// Bumped after every stored event; watchers wait on it.
-    pub events_stored: watch::Sender<u64>,
+    /// Every event stored, with its position, sent once to every open event stream: live
+    /// events reach watchers without a store read. A stream that falls behind the channel
+    /// (it holds [`LIVE_EVENTS`]) reads what it missed from the store instead.
+    pub events_stored: tokio::sync::broadcast::Sender<Arc<(i64, Event)>>,
+    /// Held from storing an event to sending it on [`Dispatcher::events_stored`], so that
+    /// the channel carries events in the order of their positions and a stream can tell a
+    /// repeat (at or below its position) from a new event.
+    pub(crate) event_order: tokio::sync::Mutex<()>,
+    /// The pool as last sampled (`GET /v1/pool`).
+    pub pool: std::sync::Mutex<proto::PoolView>,
     /// Whether the events consumer is connected (for `/readyz`).
     pub broker_ready: AtomicBool,
     /// Whether `/metrics` is served on a port of its own rather than the API's.
@@ -187,6 +199,7 @@ impl Dispatcher {
         event: &Event,
         repeats: bool,
     ) -> Result<bool, StoreError> {
+        let order = self.event_order.lock().await;
         let new = self.store.record_event(event).await?;
         if let (true, EventKind::Checkpoint { checkpoint }) = (new, &event.kind) {
             self.resumes.add(event.run_id, checkpoint);
@@ -208,7 +221,14 @@ impl Dispatcher {
                     ended.dropped.store(true, Ordering::SeqCst);
                 }
             }
-            self.events_stored.send_modify(|n| *n += 1);
+            // With no stream open there is no receiver, and nothing to send.
+            if self.events_stored.receiver_count() > 0 {
+                if let Ok(Some(position)) = self.store.position_of(event.event_id).await {
+                    // Sent to every stream open; each keeps only its run's.
+                    let _ = self.events_stored.send(Arc::new((position, event.clone())));
+                }
+            }
+            drop(order);
         }
         Ok(new)
     }

@@ -51,6 +51,7 @@ async fn rebuild(dispatcher: &Dispatcher) -> Result<(), crate::store::StoreError
         let filter = RunFilter {
             state: Some(RunState::Paused),
             ticket: None,
+            skill: None,
             limit: 200,
             cursor,
         };

@@ -11,7 +11,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use proto::amqp::{self, AmqpError, Publisher, Topology};
-use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{info, warn};
@@ -118,7 +117,7 @@ pub async fn run(
     info!(store = store.kind(), "run store open");
     let topology = Topology::new(&config.prefix);
     let publisher = Publisher::new(&config.amqp_url, "forgepool-dispatcher-publish")?;
-    let (events_stored, _) = watch::channel(0);
+    let (events_stored, _) = tokio::sync::broadcast::channel(crate::dispatcher::LIVE_EVENTS);
     let (ended, ended_runs) = ended_queue(config.webhooks);
     let dispatcher = Arc::new(Dispatcher {
         store,
@@ -130,6 +129,8 @@ pub async fn run(
         allowed_schemes: config.allowed_schemes,
         api_token: config.api_token,
         events_stored,
+        pool: std::sync::Mutex::default(),
+        event_order: tokio::sync::Mutex::default(),
         broker_ready: AtomicBool::new(false),
         metrics_apart: listeners.metrics.is_some(),
         topology_ready: AtomicBool::new(false),
@@ -273,21 +274,49 @@ async fn stop_server(
 /// Keeps `forge_queue_depth` and `forgepool_runs_by_state{state}` fresh.
 async fn refresh_gauges(dispatcher: Arc<Dispatcher>, shutdown: CancellationToken) {
     let queues = dispatcher.topology.watched_queues();
+    let jobs = dispatcher.topology.jobs();
     loop {
-        match dispatcher.publisher.queue_depths(&queues).await {
-            Ok(depths) => dispatcher.metrics.set_queue_depths(&depths),
+        let mut pool = proto::PoolView::default();
+        match dispatcher.publisher.queue_stats(&queues).await {
+            Ok(stats) => {
+                let depths: Vec<_> = stats
+                    .iter()
+                    .map(|(q, ready, _)| (q.clone(), *ready))
+                    .collect();
+                dispatcher.metrics.set_queue_depths(&depths);
+                if let Some((_, ready, consumers)) = stats.iter().find(|(q, _, _)| *q == jobs) {
+                    (pool.queue_depth, pool.workers) = (*ready, *consumers);
+                }
+            }
             Err(error) => warn!(%error, "cannot read queue depths"),
         }
         match dispatcher.store.count_by_state().await {
-            Ok(counts) => dispatcher.metrics.set_runs_by_state(&counts),
+            Ok(counts) => {
+                dispatcher.metrics.set_runs_by_state(&counts);
+                pool.busy_slots = counts
+                    .iter()
+                    .find(|(s, _)| *s == proto::RunState::Running)
+                    .map_or(0, |(_, n)| *n);
+                pool.runs_by_state = counts
+                    .iter()
+                    .map(|(s, n)| (s.as_str().to_string(), *n))
+                    .collect();
+            }
             Err(error) => warn!(%error, "cannot count runs by state"),
         }
         match dispatcher.store.queued_reasons().await {
-            Ok(reasons) => dispatcher
-                .metrics
-                .set_runs_waiting(&crate::store::waiting_by_profile(&reasons)),
+            Ok(reasons) => {
+                let waiting = crate::store::waiting_by_profile(&reasons);
+                dispatcher.metrics.set_runs_waiting(&waiting);
+                pool.waiting_for_profile = waiting
+                    .into_iter()
+                    .map(|(p, n)| (p, n.max(0) as u64))
+                    .collect();
+            }
             Err(error) => warn!(%error, "cannot count runs waiting for profiles"),
         }
+        pool.sampled_at = Some(proto::timestamp_now());
+        *dispatcher.pool.lock().unwrap_or_else(|e| e.into_inner()) = pool;
         tokio::select! {
             () = tokio::time::sleep(GAUGE_INTERVAL) => {},
             () = shutdown.cancelled() => return,

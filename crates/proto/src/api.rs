@@ -84,6 +84,66 @@ pub struct RunSummary {
     pub created_at: String,
     /// When it last changed.
     pub updated_at: String,
+    /// The skill.
+    #[serde(default)]
+    pub skill: String,
+    /// The implementer's agent profile.
+    #[serde(default)]
+    pub profile: String,
+    /// Completed implementation rounds (known once the run ended).
+    #[serde(default)]
+    pub rounds: u32,
+    /// Review cycle files collected so far.
+    #[serde(default)]
+    pub cycles: u32,
+}
+
+/// `GET /v1/pool`: the pool at a glance, as the dispatcher last sampled it (every few
+/// seconds).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct PoolView {
+    /// Jobs ready on the jobs queue, waiting for a free run slot.
+    pub queue_depth: u32,
+    /// Workers consuming the jobs queue.
+    pub workers: u32,
+    /// Runs in a worker's slot now (state `running`).
+    pub busy_slots: u64,
+    /// How many runs are in each state; states with none are left out.
+    pub runs_by_state: std::collections::BTreeMap<String, u64>,
+    /// Queued runs waiting for an agent profile's cap (`max_concurrent`), by profile.
+    pub waiting_for_profile: std::collections::BTreeMap<String, u64>,
+    /// When this was sampled (RFC 3339); absent before the first sample.
+    pub sampled_at: Option<String>,
+}
+
+/// `GET /v1/runs/{id}/timeline`: what a run page shows besides the run itself, bounded
+/// whatever the run printed: its stage, state, check, cycle, cancel, pull-request and
+/// webhook events (at most [`TIMELINE_EVENTS`]), and the tail of its log.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct RunTimeline {
+    /// The events, oldest first, each with its position.
+    pub events: Vec<PositionedEvent>,
+    /// The last `log` events (at most `log_lines`), oldest first.
+    pub log_tail: Vec<PositionedEvent>,
+    /// The highest position among both: pass it as `Last-Event-ID` to the event stream to
+    /// get what follows.
+    pub last_position: i64,
+}
+
+/// The most events [`RunTimeline::events`] holds.
+pub const TIMELINE_EVENTS: u32 = 5000;
+
+/// An event with its position in the run's stream (the `id` of its Server-Sent Event).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct PositionedEvent {
+    /// The position.
+    pub position: i64,
+    /// The event, as the event stream sends it.
+    #[cfg_attr(feature = "openapi", schema(value_type = Object))]
+    pub event: crate::Event,
 }
 
 /// `GET /v1/runs`: a page of runs, newest first.

@@ -175,6 +175,7 @@ impl Phase {
 
 /// A validated report.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct FinalReport {
     /// `approved` or `changes_required`.
     pub approved: bool,
@@ -186,6 +187,7 @@ pub struct FinalReport {
 
 /// One finding of the report.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields)]
 pub struct Finding {
     /// `low`, `medium`, `high` or `critical`.

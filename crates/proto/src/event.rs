@@ -387,6 +387,30 @@ pub struct RunResult {
     /// What the run's stages said they spent, summed; absent when none said.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub usage: Option<crate::UsageTotals>,
+    /// The delivered change from the base, as a unified diff (at most [`MAX_CHANGE_BYTES`];
+    /// a longer one is cut at a line and says so); absent when nothing was delivered.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub change: Option<String>,
+    /// The independent final review's report, when one was accepted.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub final_review: Option<crate::FinalReport>,
+}
+
+/// The most bytes of a delivered change [`RunResult::change`] carries.
+pub const MAX_CHANGE_BYTES: usize = 512 * 1024;
+
+/// `diff` cut to [`MAX_CHANGE_BYTES`] at the end of a line, with a last line saying so.
+pub fn cut_change(mut diff: String) -> String {
+    if diff.len() <= MAX_CHANGE_BYTES {
+        return diff;
+    }
+    let total = diff.len();
+    let end = diff[..MAX_CHANGE_BYTES].rfind('\n').map_or(0, |at| at + 1);
+    diff.truncate(end);
+    diff.push_str(&format!(
+        "[forgepool: the change is {total} bytes; the first {end} are shown]\n"
+    ));
+    diff
 }
 
 #[cfg(test)]

@@ -18,17 +18,18 @@ mod state;
 mod usage;
 
 pub use api::{
-    CancelAnswer, CancelProgress, Control, ControlAction, Problem, Readiness, ResumeAnswer,
-    RunList, RunSummary, RunView, StateChange, SubmitResponse, PROBLEM_CONTENT_TYPE,
+    CancelAnswer, CancelProgress, Control, ControlAction, PoolView, PositionedEvent, Problem,
+    Readiness, ResumeAnswer, RunList, RunSummary, RunTimeline, RunView, StateChange,
+    SubmitResponse, PROBLEM_CONTENT_TYPE, TIMELINE_EVENTS,
 };
 pub use checkpoint::{
     Checkpoint, FailureSignature, FinalReport, Finding, Limits, LoopState, MachineState, Phase,
     Progress, ReviewReceipt, RoundReason,
 };
 pub use event::{
-    latest_checkpoint, resumed_event, CheckResult, CycleOrigin, CycleRecord, Event, EventKind,
-    LogStream, RoundRecord, RunResult, Stage, StageOutcome, AUTO_RESUMED_REASON,
-    MAX_CHECKPOINT_PATCH_BYTES, RESUMED_REASON,
+    cut_change, latest_checkpoint, resumed_event, CheckResult, CycleOrigin, CycleRecord, Event,
+    EventKind, LogStream, RoundRecord, RunResult, Stage, StageOutcome, AUTO_RESUMED_REASON,
+    MAX_CHANGE_BYTES, MAX_CHECKPOINT_PATCH_BYTES, RESUMED_REASON,
 };
 pub use job::{check_egress_entry, AgentProfile, Job, Network, ReviewConfig, DEFAULT_DISK_BYTES};
 pub use request::{AgentChoice, Assurance, RepositoryRef, RunRequest, VerifyCommand};

@@ -796,6 +796,8 @@ mod tests {
                 result: RunResult {
                     pull_request: None,
                     usage: None,
+                    change: None,
+                    final_review: None,
                     state: RunState::Delivered,
                     reason: "ok".into(),
                     branch: Some("forge/shop-1".into()),

@@ -231,7 +231,8 @@ impl<R: ContainerRuntime> Engine<R> {
                     info!("run interrupted; handing it back");
                     return Ok(Execution::HandedBack);
                 };
-                let result = run.result(state, &reason);
+                let mut result = run.result(state, &reason);
+                result.change = run.change().await;
                 // The run ended or paused (with a checkpoint of its own): its progress is done
                 // with, and is forgotten while the result is published.
                 let run_key = job.run_id.to_string();

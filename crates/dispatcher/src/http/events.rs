@@ -9,6 +9,7 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use futures_util::Stream;
 use proto::{Problem, RunState};
+use tokio::sync::broadcast;
 use uuid::Uuid;
 
 use crate::dispatcher::Dispatcher;
@@ -19,11 +20,16 @@ use super::problem::Failure;
 use super::runs::record;
 use super::{EVENT_PAGE, MAX_STREAMS_PER_RUN};
 
-/// Where one Server-Sent Events stream is.
+/// Where one Server-Sent Events stream is. It reads what is stored page by page until it
+/// reaches the head, then takes live events from the dispatcher's broadcast (which carries
+/// them in position order); when it falls behind the broadcast it reads from the store again.
 struct Follow {
     _slot: StreamSlot,
     dispatcher: Arc<Dispatcher>,
-    wake: tokio::sync::watch::Receiver<u64>,
+    run_id: Uuid,
+    live: broadcast::Receiver<Arc<(i64, proto::Event)>>,
+    /// Reading from the store (from the start, or after falling behind the broadcast).
+    catching_up: bool,
     position: i64,
     finished: bool,
     paused: bool,
@@ -31,40 +37,67 @@ struct Follow {
 }
 
 impl Follow {
+    /// Queues `event` at `position` to be sent, and notes whether it ends or pauses the run.
+    fn push(&mut self, position: i64, event: &proto::Event) {
+        self.position = position;
+        if let proto::EventKind::State { state, .. } = &event.kind {
+            // A terminal state is final even if a late event follows it.
+            self.finished |= state.is_terminal();
+            self.paused = *state == RunState::Paused;
+        }
+        let data = serde_json::to_string(event).unwrap_or_default();
+        self.pending.push_back(
+            SseEvent::default()
+                .id(position.to_string())
+                .event(event.kind.name())
+                .data(data),
+        );
+    }
+
     /// Reads the next page of stored events into `pending` (one page at a time: the stream
     /// holds at most a page, whatever the run printed, and reads the next one only when the
     /// client has taken this one). Returns how many were read.
-    async fn read_page(&mut self, run_id: Uuid) -> usize {
+    async fn read_page(&mut self) -> usize {
         let stored = self
             .dispatcher
             .store
-            .events_page(run_id, self.position, EVENT_PAGE)
+            .events_page(self.run_id, self.position, EVENT_PAGE)
             .await
             .unwrap_or_default();
         let read = stored.len();
-        for (at, event) in stored {
-            self.position = at;
-            if let proto::EventKind::State { state, .. } = &event.kind {
-                // A terminal state is final even if a late event follows it.
-                self.finished |= state.is_terminal();
-                self.paused = *state == RunState::Paused;
-            }
-            let data = serde_json::to_string(&event).unwrap_or_default();
-            self.pending.push_back(
-                SseEvent::default()
-                    .id(at.to_string())
-                    .event(event.kind.name())
-                    .data(data),
-            );
+        for (at, event) in &stored {
+            self.push(*at, event);
         }
         read
     }
 
+    /// Waits up to a second for the next live event of this run and queues it. A repeat of
+    /// what was read from the store is skipped; falling behind the broadcast means reading
+    /// from the store again.
+    async fn take_live(&mut self) {
+        let stopping = self.dispatcher.stopping.clone();
+        let received = tokio::select! {
+            received = tokio::time::timeout(Duration::from_secs(1), self.live.recv()) => received,
+            () = stopping.cancelled() => return,
+        };
+        match received {
+            Ok(Ok(live)) => {
+                let (position, event) = &*live;
+                if event.run_id == self.run_id && *position > self.position {
+                    self.push(*position, event);
+                }
+            }
+            Ok(Err(broadcast::error::RecvError::Lagged(_))) => self.catching_up = true,
+            Ok(Err(broadcast::error::RecvError::Closed)) => self.finished = true,
+            Err(_) => {}
+        }
+    }
+
     /// Whether the run is paused now (a resume starts a new stream).
-    async fn still_paused(&self, run_id: Uuid) -> bool {
+    async fn still_paused(&self) -> bool {
         self.dispatcher
             .store
-            .get_run(run_id)
+            .get_run(self.run_id)
             .await
             .ok()
             .flatten()
@@ -116,11 +149,14 @@ pub(super) async fn events(
             None,
         )
     })?;
-    let wake = dispatcher.events_stored.subscribe();
+    // Subscribed before the first store read: whatever is stored after it arrives live.
+    let live = dispatcher.events_stored.subscribe();
     let follow = Follow {
         _slot: slot,
         dispatcher,
-        wake,
+        run_id,
+        live,
+        catching_up: true,
         position,
         finished: false,
         paused: paused_at_start,
@@ -137,22 +173,20 @@ pub(super) async fn events(
             if follow.finished || follow.dispatcher.stopping.is_cancelled() {
                 return None;
             }
-            follow.wake.borrow_and_update();
-            let read = follow.read_page(run_id).await;
-            let full_page = read == EVENT_PAGE as usize;
-            if read == 0 && ended_at_start {
-                return None;
-            }
-            if follow.pending.is_empty() && follow.paused && follow.still_paused(run_id).await {
-                return None;
-            }
-            if follow.pending.is_empty() && !full_page {
-                let stopping = follow.dispatcher.stopping.clone();
-                tokio::select! {
-                    _ = tokio::time::timeout(Duration::from_secs(1), follow.wake.changed()) => {},
-                    () = stopping.cancelled() => {},
+            if follow.catching_up {
+                if follow.read_page().await == EVENT_PAGE as usize {
+                    continue;
                 }
+                follow.catching_up = false;
+                // A run that had ended when the stream began ends with what is stored.
+                follow.finished |= ended_at_start;
+                continue;
             }
+            // Everything stored is sent: a paused run's stream ends here.
+            if follow.paused && follow.still_paused().await {
+                return None;
+            }
+            follow.take_live().await;
         }
     });
     // A comment first: the response starts at once, even for a run with nothing stored yet,

@@ -5,10 +5,12 @@
 
 mod body;
 mod events;
+mod glance;
 mod health;
 mod openapi;
 mod problem;
 mod runs;
+mod view;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -47,6 +49,8 @@ pub fn router(dispatcher: Arc<Dispatcher>) -> Router {
         .route("/v1/runs", post(submit).get(list))
         .route("/v1/runs/{id}", get(show))
         .route("/v1/runs/{id}/events", get(events))
+        .route("/v1/runs/{id}/timeline", get(glance::timeline))
+        .route("/v1/pool", get(glance::pool))
         .route("/v1/runs/{id}/cancel", post(cancel))
         .route("/v1/runs/{id}/resume", post(resume))
         .route_layer(middleware::from_fn_with_state(
@@ -55,6 +59,7 @@ pub fn router(dispatcher: Arc<Dispatcher>) -> Router {
         ));
     let routes = Router::new()
         .merge(api)
+        .merge(view::routes())
         .fallback(unknown_route)
         .route("/v1/openapi.json", get(openapi))
         .route("/healthz", get(healthz))

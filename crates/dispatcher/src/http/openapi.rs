@@ -5,7 +5,7 @@
 use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
 use utoipa::{Modify, OpenApi};
 
-use super::{events, health, runs};
+use super::{events, glance, health, runs};
 
 /// The document's description: the rules a schema cannot state.
 const DESCRIPTION: &str = "forgepool's dispatcher: submit coding-agent runs, follow their \
@@ -17,7 +17,7 @@ ticket's project, an agent profile the agents file does not define, a repository
 scheme is not allowed (`FORGEPOOL_ALLOWED_URL_SCHEMES`) or that is not a git URL, a ref git \
 would refuse, a brief of only white space, or a command whose program is empty. `413` means \
 the body is over 1 MiB.\n\nWhen the dispatcher has a token (`FORGEPOOL_API_TOKEN`), every \
-`/v1/runs` request needs `Authorization: Bearer TOKEN`.";
+`/v1` request but this document needs `Authorization: Bearer TOKEN`.";
 
 #[derive(OpenApi)]
 #[openapi(
@@ -27,6 +27,8 @@ the body is over 1 MiB.\n\nWhen the dispatcher has a token (`FORGEPOOL_API_TOKEN
         runs::list,
         runs::show,
         events::events,
+        glance::timeline,
+        glance::pool,
         runs::cancel,
         runs::resume,
         health::healthz,
@@ -38,6 +40,7 @@ the body is over 1 MiB.\n\nWhen the dispatcher has a token (`FORGEPOOL_API_TOKEN
     security(("bearer" = [])),
     tags(
         (name = "runs", description = "runs and their events"),
+        (name = "pool", description = "the pool at a glance"),
         (name = "service", description = "health, readiness and metrics (no token)"),
     )
 )]
@@ -99,6 +102,12 @@ mod tests {
                 "post",
                 &["202", "400", "401", "404", "409", "500", "503"],
             ),
+            (
+                "/v1/runs/{id}/timeline",
+                "get",
+                &["200", "400", "401", "404", "500"],
+            ),
+            ("/v1/pool", "get", &["200", "401"]),
             ("/healthz", "get", &["200"]),
             ("/readyz", "get", &["200", "503"]),
             ("/metrics", "get", &["200"]),

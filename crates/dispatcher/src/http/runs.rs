@@ -240,6 +240,7 @@ fn none_match(value: &str, tag: &str) -> bool {
 pub(super) struct ListQuery {
     state: Option<String>,
     ticket: Option<String>,
+    skill: Option<String>,
     limit: Option<String>,
     cursor: Option<String>,
 }
@@ -252,6 +253,7 @@ pub(super) struct ListQuery {
     params(
         ("state" = Option<RunState>, Query, description = "only runs in this state"),
         ("ticket" = Option<String>, Query, description = "only runs of this ticket"),
+        ("skill" = Option<String>, Query, description = "only runs of this skill"),
         ("limit" = Option<u32>, Query, minimum = 1, maximum = 500, description = "at most this many runs (50 by default)"),
         ("cursor" = Option<String>, Query, pattern = r"^[1-9][0-9]{0,17}$", description = "the `next_cursor` of the page before"),
     ),
@@ -311,6 +313,7 @@ pub(super) async fn list(
     let filter = RunFilter {
         state,
         ticket: query.ticket.filter(|t| !t.is_empty()),
+        skill: query.skill.filter(|s| !s.is_empty()),
         limit,
         cursor,
     };

@@ -280,7 +280,35 @@ pub trait RunStore: Send + Sync + 'static {
         after: i64,
         limit: u32,
     ) -> impl Future<Output = Result<Vec<(i64, Event)>, StoreError>> + Send;
+    /// The position of a stored event, by its id.
+    fn position_of(
+        &self,
+        event_id: Uuid,
+    ) -> impl Future<Output = Result<Option<i64>, StoreError>> + Send;
+    /// A run's events of the given kinds, oldest first: the first `limit` of them, or with
+    /// `newest` the last `limit` (a log's tail). Read through the `(run, kind, position)`
+    /// index, so a run's long log costs nothing to skip.
+    fn events_of_kinds(
+        &self,
+        run_id: Uuid,
+        kinds: &'static [&'static str],
+        newest: bool,
+        limit: u32,
+    ) -> impl Future<Output = Result<Vec<(i64, Event)>, StoreError>> + Send;
 }
+
+/// The event kinds a run page's timeline is made of: everything but the log, the
+/// heartbeats, the checkpoints and the result (which the run itself carries).
+pub const TIMELINE_KINDS: &[&str] = &[
+    "state",
+    "stage_started",
+    "stage_finished",
+    "check",
+    "cycle",
+    "cancel_requested",
+    "pull_request",
+    "webhook",
+];
 
 /// What [`RunStore::prune`] deletes. Only runs in a terminal state are touched, and only by
 /// the time of their last change as stored (`updated_at`, RFC 3339: the time of the event
@@ -318,6 +346,8 @@ pub struct RunFilter {
     pub state: Option<RunState>,
     /// Only runs of this ticket.
     pub ticket: Option<String>,
+    /// Only runs of this skill.
+    pub skill: Option<String>,
     /// At most this many (1..=500).
     pub limit: u32,
     /// Continue after this cursor (the `next_cursor` of the page before).
@@ -436,6 +466,18 @@ impl RunStore for Store {
         limit: u32,
     ) -> Result<Vec<(i64, Event)>, StoreError> {
         delegate!(self, s => s.events_page(run_id, after, limit).await)
+    }
+    async fn position_of(&self, event_id: Uuid) -> Result<Option<i64>, StoreError> {
+        delegate!(self, s => s.position_of(event_id).await)
+    }
+    async fn events_of_kinds(
+        &self,
+        run_id: Uuid,
+        kinds: &'static [&'static str],
+        newest: bool,
+        limit: u32,
+    ) -> Result<Vec<(i64, Event)>, StoreError> {
+        delegate!(self, s => s.events_of_kinds(run_id, kinds, newest, limit).await)
     }
 }
 

@@ -480,10 +480,16 @@ impl RunStore for PostgresStore {
                 .client()
                 .await?
                 .query(
-                    "SELECT seq, run_id, ticket, state, created_at, updated_at FROM runs
+                    "SELECT seq, run_id, ticket, state, created_at, updated_at,
+                            COALESCE(job::jsonb->>'skill', ''),
+                            COALESCE(job::jsonb->'implementer'->>'name', ''),
+                            COALESCE((result::jsonb->>'implementation_rounds')::BIGINT, 0),
+                            (SELECT COUNT(*) FROM cycles WHERE cycles.run_id = runs.run_id)
+                     FROM runs
                      WHERE seq < $1 AND ($2::TEXT IS NULL OR state = $2) AND ($3::TEXT IS NULL OR ticket = $3)
+                       AND ($5::TEXT IS NULL OR job::jsonb->>'skill' = $5)
                      ORDER BY seq DESC LIMIT $4",
-                    &[&cursor, &state, &filter.ticket, &(limit + 1)],
+                    &[&cursor, &state, &filter.ticket, &(limit + 1), &filter.skill],
                 )
                 .await?;
             let more = rows.len() as i64 > limit;
@@ -502,6 +508,10 @@ impl RunStore for PostgresStore {
                         state: RunState::parse(r.get(3))?,
                         created_at: r.get(4),
                         updated_at: r.get(5),
+                        skill: r.get(6),
+                        profile: r.get(7),
+                        rounds: u32::try_from(r.get::<_, i64>(8)).unwrap_or(0),
+                        cycles: u32::try_from(r.get::<_, i64>(9)).unwrap_or(0),
                     })
                 })
                 .collect();
@@ -626,6 +636,51 @@ impl RunStore for PostgresStore {
 
     async fn events(&self, run_id: Uuid, after: i64) -> Result<Vec<(i64, Event)>, StoreError> {
         self.events_page(run_id, after, u32::MAX).await
+    }
+
+    async fn position_of(&self, event_id: Uuid) -> Result<Option<i64>, StoreError> {
+        self.bounded(async {
+            let row = self
+                .client()
+                .await?
+                .query_opt(
+                    "SELECT position FROM events WHERE event_id = $1",
+                    &[&event_id.to_string()],
+                )
+                .await?;
+            Ok(row.map(|r| r.get(0)))
+        })
+        .await
+    }
+
+    async fn events_of_kinds(
+        &self,
+        run_id: Uuid,
+        kinds: &'static [&'static str],
+        newest: bool,
+        limit: u32,
+    ) -> Result<Vec<(i64, Event)>, StoreError> {
+        let order = if newest { "DESC" } else { "ASC" };
+        let query = format!("SELECT position, body FROM events WHERE run_id = $1 AND kind = ANY($2) ORDER BY position {order} LIMIT $3");
+        self.bounded(async {
+            let rows = self
+                .client()
+                .await?
+                .query(&query, &[&run_id.to_string(), &kinds, &i64::from(limit)])
+                .await?;
+            let mut events = rows
+                .iter()
+                .map(|r| {
+                    Ok((
+                        r.get::<_, i64>(0),
+                        serde_json::from_str(r.get::<_, &str>(1))?,
+                    ))
+                })
+                .collect::<Result<Vec<(i64, Event)>, StoreError>>()?;
+            events.sort_by_key(|(position, _)| *position);
+            Ok(events)
+        })
+        .await
     }
 
     async fn events_page(

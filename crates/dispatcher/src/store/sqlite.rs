@@ -334,9 +334,17 @@ impl RunStore for SqliteStore {
             let limit = filter.limit.clamp(1, 500);
             // The cursor is the rowid of the last run of the previous page.
             let cursor: i64 = filter.cursor.unwrap_or(i64::MAX);
+            // Skill, profile and rounds are read from the stored job and result; the cycles
+            // are counted through the cycles table's key.
             let mut statement = c.prepare(
-                "SELECT rowid, run_id, ticket, state, created_at, updated_at FROM runs
+                "SELECT rowid, run_id, ticket, state, created_at, updated_at,
+                        COALESCE(json_extract(job, '$.skill'), ''),
+                        COALESCE(json_extract(job, '$.implementer.name'), ''),
+                        COALESCE(json_extract(result, '$.implementation_rounds'), 0),
+                        (SELECT COUNT(*) FROM cycles WHERE cycles.run_id = runs.run_id)
+                 FROM runs
                  WHERE rowid < ?1 AND (?2 IS NULL OR state = ?2) AND (?3 IS NULL OR ticket = ?3)
+                   AND (?5 IS NULL OR json_extract(job, '$.skill') = ?5)
                  ORDER BY rowid DESC LIMIT ?4",
             )?;
             let rows = statement
@@ -345,17 +353,27 @@ impl RunStore for SqliteStore {
                         cursor,
                         filter.state.map(RunState::as_str),
                         filter.ticket,
-                        limit + 1
+                        limit + 1,
+                        filter.skill
                     ],
                     |r| {
-                        Ok((
-                            r.get::<_, i64>(0)?,
-                            r.get::<_, String>(1)?,
-                            r.get::<_, String>(2)?,
-                            r.get::<_, String>(3)?,
-                            r.get::<_, String>(4)?,
-                            r.get::<_, String>(5)?,
-                        ))
+                        let id: String = r.get(1)?;
+                        let state: String = r.get(3)?;
+                        let summary = match (Uuid::parse_str(&id), RunState::parse(&state)) {
+                            (Ok(run_id), Some(state)) => Some(RunSummary {
+                                run_id,
+                                ticket: r.get(2)?,
+                                state,
+                                created_at: r.get(4)?,
+                                updated_at: r.get(5)?,
+                                skill: r.get(6)?,
+                                profile: r.get(7)?,
+                                rounds: u32::try_from(r.get::<_, i64>(8)?).unwrap_or(0),
+                                cycles: u32::try_from(r.get::<_, i64>(9)?).unwrap_or(0),
+                            }),
+                            _ => None,
+                        };
+                        Ok((r.get::<_, i64>(0)?, summary))
                     },
                 )?
                 .collect::<Result<Vec<_>, _>>()?;
@@ -364,15 +382,7 @@ impl RunStore for SqliteStore {
             let next = if more { rows.last().map(|r| r.0) } else { None };
             let runs = rows
                 .into_iter()
-                .filter_map(|(_, id, ticket, state, created_at, updated_at)| {
-                    Some(RunSummary {
-                        run_id: Uuid::parse_str(&id).ok()?,
-                        ticket,
-                        state: RunState::parse(&state)?,
-                        created_at,
-                        updated_at,
-                    })
-                })
+                .filter_map(|(_, summary)| summary)
                 .collect();
             Ok((runs, next))
         })
@@ -487,6 +497,46 @@ impl RunStore for SqliteStore {
 
     async fn events(&self, run_id: Uuid, after: i64) -> Result<Vec<(i64, Event)>, StoreError> {
         self.events_page(run_id, after, u32::MAX).await
+    }
+
+    async fn position_of(&self, event_id: Uuid) -> Result<Option<i64>, StoreError> {
+        self.with(move |c| {
+            Ok(c.query_row(
+                "SELECT position FROM events WHERE event_id = ?1",
+                [event_id.to_string()],
+                |r| r.get(0),
+            )
+            .optional()?)
+        })
+        .await
+    }
+
+    async fn events_of_kinds(
+        &self,
+        run_id: Uuid,
+        kinds: &'static [&'static str],
+        newest: bool,
+        limit: u32,
+    ) -> Result<Vec<(i64, Event)>, StoreError> {
+        let kinds = serde_json::to_string(kinds)?;
+        self.with(move |c| {
+            let order = if newest { "DESC" } else { "ASC" };
+            let mut statement = c.prepare(&format!(
+                "SELECT position, body FROM events
+                 WHERE run_id = ?1 AND kind IN (SELECT value FROM json_each(?2))
+                 ORDER BY position {order} LIMIT ?3"
+            ))?;
+            let mut rows = statement
+                .query_map(params![run_id.to_string(), kinds, i64::from(limit)], |r| {
+                    Ok((r.get::<_, i64>(0)?, r.get::<_, String>(1)?))
+                })?
+                .collect::<Result<Vec<_>, _>>()?;
+            rows.sort_by_key(|(position, _)| *position);
+            rows.into_iter()
+                .map(|(position, body)| Ok((position, serde_json::from_str(&body)?)))
+                .collect()
+        })
+        .await
     }
 
     async fn events_page(

@@ -247,6 +247,19 @@ impl Publisher {
     /// The number of ready messages in each queue, read with passive declares on a channel of
     /// its own (a missing queue closes only that channel), within [`SESSION_TIMEOUT`].
     pub async fn queue_depths(&self, names: &[String]) -> Result<Vec<(String, u32)>, AmqpError> {
+        let stats = self.queue_stats(names).await?;
+        Ok(stats
+            .into_iter()
+            .map(|(name, ready, _)| (name, ready))
+            .collect())
+    }
+
+    /// Like [`Publisher::queue_depths`], with each queue's number of consumers:
+    /// `(queue, ready messages, consumers)`.
+    pub async fn queue_stats(
+        &self,
+        names: &[String],
+    ) -> Result<Vec<(String, u32, u32)>, AmqpError> {
         let broker = |operation| move |source| AmqpError::Broker { operation, source };
         let work = async {
             let connection = self
@@ -268,7 +281,7 @@ impl Publisher {
                     .queue_declare(name.as_str().into(), passive, FieldTable::default())
                     .await
                     .map_err(broker("read queue depth"))?;
-                depths.push((name.clone(), queue.message_count()));
+                depths.push((name.clone(), queue.message_count(), queue.consumer_count()));
             }
             let _ = channel.close(200, "done".into()).await;
             Ok(depths)

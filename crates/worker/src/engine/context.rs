@@ -370,6 +370,16 @@ impl<'a> RunContext<'a> {
             implementation_rounds: self.implementation_rounds,
             repair_history: self.rounds.clone(),
             review: final_review.to_string(),
+            change: None,
+            final_review: self.final_report.clone(),
         }
+    }
+
+    /// The delivered change from the base as a diff, cut to [`proto::MAX_CHANGE_BYTES`];
+    /// `None` when nothing was delivered or git could not tell.
+    pub(super) async fn change(&self) -> Option<String> {
+        let (_, commit, _) = self.delivered.as_ref()?;
+        let diff = git::diff(&self.repo, &self.base, commit).await.ok()?;
+        Some(proto::cut_change(diff))
     }
 }
