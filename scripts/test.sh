@@ -11,6 +11,7 @@ scripts/build-images.sh
 scripts/chart-check.sh
 scripts/forge-tools.sh
 scripts/api-tools.sh
+scripts/browser-tools.sh
 # The structural invariants of ARCHITECTURE.md (file and function sizes, where lapin and
 # bollard may appear, no circle of files).
 python3 scripts/structure-check.py

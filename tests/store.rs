@@ -703,3 +703,107 @@ async fn a_bad_database_url_names_the_setting() {
         "{error}"
     );
 }
+
+fn log(run_id: Uuid, n: usize) -> Event {
+    Event::new(
+        run_id,
+        EventKind::Log {
+            stage: proto::Stage::Implement,
+            stream: proto::LogStream::Stdout,
+            text: format!("line {n}\n"),
+        },
+    )
+}
+
+/// What the web view reads: the list's skill, profile and cycle count with a skill filter, a
+/// run's timeline without its log, its log's tail, and an event's position.
+async fn run_view_contract(url: &str) {
+    let store = Store::open(url).await.unwrap();
+    let run = job("VIEW-1", "2024-02-01T10:00:00Z");
+    store.insert_run(&run).await.unwrap();
+    let id = run.run_id;
+    let running = state(id, RunState::Running, "go");
+    store.record_event(&running).await.unwrap();
+    for n in 0..30 {
+        store.record_event(&log(id, n)).await.unwrap();
+    }
+    store.record_event(&cycle(id, 1, "REJECTED")).await.unwrap();
+    for n in 30..60 {
+        store.record_event(&log(id, n)).await.unwrap();
+    }
+    store.record_event(&cycle(id, 2, "APPROVED")).await.unwrap();
+
+    let filter = |skill: &str| RunFilter {
+        ticket: Some("VIEW-1".into()),
+        skill: Some(skill.into()),
+        limit: 10,
+        ..RunFilter::default()
+    };
+    let (listed, _) = store.list_runs(filter("implement-task")).await.unwrap();
+    assert_eq!(listed.len(), 1, "{listed:?}");
+    let summary = &listed[0];
+    assert_eq!(
+        (
+            summary.skill.as_str(),
+            summary.profile.as_str(),
+            summary.cycles,
+            summary.rounds
+        ),
+        ("implement-task", "i", 2, 0)
+    );
+    let (other, _) = store.list_runs(filter("review-only")).await.unwrap();
+    assert!(
+        other.is_empty(),
+        "the skill filter lets another skill's run through"
+    );
+
+    let timeline = store
+        .events_of_kinds(id, dispatcher::store::TIMELINE_KINDS, false, 100)
+        .await
+        .unwrap();
+    let kinds: Vec<&str> = timeline.iter().map(|(_, e)| e.kind.name()).collect();
+    assert_eq!(
+        kinds,
+        ["state", "cycle", "cycle"],
+        "the timeline holds no log line"
+    );
+    let tail = store.events_of_kinds(id, &["log"], true, 5).await.unwrap();
+    let lines: Vec<String> = tail
+        .iter()
+        .map(|(_, e)| match &e.kind {
+            EventKind::Log { text, .. } => text.trim().to_string(),
+            other => panic!("not a log line: {other:?}"),
+        })
+        .collect();
+    assert_eq!(
+        lines,
+        ["line 55", "line 56", "line 57", "line 58", "line 59"]
+    );
+    assert!(
+        tail.windows(2).all(|w| w[0].0 < w[1].0),
+        "the tail is oldest first"
+    );
+    let (position, last) = store.events(id, 0).await.unwrap().pop().unwrap();
+    assert_eq!(
+        store.position_of(last.event_id).await.unwrap(),
+        Some(position)
+    );
+    assert_eq!(store.position_of(Uuid::new_v4()).await.unwrap(), None);
+}
+
+/// Catches: a list that loses the skill, profile or cycle count, a skill filter that filters
+/// nothing, a timeline that carries the log (a run page would read every line), a log tail
+/// that is the log's head or out of order, and a live event sent at a wrong position.
+#[tokio::test]
+async fn the_sqlite_store_serves_the_run_view() {
+    let dir = tempfile::tempdir().unwrap();
+    run_view_contract(dir.path().join("runs.db").to_str().unwrap()).await;
+}
+
+/// The same for PostgreSQL.
+#[tokio::test]
+async fn the_postgres_store_serves_the_run_view() {
+    let database = TestDatabase::create().await;
+    run_view_contract(&database.url).await;
+    database.drop_database().await;
+}

@@ -32,7 +32,7 @@
   }
 
   function append(node, children) {
-    for (const child of children.flat()) {
+    for (const child of children.flat(Infinity)) {
       if (child === undefined || child === null || child === false) continue;
       node.append(typeof child === 'string' ? document.createTextNode(child) : child);
     }
@@ -56,7 +56,9 @@
 
   // ---------------------------------------------------------------- Markdown, safely
 
-  const INLINE = /(`+)([\s\S]*?[^`])\1(?!`)|!\[([^\]]*)\]\(([^)\s]*)[^)]*\)|\[([^\]]+)\]\(([^)\s]*)[^)]*\)|\*\*([^*]+)\*\*|__([^_]+)__|\*([^*\s][^*]*)\*|\b_([^_\s][^_]*)_\b/g;
+  // CommonMark's flanking rules, roughly: `_` and `__` neither open after nor close before a
+  // letter or digit (so `window.__name` stays as written), and no run opens or closes on space.
+  const INLINE = /(`+)([\s\S]*?[^`])\1(?!`)|!\[([^\]]*)\]\(([^)\s]*)[^)]*\)|\[([^\]]+)\]\(([^)\s]*)[^)]*\)|\*\*(?=\S)([^*]+?)(?<=\S)\*\*|(?<![\w])__(?=\S)([^_]+?)(?<=\S)__(?![\w])|\*(?=[^*\s])([^*]+?)(?<=\S)\*|(?<![\w])_(?=[^_\s])([^_]+?)(?<=\S)_(?![\w])/g;
 
   /** Inline Markdown as nodes: code, images (as their address), links, strong, emphasis. */
   function inline(text) {
@@ -106,6 +108,18 @@
         continue;
       }
       if (/^\s*([-*_])(\s*\1){2,}\s*$/.test(line)) { flush(); out.append(el('hr')); i += 1; continue; }
+      if (/^\s*\|/.test(line) && i + 1 < lines.length && /^\s*\|?\s*:?-+:?\s*(\|\s*:?-+:?\s*)*\|?\s*$/.test(lines[i + 1])) {
+        flush();
+        const cells = (row) => row.trim().replace(/^\|/, '').replace(/\|$/, '').split('|').map((cell) => cell.trim());
+        const head = cells(line);
+        const rows = [];
+        i += 2;
+        while (i < lines.length && /^\s*\|/.test(lines[i])) rows.push(cells(lines[i++]));
+        out.append(el('div', { class: 'table-wrap' }, el('table', null,
+          el('thead', null, el('tr', null, head.map((cell) => el('th', { scope: 'col' }, inline(cell))))),
+          el('tbody', null, rows.map((row) => el('tr', null, row.map((cell) => el('td', null, inline(cell)))))))));
+        continue;
+      }
       const item = line.match(/^\s*([-*+]|\d+[.)])\s+(.*)$/);
       if (item) {
         flush();
@@ -494,7 +508,8 @@
   }
 
   function take(model, event) {
-    const kind = event.kind || {};
+    // An event's kind and its fields are in the event itself (`type`, `state`, `stage`…).
+    const kind = event;
     switch (kind.type) {
       case 'state':
         model.items.push({ kind: 'state', state: kind.state, reason: kind.reason, time: event.time });
@@ -599,7 +614,7 @@
         } else if (changed === 'timeline') {
           drawBody();
         }
-        const type = event.kind && event.kind.type;
+        const type = event.type;
         if (type === 'state' || type === 'cycle' || type === 'result' || type === 'pull_request') reload();
       }, new AbortController().signal).then(() => { following = false; reload(); });
     };
@@ -607,6 +622,8 @@
     drawBody();
     drawLog();
     live();
+    showPool();
+    setInterval(() => { if (!document.hidden) showPool(); }, REFRESH_MS);
     // The running stage's elapsed time, in place.
     setInterval(() => {
       for (const span of main.querySelectorAll('.elapsed[data-since]')) {

@@ -405,7 +405,11 @@ pub fn cut_change(mut diff: String) -> String {
         return diff;
     }
     let total = diff.len();
-    let end = diff[..MAX_CHANGE_BYTES].rfind('\n').map_or(0, |at| at + 1);
+    let mut limit = MAX_CHANGE_BYTES;
+    while !diff.is_char_boundary(limit) {
+        limit -= 1;
+    }
+    let end = diff[..limit].rfind('\n').map_or(0, |at| at + 1);
     diff.truncate(end);
     diff.push_str(&format!(
         "[forgepool: the change is {total} bytes; the first {end} are shown]\n"
@@ -416,6 +420,23 @@ pub fn cut_change(mut diff: String) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Catches: a long change kept whole in the result (and the event, and the store), or cut
+    /// inside a line or a character.
+    #[test]
+    fn a_long_change_is_cut_at_a_line_and_says_so() {
+        let short = "+ä\n".repeat(10);
+        assert_eq!(cut_change(short.clone()), short);
+        let long = "+ä line\n".repeat(MAX_CHANGE_BYTES / 4);
+        let cut = cut_change(long.clone());
+        let (kept, note) = cut.trim_end().rsplit_once('\n').unwrap();
+        assert!(kept.len() < MAX_CHANGE_BYTES && long.starts_with(kept));
+        assert!(kept.ends_with("+ä line"), "cut inside a line");
+        assert!(
+            note.contains(&format!("the change is {} bytes", long.len())),
+            "{note}"
+        );
+    }
 
     #[test]
     fn events_are_tagged_and_routed_by_kind() {

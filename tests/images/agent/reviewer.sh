@@ -9,6 +9,8 @@
 #   flood-line   prints 200 MB without a newline, then exits 0 (no verdict)
 #   flood-lines  prints 60 MB of short lines (two million), then APPROVED
 #   flood-forever  prints short lines until it is stopped
+#   hostile URL  REJECTED on cycle 1 with feedback that would run script and load URL if a
+#             page ever took it as markup (the web view must show it as text), APPROVED after
 #   leak      puts $AGENT_SECRET in its verdicts: REJECTED on cycle 1, APPROVED after (it must
 #             come back redacted everywhere)
 set -eu
@@ -36,6 +38,13 @@ case "$mode" in
       printf 'REJECTED\nthe key %s is hard-coded\n' "${AGENT_SECRET:-unset}"
     else
       printf 'key %s checked. APPROVED\n' "${AGENT_SECRET:-unset}"
+    fi
+    ;;
+  hostile)
+    if [ "$FORGE_CYCLE" = 1 ]; then
+      printf 'REJECTED\n<script>window.__pwned = 1</script>\n![tracker](%s)\n<img src="%s" onerror="window.__pwned = 2">\n[a link](javascript:window.__pwned=3)\n**Fix the error handling.**\n' "$2" "$2"
+    else
+      echo "APPROVED"
     fi
     ;;
   *) echo "unknown mode $mode" >&2; exit 64 ;;

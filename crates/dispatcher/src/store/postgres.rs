@@ -39,35 +39,6 @@ mod migrations {
 /// How long the migrations of one start may take (an index on a big table takes a while).
 const MIGRATION_TIMEOUT: Duration = Duration::from_secs(600);
 
-/// Whether opening should try again after `error`: the server is not there yet (the
-/// connection is refused or reset, or it is starting up), rather than refusing us for good (a
-/// password, a `pg_hba.conf` rule, a certificate, a migration).
-fn worth_waiting(error: &StoreError) -> bool {
-    match error {
-        StoreError::Unavailable(_) => true,
-        StoreError::Postgres(error) => {
-            if error.code() == Some(&tokio_postgres::error::SqlState::CANNOT_CONNECT_NOW) {
-                return true;
-            }
-            let mut cause: Option<&(dyn std::error::Error + 'static)> = Some(error);
-            while let Some(current) = cause {
-                if let Some(io) = current.downcast_ref::<std::io::Error>() {
-                    return matches!(
-                        io.kind(),
-                        std::io::ErrorKind::ConnectionRefused
-                            | std::io::ErrorKind::ConnectionReset
-                            | std::io::ErrorKind::ConnectionAborted
-                            | std::io::ErrorKind::UnexpectedEof
-                    );
-                }
-                cause = current.source();
-            }
-            false
-        }
-        _ => false,
-    }
-}
-
 /// The PostgreSQL run store.
 #[derive(Clone)]
 pub struct PostgresStore {
@@ -129,7 +100,9 @@ impl PostgresStore {
         loop {
             match store.create_schema().await {
                 Ok(()) => return Ok(store),
-                Err(error) if started.elapsed() < OPEN_PATIENCE && worth_waiting(&error) => {
+                Err(error)
+                    if started.elapsed() < OPEN_PATIENCE && super::tls::worth_waiting(&error) =>
+                {
                     tracing::warn!(%error, target = %target, "PostgreSQL not ready yet; retrying");
                     tokio::time::sleep(Duration::from_secs(1)).await;
                 }
@@ -171,6 +144,26 @@ impl PostgresStore {
             deadpool_postgres::PoolError::Backend(error) => StoreError::Postgres(error),
             other => StoreError::Unavailable(format!("no connection to {}: {other}", self.target)),
         })
+    }
+
+    /// Events as `query` selects them: `(position, body)` rows, decoded.
+    async fn read_events(
+        &self,
+        query: &str,
+        params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
+    ) -> Result<Vec<(i64, Event)>, StoreError> {
+        self.bounded(async {
+            let rows = self.client().await?.query(query, params).await?;
+            rows.iter()
+                .map(|r| {
+                    Ok((
+                        r.get::<_, i64>(0),
+                        serde_json::from_str(r.get::<_, &str>(1))?,
+                    ))
+                })
+                .collect()
+        })
+        .await
     }
 
     async fn bounded<T>(
@@ -662,25 +655,11 @@ impl RunStore for PostgresStore {
     ) -> Result<Vec<(i64, Event)>, StoreError> {
         let order = if newest { "DESC" } else { "ASC" };
         let query = format!("SELECT position, body FROM events WHERE run_id = $1 AND kind = ANY($2) ORDER BY position {order} LIMIT $3");
-        self.bounded(async {
-            let rows = self
-                .client()
-                .await?
-                .query(&query, &[&run_id.to_string(), &kinds, &i64::from(limit)])
-                .await?;
-            let mut events = rows
-                .iter()
-                .map(|r| {
-                    Ok((
-                        r.get::<_, i64>(0),
-                        serde_json::from_str(r.get::<_, &str>(1))?,
-                    ))
-                })
-                .collect::<Result<Vec<(i64, Event)>, StoreError>>()?;
-            events.sort_by_key(|(position, _)| *position);
-            Ok(events)
-        })
-        .await
+        let mut events = self
+            .read_events(&query, &[&run_id.to_string(), &kinds, &i64::from(limit)])
+            .await?;
+        events.sort_by_key(|(position, _)| *position);
+        Ok(events)
     }
 
     async fn events_page(
@@ -689,18 +668,10 @@ impl RunStore for PostgresStore {
         after: i64,
         limit: u32,
     ) -> Result<Vec<(i64, Event)>, StoreError> {
-        self.bounded(async {
-            self.client()
-                .await?
-                .query(
-                    "SELECT position, body FROM events WHERE run_id = $1 AND position > $2 ORDER BY position LIMIT $3",
-                    &[&run_id.to_string(), &after, &i64::from(limit)],
-                )
-                .await?
-                .iter()
-                .map(|r| Ok((r.get::<_, i64>(0), serde_json::from_str(r.get::<_, &str>(1))?)))
-                .collect()
-        })
+        self.read_events(
+            "SELECT position, body FROM events WHERE run_id = $1 AND position > $2 ORDER BY position LIMIT $3",
+            &[&run_id.to_string(), &after, &i64::from(limit)],
+        )
         .await
     }
 }

@@ -4,6 +4,8 @@
 //! certificate is not checked, as libpq does without a root certificate) or `verify-full` (encrypted; the
 //! certificate must chain to `sslrootcert`, a PEM file, or without it to the Mozilla roots,
 //! and must name the host). rustls, with the ring provider already in the build.
+//!
+//! Also which connection failures are worth waiting out while the server starts.
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -187,6 +189,35 @@ impl ServerCertVerifier for AnyCertificate {
 
     fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
         self.0.signature_verification_algorithms.supported_schemes()
+    }
+}
+
+/// Whether opening should try again after `error`: the server is not there yet (the
+/// connection is refused or reset, or it is starting up), rather than refusing us for good (a
+/// password, a `pg_hba.conf` rule, a certificate, a migration).
+pub(super) fn worth_waiting(error: &super::StoreError) -> bool {
+    match error {
+        super::StoreError::Unavailable(_) => true,
+        super::StoreError::Postgres(error) => {
+            if error.code() == Some(&tokio_postgres::error::SqlState::CANNOT_CONNECT_NOW) {
+                return true;
+            }
+            let mut cause: Option<&(dyn std::error::Error + 'static)> = Some(error);
+            while let Some(current) = cause {
+                if let Some(io) = current.downcast_ref::<std::io::Error>() {
+                    return matches!(
+                        io.kind(),
+                        std::io::ErrorKind::ConnectionRefused
+                            | std::io::ErrorKind::ConnectionReset
+                            | std::io::ErrorKind::ConnectionAborted
+                            | std::io::ErrorKind::UnexpectedEof
+                    );
+                }
+                cause = current.source();
+            }
+            false
+        }
+        _ => false,
     }
 }
 
