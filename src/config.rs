@@ -330,6 +330,33 @@ pub struct ClientArgs {
     /// The bearer token.
     #[arg(long = "api-token", env = ENV_API_TOKEN, hide_env_values = true)]
     pub api_token: Option<String>,
+    /// What to print: `text` for people, `json` for scripts (one JSON document; JSON lines,
+    /// one event each, for `watch`).
+    #[arg(long, short = 'o', value_enum, default_value = "text")]
+    pub output: OutputFormat,
+    /// Put each progress line's time (UTC) in front of it.
+    #[arg(long)]
+    pub timestamps: bool,
+    /// The longest a request to the dispatcher may take, in seconds (an event stream may stay
+    /// open longer: it only has to send something every this many seconds).
+    #[arg(long = "timeout", env = "FORGEPOOL_CLIENT_TIMEOUT", default_value = "30", value_parser = parse_client_timeout)]
+    pub timeout: Duration,
+}
+
+/// What the clients print.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum OutputFormat {
+    /// Lines for people: a spinner and colours on a terminal, plain lines elsewhere.
+    Text,
+    /// JSON for scripts.
+    Json,
+}
+
+fn parse_client_timeout(text: &str) -> Result<Duration, String> {
+    match text.parse::<u64>() {
+        Ok(seconds) if (1..=3600).contains(&seconds) => Ok(Duration::from_secs(seconds)),
+        _ => Err(format!("--timeout must be 1 to 3600 seconds, got {text:?}")),
+    }
 }
 
 fn parse_prefix(text: &str) -> Result<String, String> {

@@ -52,10 +52,23 @@ enum Command {
         #[command(flatten)]
         client: config::ClientArgs,
     },
-    /// Show a run, or list the latest runs.
+    /// Show a run, or list the latest runs (newest first, with column headers).
     Status {
         /// The run id; without it, the latest runs.
         run_id: Option<String>,
+        /// List only runs in this state (queued, running, paused, delivered,
+        /// delivered_with_warnings, blocked, failed, cancelled).
+        #[arg(long)]
+        state: Option<String>,
+        /// List only runs of this ticket.
+        #[arg(long)]
+        ticket: Option<String>,
+        /// List only runs of this skill.
+        #[arg(long)]
+        skill: Option<String>,
+        /// List at most this many runs (1 to 500).
+        #[arg(long, default_value = "20", value_parser = clap::value_parser!(u32).range(1..=500))]
+        limit: u32,
         #[command(flatten)]
         client: config::ClientArgs,
     },
@@ -88,7 +101,53 @@ enum Command {
         #[command(flatten)]
         client: config::ClientArgs,
     },
+    /// Print a completion script for a shell, e.g. `forgepool completions bash >
+    /// /etc/bash_completion.d/forgepool`.
+    Completions {
+        /// The shell.
+        shell: clap_complete::Shell,
+    },
+    /// Print the manual page (roff), e.g. `forgepool man | man -l -`.
+    Man,
 }
+
+/// Writes the manual page on stdout.
+fn manual() -> i32 {
+    let command = <Cli as clap::CommandFactory>::command();
+    let mut page = Vec::new();
+    if let Err(error) = clap_mangen::Man::new(command).render(&mut page) {
+        eprintln!("error: cannot make the manual page: {error}");
+        return 1;
+    }
+    page.extend_from_slice(EXIT_STATUS_SECTION.as_bytes());
+    use std::io::Write;
+    match std::io::stdout().write_all(&page) {
+        Ok(()) => 0,
+        Err(_) => 1,
+    }
+}
+
+/// The manual's exit codes, after clap's sections.
+const EXIT_STATUS_SECTION: &str = r#".SH "EXIT STATUS"
+.TP
+0
+the run was delivered (with or without warnings), or the command did what it was asked
+.TP
+1
+the run failed or was cancelled, or the dispatcher failed the request
+.TP
+2
+invalid input or configuration (a field, a file, a setting), or the dispatcher refused the request
+.TP
+3
+the run is blocked
+.TP
+69
+the dispatcher cannot be reached (no connection, or no answer within \fB--timeout\fR)
+.TP
+75
+the run is paused (resume it with \fBforgepool resume\fR)
+"#;
 
 /// The stack of each of the runtime's worker threads.
 const RUNTIME_STACK_BYTES: usize = 8 * 1024 * 1024;
@@ -121,7 +180,22 @@ fn main() -> ExitCode {
             Command::Worker(args) => services::worker(args).await,
             Command::Submit { file, wait, client } => client::submit(&client, &file, wait).await,
             Command::Watch { run_id, client } => client::watch(&client, &run_id).await,
-            Command::Status { run_id, client } => client::status(&client, run_id.as_deref()).await,
+            Command::Status {
+                run_id,
+                state,
+                ticket,
+                skill,
+                limit,
+                client,
+            } => {
+                let filter = client::ListFilter {
+                    state,
+                    ticket,
+                    skill,
+                    limit,
+                };
+                client::status(&client, run_id.as_deref(), &filter).await
+            }
             Command::Resume {
                 run_id,
                 wait,
@@ -140,6 +214,12 @@ fn main() -> ExitCode {
             Command::EgressProxy => {
                 worker::egress::run_from_env(services::shutdown_on_signal()).await
             }
+            Command::Completions { shell } => {
+                let mut command = <Cli as clap::CommandFactory>::command();
+                clap_complete::generate(shell, &mut command, "forgepool", &mut std::io::stdout());
+                0
+            }
+            Command::Man => manual(),
         }
     });
     ExitCode::from(u8::try_from(code).unwrap_or(1))
