@@ -283,7 +283,9 @@ async fn the_clients_script_well_and_watch_through_broken_streams() {
 
     // status: headers and filters, and JSON.
     let other = cluster.submit("CLI-2").await;
-    cluster.wait_terminal(&[other.clone()], LIMIT).await;
+    cluster
+        .wait_terminal(std::slice::from_ref(&other), LIMIT)
+        .await;
     let (code, stdout, _) = tokio::task::block_in_place(|| {
         forgepool(
             &url,
