@@ -60,6 +60,7 @@ async fn browse(cluster: &Cluster, phase: &str, env: &[(&str, &str)]) -> String 
         "the browser phase {phase} failed:\n{printed}\n{}",
         cluster.logs()
     );
+    println!("{printed}");
     printed
 }
 

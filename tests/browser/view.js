@@ -111,6 +111,27 @@ async function finished(browser, url, token, shots) {
   check(elsewhere.length === 0, `every request went to the dispatcher (${elsewhere.join(', ') || 'none elsewhere'})`);
   check(errors.length === 0, `no script error on the pages (${errors.join('; ')})`);
   await context.close();
+  await accessible(browser, url, token, [['/', 'table.runs tbody tr'], [`/runs/${approved}`, '.cycle']]);
+}
+
+/** axe-core's WCAG 2 A and AA rules on each page: no serious or critical violation (labels,
+ * contrast, names, keyboard reach). Only this context may inject the rules' script: the
+ * pages' policy refuses it everywhere else. */
+async function accessible(browser, url, token, paths) {
+  const context = await browser.newContext({ bypassCSP: true, viewport: { width: 1280, height: 900 } });
+  const page = await context.newPage();
+  let asked = false;
+  for (const [path, ready] of paths) {
+    await page.goto(`${url}${path}`);
+    if (!asked) { await giveToken(page, token); asked = true; }
+    await page.locator(ready).first().waitFor({ timeout: 10000 });
+    await page.addScriptTag({ path: require.resolve('axe-core/axe.min.js') });
+    const result = await page.evaluate(() => window.axe.run(document, { runOnly: ['wcag2a', 'wcag2aa'] }));
+    const serious = result.violations.filter((v) => v.impact === 'serious' || v.impact === 'critical');
+    const found = serious.map((v) => `${v.id}: ${v.nodes.slice(0, 3).map((n) => n.target.join(' ')).join(', ')}`);
+    check(serious.length === 0, `${path} passes axe's WCAG 2 AA rules (${found.join('; ') || `${result.passes.length} rules pass`})`);
+  }
+  await context.close();
 }
 
 async function live(browser, url, token) {
