@@ -266,6 +266,11 @@ pub struct DispatcherArgs {
     /// (`pause.json`) ends; `false` leaves them to `forgepool resume`.
     #[arg(long = "auto-resume", env = "FORGEPOOL_AUTO_RESUME", default_value = "true", action = clap::ArgAction::Set)]
     pub auto_resume: bool,
+    /// Whether other dispatchers store events in the same store (more than one replica on
+    /// PostgreSQL): event streams then read what is stored instead of taking live events from
+    /// this dispatcher alone.
+    #[arg(long = "shared-store", env = "FORGEPOOL_SHARED_STORE", default_value = "false", action = clap::ArgAction::Set)]
+    pub shared_store: bool,
     /// The webhooks told of runs that end (SPEC 9).
     #[arg(long = "webhooks", env = "FORGEPOOL_WEBHOOKS_FILE")]
     pub webhooks_file: Option<PathBuf>,

@@ -85,6 +85,7 @@ pub async fn dispatcher(args: DispatcherArgs) -> i32 {
         allowed_schemes: args.stages.allowed_schemes.0,
         silent_after: Duration::from_secs(args.silent_run_seconds),
         auto_resume: args.auto_resume,
+        shared_store: args.shared_store,
         webhooks,
         retention: dispatcher::retention::Retention {
             logs: args.retain_logs.0,

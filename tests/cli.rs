@@ -326,3 +326,50 @@ async fn the_clients_script_well_and_watch_through_broken_streams() {
     assert_eq!(code, 2);
     assert!(stdout.is_empty(), "{stdout}");
 }
+
+/// Catches: a terminal that gets no spinner, a spinner without the stage, and a queued run
+/// whose watcher is not told its place in the queue.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_terminal_shows_the_stage_and_the_queue_position() {
+    let fixture = Fixture::new(None, &["sleep", "3"], &["approve"]);
+    // No worker yet: the runs wait in the queue.
+    let mut cluster = Cluster::start(fixture, 0, 1, None).await;
+    let url = cluster.url();
+    let first = cluster.submit("SPIN-1").await;
+    let second = cluster.submit("SPIN-2").await;
+    let on_terminal = |run: &str, seconds: &str| {
+        let watch = format!(
+            "{} watch {run} --dispatcher-url {url}",
+            env!("CARGO_BIN_EXE_forgepool")
+        );
+        let mut command = Command::new("timeout");
+        command
+            .args(["-s", "INT", seconds, "script", "-qefc", &watch, "/dev/null"])
+            .env_remove("NO_COLOR");
+        let output = output_within(&mut command, LIMIT);
+        (
+            output.status.code(),
+            format!(
+                "{}{}",
+                String::from_utf8_lossy(&output.stdout),
+                String::from_utf8_lossy(&output.stderr)
+            ),
+        )
+    };
+    let (code, queued) = tokio::task::block_in_place(|| on_terminal(&second, "4"));
+    assert!(
+        queued.contains("queued") && queued.contains("1 ahead in the queue"),
+        "{code:?} {queued:?}"
+    );
+    assert!(
+        queued.contains('⠋') || queued.contains('⠙'),
+        "no spinner: {queued:?}"
+    );
+    cluster.start_worker("w0", 1);
+    let (code, running) = tokio::task::block_in_place(|| on_terminal(&first, "60"));
+    assert_eq!(code, Some(0), "{running:?}");
+    assert!(running.contains("implement (round 1) 0m0"), "{running:?}");
+    cluster
+        .wait_terminal(&[first.clone(), second.clone()], LIMIT)
+        .await;
+}

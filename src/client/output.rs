@@ -106,6 +106,29 @@ impl Printer {
         println!("{text}");
     }
 
+    /// Starts a watch of `view`: the spinner shows its state, and a run still waiting for a
+    /// slot says so in a line (it has no event to print yet).
+    pub fn begin(&self, view: &proto::RunView) {
+        {
+            let mut status = self.status.lock().unwrap_or_else(|e| e.into_inner());
+            status.doing = view.state.as_str().to_string();
+            status.since = Some(Instant::now());
+        }
+        if view.state == RunState::Queued && self.style != Style::Json {
+            let waiting = match &view.waiting_for_profile {
+                Some(profile) => format!(
+                    " (its agent profile {} is at its cap)",
+                    progress::printable(profile)
+                ),
+                None => String::new(),
+            };
+            self.line(&format!(
+                "Run {} is queued, waiting for a free slot{waiting}",
+                view.run_id
+            ));
+        }
+    }
+
     /// Sets how many runs are ahead of this one in the queue.
     pub fn set_queue_position(&self, position: Option<usize>) {
         self.status

@@ -36,8 +36,17 @@ enum Ended {
     Broken(String),
 }
 
-/// Follows `run_id`'s events until it ends; returns its exit code.
+/// Follows `run_id`'s events until it ends; returns its exit code. The run is read first: a
+/// queued run has no events yet, and its watcher is told where it stands at once.
 pub async fn watch_run(client: &Client, run_id: &str, printer: &Printer) -> i32 {
+    let view = match client
+        .get_json::<proto::RunView>(&format!("/v1/runs/{run_id}"))
+        .await
+    {
+        Ok(view) => view,
+        Err(failure) => return failure.report(),
+    };
+    printer.begin(&view);
     let spinner = printer.spin();
     let mut watch = Watch {
         client,

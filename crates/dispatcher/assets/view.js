@@ -11,6 +11,8 @@
   const STATES = ['queued', 'running', 'paused', 'delivered', 'delivered_with_warnings', 'blocked', 'failed', 'cancelled'];
   const ACTIVE = new Set(['queued', 'running', 'paused']);
   const LOG_LINES = 2000;
+  /** The longest log line kept whole. */
+  const LINE_LIMIT = 4096;
   const REFRESH_MS = 3000;
   const main = document.getElementById('main');
 
@@ -44,42 +46,114 @@
     return append(node, children);
   }
 
-  /** A link, only to http(s) addresses; anything else is shown as text. */
+  /** A link, only to absolute http(s) addresses (nothing relative to this page); anything
+   * else is shown as text. A label that is not the address is followed by the host, so a
+   * link cannot pass for another. */
   function safeLink(url, label) {
     let parsed = null;
-    try { parsed = new URL(url, location.href); } catch (_) { /* shown as text */ }
-    if (!parsed || (parsed.protocol !== 'https:' && parsed.protocol !== 'http:')) {
-      return document.createTextNode(label === url ? url : `${label} (${url})`);
+    if (/^https?:\/\//i.test(url)) {
+      try { parsed = new URL(url); } catch (_) { /* shown as text */ }
     }
-    return el('a', { href: parsed.href, rel: 'noopener noreferrer nofollow', target: '_blank', text: label });
+    if (!parsed) return document.createTextNode(label === url ? url : `${label} (${url})`);
+    const link = el('a', { href: parsed.href, rel: 'noopener noreferrer nofollow', target: '_blank', text: label });
+    return label === url ? link : el('span', null, link, el('span', { class: 'muted', text: ` (${parsed.host})` }));
   }
 
   // ---------------------------------------------------------------- Markdown, safely
 
-  // CommonMark's flanking rules, roughly: `_` and `__` neither open after nor close before a
-  // letter or digit (so `window.__name` stays as written), and no run opens or closes on space.
-  const INLINE = /(`+)([\s\S]*?[^`])\1(?!`)|!\[([^\]]*)\]\(([^)\s]*)[^)]*\)|\[([^\]]+)\]\(([^)\s]*)[^)]*\)|\*\*(?=\S)([^*]+?)(?<=\S)\*\*|(?<![\w])__(?=\S)([^_]+?)(?<=\S)__(?![\w])|\*(?=[^*\s])([^*]+?)(?<=\S)\*|(?<![\w])_(?=[^_\s])([^_]+?)(?<=\S)_(?![\w])/g;
+  /** The longest text given to the inline parser; a longer paragraph is shown as it is. */
+  const INLINE_LIMIT = 16384;
+  /** How far a link's label, a link's address and emphasis may reach. */
+  const LABEL_LIMIT = 512;
+  const ADDRESS_LIMIT = 2048;
+  const EMPHASIS_LIMIT = 512;
+  const WORD = /[\p{L}\p{N}_]/u;
 
-  /** Inline Markdown as nodes: code, images (as their address), links, strong, emphasis. */
-  function inline(text) {
-    const nodes = [];
-    let last = 0;
-    for (const m of text.matchAll(INLINE)) {
-      if (m.index > last) nodes.push(text.slice(last, m.index));
-      if (m[1]) nodes.push(el('code', { text: m[2] }));
-      else if (m[4] !== undefined) {
-        nodes.push(el('span', { class: 'image-ref', title: 'an image, not loaded', text: `[image${m[3] ? ': ' + m[3] : ''}] ${m[4]}` }));
-      } else if (m[6] !== undefined) nodes.push(safeLink(m[6], m[5]));
-      else if (m[7] || m[8]) nodes.push(el('strong', { text: m[7] || m[8] }));
-      else nodes.push(el('em', { text: m[9] || m[10] }));
-      last = m.index + m[0].length;
+  /** Where the run of `mark` that closes emphasis opened at `from` starts, or -1: within the
+   * limit, not after a space, and for `_` not before a letter or digit (CommonMark's flanking,
+   * roughly, so that `window.__name` stays as written). */
+  function closing(text, mark, from) {
+    const end = Math.min(text.length, from + EMPHASIS_LIMIT);
+    let at = text.indexOf(mark, from + 1);
+    while (at >= 0 && at < end) {
+      const before = text[at - 1];
+      const after = text[at + mark.length];
+      if (before && !/\s/.test(before) && !(mark[0] === '_' && after && WORD.test(after))) return at;
+      at = text.indexOf(mark, at + 1);
     }
-    if (last < text.length) nodes.push(text.slice(last));
+    return -1;
+  }
+
+  /** `[label](address)` at `at` (after a `!` for an image): [label, address, end] or null. */
+  function bracketed(text, at) {
+    const close = text.indexOf(']', at + 1);
+    if (close < 0 || close - at > LABEL_LIMIT || text[close + 1] !== '(') return null;
+    const end = text.indexOf(')', close + 2);
+    if (end < 0 || end - close > ADDRESS_LIMIT) return null;
+    const address = text.slice(close + 2, end).trim().split(/\s/)[0];
+    return [text.slice(at + 1, close), address, end + 1];
+  }
+
+  /** Inline Markdown as nodes: code, images (as their address), links, strong, emphasis. One
+   * pass, each construct found with bounded searches: no input makes it slow. */
+  function inline(text) {
+    if (text.length > INLINE_LIMIT) return [text];
+    const nodes = [];
+    let plain = '';
+    let i = 0;
+    const emit = (node, next) => {
+      if (plain) nodes.push(plain);
+      plain = '';
+      nodes.push(node);
+      i = next;
+    };
+    while (i < text.length) {
+      const c = text[i];
+      if (c === '`') {
+        let n = 1;
+        while (text[i + n] === '`') n += 1;
+        const fence = '`'.repeat(n);
+        let close = text.indexOf(fence, i + n);
+        while (close >= 0 && text[close + n] === '`') {
+          let skip = close;
+          while (text[skip] === '`') skip += 1;
+          close = text.indexOf(fence, skip);
+        }
+        if (close > i + n) { emit(el('code', { text: text.slice(i + n, close) }), close + n); continue; }
+        plain += fence;
+        i += n;
+        continue;
+      }
+      if (c === '!' && text[i + 1] === '[') {
+        const found = bracketed(text, i + 1);
+        if (found) {
+          emit(el('span', { class: 'image-ref', title: 'an image, not loaded', text: `[image${found[0] ? `: ${found[0]}` : ''}] ${found[1]}` }), found[2]);
+          continue;
+        }
+      } else if (c === '[') {
+        const found = bracketed(text, i);
+        if (found && found[0]) { emit(safeLink(found[1], found[0]), found[2]); continue; }
+      } else if (c === '*' || c === '_') {
+        const mark = text[i + 1] === c ? c + c : c;
+        const opens = !(c === '_' && i > 0 && WORD.test(text[i - 1])) && text[i + mark.length] && !/\s/.test(text[i + mark.length]);
+        const close = opens ? closing(text, mark, i + mark.length - 1) : -1;
+        if (close > i + mark.length) {
+          emit(el(mark.length === 2 ? 'strong' : 'em', { text: text.slice(i + mark.length, close) }), close + mark.length);
+          continue;
+        }
+        plain += mark;
+        i += mark.length;
+        continue;
+      }
+      plain += c;
+      i += 1;
+    }
+    if (plain) nodes.push(plain);
     return nodes;
   }
 
   /** Markdown as nodes: headings, paragraphs, lists, quotes, fenced code, rules. */
-  function markdown(source) {
+  function markdown(source, depth = 0) {
     const out = el('div', { class: 'md' });
     const lines = String(source || '').replace(/\r\n?/g, '\n').split('\n');
     let i = 0;
@@ -134,11 +208,11 @@
         out.append(list);
         continue;
       }
-      if (/^\s*>/.test(line)) {
+      if (/^\s*>/.test(line) && depth < 8) {
         flush();
         const quoted = [];
         while (i < lines.length && /^\s*>/.test(lines[i])) quoted.push(lines[i++].replace(/^\s*>\s?/, ''));
-        out.append(el('blockquote', null, markdown(quoted.join('\n'))));
+        out.append(el('blockquote', null, markdown(quoted.join('\n'), depth + 1)));
         continue;
       }
       if (!line.trim()) { flush(); i += 1; continue; }
@@ -535,7 +609,7 @@
       case 'pull_request': model.pullRequest = kind.url; break;
       case 'log':
         model.logStage = kind.stage;
-        for (const line of String(kind.text).replace(/\n$/, '').split('\n')) model.log.push(line);
+        for (const line of String(kind.text).replace(/\n$/, '').split('\n')) model.log.push(line.length > LINE_LIMIT ? `${line.slice(0, LINE_LIMIT)}…` : line);
         if (model.log.length > LOG_LINES) model.log.splice(0, model.log.length - LOG_LINES);
         return 'log';
       default: return null;
@@ -559,10 +633,11 @@
 
     const head = el('div');
     const body = el('div');
+    const results = el('div');
     const logPre = el('pre', { class: 'log', tabindex: '0', 'aria-label': 'Live log', 'aria-live': 'off' });
     const logTitle = el('h2', { id: 'h-log', text: 'Log' });
     const logSection = el('section', { 'aria-labelledby': 'h-log' }, logTitle, logPre);
-    replace(main, head, body, logSection);
+    replace(main, head, body, results, logSection);
 
     const drawLog = () => {
       const atBottom = logPre.scrollTop + logPre.clientHeight >= logPre.scrollHeight - 8;
@@ -577,7 +652,16 @@
       if (reloading) return;
       reloading = setTimeout(async () => {
         reloading = null;
-        try { run = await api(`/v1/runs/${runId}`); drawHead(); drawBody(); live(); } catch (_) { /* the next event tries again */ }
+        try {
+          run = await api(`/v1/runs/${runId}`);
+          drawHead();
+          drawBody();
+          drawResults();
+          live();
+        } catch (_) {
+          // The dispatcher is away (a restart): try again, so the page goes on following.
+          setTimeout(reload, 3000);
+        }
       }, 250);
     };
     const drawHead = () => {
@@ -591,11 +675,14 @@
         run.warnings.length ? el('ul', { class: 'warnings', 'aria-label': 'Warnings' }, run.warnings.map((w) => el('li', { text: w }))) : null);
     };
     const drawBody = () => {
+      replace(body, timelineSection(model), roundsSection(run, model));
+    };
+    // What changes only with the run itself (cycles, result): drawn again on a reload, not on
+    // every stage event, since a change or a report may be long.
+    const drawResults = () => {
       const result = run.result;
-      replace(body,
-        timelineSection(model),
+      replace(results,
         cyclesSection(run),
-        roundsSection(run, model),
         finalReviewSection(result),
         result && result.change ? el('section', { 'aria-labelledby': 'h-change' }, el('h2', { id: 'h-change', text: 'Change' }), diffView(result.change)) : null,
         run.report ? el('section', { 'aria-labelledby': 'h-report' }, el('h2', { id: 'h-report', text: 'Report' }), markdown(run.report)) : null);
@@ -620,6 +707,7 @@
     };
     drawHead();
     drawBody();
+    drawResults();
     drawLog();
     live();
     showPool();

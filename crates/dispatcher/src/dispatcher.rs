@@ -67,6 +67,9 @@ pub enum ResumeFailure {
 /// the streams do).
 pub const LIVE_EVENTS: usize = 1024;
 
+/// The position a live event carries when it has none: its run's streams read the store.
+pub const RESYNC: i64 = -1;
+
 /// The shared state of the dispatcher's tasks and handlers.
 #[derive(Debug)]
 pub struct Dispatcher {
@@ -90,6 +93,9 @@ pub struct Dispatcher {
     /// the channel carries events in the order of their positions and a stream can tell a
     /// repeat (at or below its position) from a new event.
     pub(crate) event_order: tokio::sync::Mutex<()>,
+    /// Whether other dispatchers store events in the same store: the broadcast then only
+    /// wakes streams, which read what is stored.
+    pub shared_store: bool,
     /// The pool as last sampled (`GET /v1/pool`).
     pub pool: std::sync::Mutex<proto::PoolView>,
     /// Whether the events consumer is connected (for `/readyz`).
@@ -223,10 +229,13 @@ impl Dispatcher {
             }
             // With no stream open there is no receiver, and nothing to send.
             if self.events_stored.receiver_count() > 0 {
-                if let Ok(Some(position)) = self.store.position_of(event.event_id).await {
-                    // Sent to every stream open; each keeps only its run's.
-                    let _ = self.events_stored.send(Arc::new((position, event.clone())));
-                }
+                // Sent to every stream open; each keeps only its run's. Without its position
+                // (the store did not answer), it tells the run's streams to read the store.
+                let position = match self.store.position_of(event.event_id).await {
+                    Ok(Some(position)) => position,
+                    _ => RESYNC,
+                };
+                let _ = self.events_stored.send(Arc::new((position, event.clone())));
             }
             drop(order);
         }

@@ -51,6 +51,8 @@ pub struct DispatcherConfig {
     /// Whether paused runs resume by themselves when their profile's pause ends
     /// (`FORGEPOOL_AUTO_RESUME`).
     pub auto_resume: bool,
+    /// Whether other dispatchers store events in the same store (`FORGEPOOL_SHARED_STORE`).
+    pub shared_store: bool,
     /// The webhooks told of runs that end (`FORGEPOOL_WEBHOOKS_FILE`).
     pub webhooks: Option<crate::webhooks::Webhooks>,
     /// What the store keeps of runs that ended (`FORGEPOOL_RETAIN_LOGS`,
@@ -131,6 +133,7 @@ pub async fn run(
         events_stored,
         pool: std::sync::Mutex::default(),
         event_order: tokio::sync::Mutex::default(),
+        shared_store: config.shared_store,
         broker_ready: AtomicBool::new(false),
         metrics_apart: listeners.metrics.is_some(),
         topology_ready: AtomicBool::new(false),

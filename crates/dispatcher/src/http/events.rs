@@ -19,6 +19,7 @@ use crate::streams::StreamSlot;
 use super::problem::Failure;
 use super::runs::record;
 use super::{EVENT_PAGE, MAX_STREAMS_PER_RUN};
+use crate::dispatcher::RESYNC;
 
 /// Where one Server-Sent Events stream is. It reads what is stored page by page until it
 /// reaches the head, then takes live events from the dispatcher's broadcast (which carries
@@ -30,6 +31,8 @@ struct Follow {
     live: broadcast::Receiver<Arc<(i64, proto::Event)>>,
     /// Reading from the store (from the start, or after falling behind the broadcast).
     catching_up: bool,
+    /// The broadcast ended: the dispatcher is going away.
+    closed: bool,
     position: i64,
     finished: bool,
     paused: bool,
@@ -80,17 +83,38 @@ impl Follow {
             received = tokio::time::timeout(Duration::from_secs(1), self.live.recv()) => received,
             () = stopping.cancelled() => return,
         };
+        let shared = self.dispatcher.shared_store;
         match received {
             Ok(Ok(live)) => {
                 let (position, event) = &*live;
-                if event.run_id == self.run_id && *position > self.position {
+                if event.run_id != self.run_id {
+                    return;
+                }
+                if *position == RESYNC || shared {
+                    // No position, or other dispatchers store this run's events too: what is
+                    // stored is the truth, read in order.
+                    self.catching_up = true;
+                } else if *position > self.position {
                     self.push(*position, event);
                 }
             }
             Ok(Err(broadcast::error::RecvError::Lagged(_))) => self.catching_up = true,
-            Ok(Err(broadcast::error::RecvError::Closed)) => self.finished = true,
-            Err(_) => {}
+            Ok(Err(broadcast::error::RecvError::Closed)) => self.closed = true,
+            // A quiet second: with a shared store, another dispatcher may have stored events.
+            Err(_) => self.catching_up = shared,
         }
+    }
+
+    /// Whether the run has ended, as stored: a terminal state the stream read may be a
+    /// superseded execution's, which the run did not take.
+    async fn really_ended(&self) -> bool {
+        self.dispatcher
+            .store
+            .get_run(self.run_id)
+            .await
+            .ok()
+            .flatten()
+            .is_none_or(|r| r.state.is_terminal())
     }
 
     /// Whether the run is paused now (a resume starts a new stream).
@@ -157,6 +181,7 @@ pub(super) async fn events(
         run_id,
         live,
         catching_up: true,
+        closed: false,
         position,
         finished: false,
         paused: paused_at_start,
@@ -170,8 +195,14 @@ pub(super) async fn events(
             if let Some(event) = follow.pending.pop_front() {
                 return Some((Ok(event), follow));
             }
-            if follow.finished || follow.dispatcher.stopping.is_cancelled() {
+            if follow.closed || follow.dispatcher.stopping.is_cancelled() {
                 return None;
+            }
+            if follow.finished {
+                if ended_at_start || follow.really_ended().await {
+                    return None;
+                }
+                follow.finished = false;
             }
             if follow.catching_up {
                 if follow.read_page().await == EVENT_PAGE as usize {
