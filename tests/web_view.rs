@@ -181,3 +181,20 @@ async fn the_web_view_shows_runs_live_keeps_agent_text_inert_and_cancels() {
     }
     assert_eq!(tracker_hits.load(Ordering::SeqCst), 0);
 }
+
+/// Catches: a Markdown renderer that makes an element or attribute it should not (a script,
+/// an image, an event handler), links to a `javascript:`, `data:` or relative address, loses
+/// agent text, or mangles names with underscores. Node.js alone, with a minimal document.
+#[test]
+fn agent_markdown_becomes_known_elements_and_text_only() {
+    let mut command = Command::new("node");
+    command.arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/browser/markdown.js"));
+    let output = output_within(&mut command, Duration::from_secs(120));
+    let printed = String::from_utf8_lossy(&output.stdout);
+    assert!(
+        output.status.success(),
+        "{printed}{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    assert!(printed.contains("ok: script tags stay text"), "{printed}");
+}
