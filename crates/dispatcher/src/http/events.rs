@@ -105,27 +105,21 @@ impl Follow {
         }
     }
 
+    /// The run's state as stored (`None` when the store does not answer, or the run is gone).
+    async fn stored_state(&self) -> Option<RunState> {
+        let run = self.dispatcher.store.get_run(self.run_id).await;
+        run.ok().flatten().map(|r| r.state)
+    }
+
     /// Whether the run has ended, as stored: a terminal state the stream read may be a
     /// superseded execution's, which the run did not take.
     async fn really_ended(&self) -> bool {
-        self.dispatcher
-            .store
-            .get_run(self.run_id)
-            .await
-            .ok()
-            .flatten()
-            .is_none_or(|r| r.state.is_terminal())
+        self.stored_state().await.is_none_or(RunState::is_terminal)
     }
 
     /// Whether the run is paused now (a resume starts a new stream).
     async fn still_paused(&self) -> bool {
-        self.dispatcher
-            .store
-            .get_run(self.run_id)
-            .await
-            .ok()
-            .flatten()
-            .is_some_and(|r| r.state == RunState::Paused)
+        self.stored_state().await == Some(RunState::Paused)
     }
 }
 
