@@ -15,7 +15,9 @@ Run: scripts/services.sh && scripts/build-images.sh && cargo build --release &&
      python3 scripts/bench-cluster.py [N [WORKERS [SLOTS]]]   (default 50 runs, 2 workers, 2 slots)
 
 The slots in all (WORKERS x SLOTS) are also the baseline's parallelism. BENCH_LOG sets the
-services' FORGEPOOL_LOG (default "warn,lapin=off").
+services' FORGEPOOL_LOG (default "warn,lapin=off"). BENCH_FOOTPRINT=1 also samples, as root,
+the physical pages the dispatcher and the first worker hold together (/proc/PID/pagemap),
+each counted once: summed RSS counts twice the code both map from the same binary.
 """
 import concurrent.futures
 import http.client
@@ -23,6 +25,7 @@ import json
 import os
 import socket
 import statistics
+import struct
 import subprocess
 import sys
 import tempfile
@@ -108,6 +111,45 @@ def peak_rss_mb(pid):
     return 0.0
 
 
+def resident_pages(pid):
+    """The physical pages `pid` has in memory (from /proc/PID/pagemap; needs root): a set of
+    page frame numbers, so that pages two processes share (the same binary's code, libc) can
+    be counted once."""
+    frames = set()
+    with open(f"/proc/{pid}/maps") as maps, open(f"/proc/{pid}/pagemap", "rb") as pagemap:
+        for line in maps:
+            start, end = (int(x, 16) for x in line.split()[0].split("-"))
+            if "[vsyscall]" in line:
+                continue
+            pagemap.seek(start // 4096 * 8)
+            data = pagemap.read((end - start) // 4096 * 8)
+            for (entry,) in struct.iter_unpack("<Q", data):
+                if entry >> 63 & 1:
+                    frames.add(entry & ((1 << 55) - 1))
+    return frames
+
+
+class Footprint(threading.Thread):
+    """Samples, twice a second, the memory the dispatcher and the first worker hold together,
+    each physical page counted once (summed RSS counts the binary's code twice: both run the
+    same file). Keeps the largest sample, in MB."""
+
+    def __init__(self, pids):
+        super().__init__(daemon=True)
+        self.pids, self.peak, self.running = pids, 0.0, True
+
+    def run(self):
+        while self.running:
+            try:
+                union = set()
+                for pid in self.pids:
+                    union |= resident_pages(pid)
+                self.peak = max(self.peak, len(union) * 4096 / 1e6)
+            except OSError:
+                pass
+            time.sleep(0.5)
+
+
 def percentile(values, p):
     values = sorted(values)
     return values[min(len(values) - 1, int(round((len(values) - 1) * p / 100)))]
@@ -153,6 +195,10 @@ def main():
                       "--workspace", os.path.join(work, f"ws{i}"), "--agents", agents], env, os.path.join(work, f"worker{i}.log"))[0]
                for i in range(worker_count)]
     time.sleep(2)
+    # The sampler reads page tables twice a second: it costs CPU, so only when asked.
+    footprint = Footprint([dispatcher.pid, workers[0].pid])
+    if os.environ.get("BENCH_FOOTPRINT") == "1":
+        footprint.start()
     base = f"http://{address}"
     submitted = {}
     first = time.time()
@@ -188,6 +234,9 @@ def main():
         time.sleep(0.2)
         if run_id in creates:
             idle.append((creates[run_id] - started_ns) / 1e6)
+    footprint.running = False
+    if footprint.is_alive():
+        footprint.join()
     memory = {"dispatcher": peak_rss_mb(dispatcher.pid)}
     for i, worker in enumerate(workers):
         memory[f"worker {i}"] = peak_rss_mb(worker.pid)
@@ -211,6 +260,9 @@ def main():
     print(f"throughput ratio forgepool/baseline: {(n / elapsed) / (n / base_elapsed):.2f}")
     for name, mb in memory.items():
         print(f"peak resident memory of {name}: {mb:.1f} MB")
+    together = f"; largest sample of the pages they hold together, each counted once: {footprint.peak:.1f} MB" \
+        if footprint.peak else " (BENCH_FOOTPRINT=1 also samples the pages they hold together)"
+    print(f"dispatcher + worker 0: summed peak RSS {memory['dispatcher'] + memory['worker 0']:.1f} MB{together}")
 
 
 if __name__ == "__main__":
