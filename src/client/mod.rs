@@ -175,17 +175,36 @@ pub async fn submit(args: &ClientArgs, file: &Path, wait: bool) -> i32 {
     for warning in &accepted.warnings {
         eprintln!("warning: {}", progress::printable(warning));
     }
+    let line = format!("Run {} accepted", accepted.run_id);
+    answered(
+        args,
+        &client,
+        &accepted.run_id.to_string(),
+        &accepted,
+        &line,
+        wait,
+    )
+    .await
+}
+
+/// After `submit` or `resume`: prints the answer (its JSON, unless the run's events follow as
+/// JSON lines; or `line`), then follows the run when asked to wait.
+async fn answered<T: serde::Serialize>(
+    args: &ClientArgs,
+    client: &Client,
+    run_id: &str,
+    answer: &T,
+    line: &str,
+    wait: bool,
+) -> i32 {
     let printer = Printer::new(args);
-    if args.output == OutputFormat::Json {
-        if !wait {
-            json(&accepted);
-            return 0;
-        }
-    } else {
-        printer.line(&format!("Run {} accepted", accepted.run_id));
+    match (args.output, wait) {
+        (OutputFormat::Json, false) => json(answer),
+        (OutputFormat::Json, true) => {}
+        (OutputFormat::Text, _) => printer.line(line),
     }
     if wait {
-        watch::watch_run(&client, &accepted.run_id.to_string(), &printer).await
+        watch::watch_run(client, run_id, &printer).await
     } else {
         0
     }
@@ -368,23 +387,8 @@ pub async fn resume(args: &ClientArgs, run_id: &str, wait: bool) -> i32 {
         Ok(answer) => answer,
         Err(failure) => return failure.report(),
     };
-    let printer = Printer::new(args);
-    if args.output == OutputFormat::Json {
-        if !wait {
-            json(&answer);
-            return 0;
-        }
-    } else {
-        printer.line(&format!(
-            "Run {run_id} resumed from checkpoint {}",
-            answer.checkpoint
-        ));
-    }
-    if wait {
-        watch::watch_run(&client, run_id, &printer).await
-    } else {
-        0
-    }
+    let line = format!("Run {run_id} resumed from checkpoint {}", answer.checkpoint);
+    answered(args, &client, run_id, &answer, &line, wait).await
 }
 
 /// `forgepool cancel RUN_ID`.

@@ -4,7 +4,6 @@
 use std::sync::Arc;
 
 use axum::extract::{Path, Query, State};
-use axum::http::StatusCode;
 use axum::Json;
 use proto::{PoolView, PositionedEvent, Problem, RunTimeline, TIMELINE_EVENTS};
 use serde::Deserialize;
@@ -12,7 +11,7 @@ use serde::Deserialize;
 use crate::dispatcher::Dispatcher;
 use crate::store::{RunStore, TIMELINE_KINDS};
 
-use super::problem::{internal, Failure};
+use super::problem::{internal, query_number, Failure};
 use super::runs::record;
 
 #[utoipa::path(
@@ -65,21 +64,12 @@ pub(super) async fn timeline(
     Path(id): Path<String>,
     Query(query): Query<TimelineQuery>,
 ) -> Result<Json<RunTimeline>, Failure> {
-    let log_lines = match query.log_lines.as_deref() {
-        None => 500,
-        Some(text) => text
-            .parse::<u32>()
-            .ok()
-            .filter(|n| *n <= MAX_LOG_LINES)
-            .ok_or_else(|| {
-                Failure::new(
-                    StatusCode::BAD_REQUEST,
-                    "invalid_field",
-                    format!("log_lines: must be 0..={MAX_LOG_LINES}, got {text:?}"),
-                    Some("log_lines"),
-                )
-            })?,
-    };
+    let log_lines = query_number(
+        query.log_lines.as_deref(),
+        "log_lines",
+        0..=MAX_LOG_LINES,
+        500,
+    )?;
     let run_id = record(&dispatcher, &id).await?.job.run_id;
     let store = &dispatcher.store;
     let (events, log_tail) = tokio::try_join!(

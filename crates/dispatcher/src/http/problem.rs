@@ -147,6 +147,34 @@ fn semantic(field: &str) -> bool {
 
 /// A failure of the service's own (its store, mostly): the cause goes to the log, the caller
 /// gets a sentence that shows nothing of the store (a server's refusal can name its users).
+/// A whole-number query parameter `field` within `range`, `default` when absent; a `400`
+/// naming it otherwise.
+pub(super) fn query_number(
+    text: Option<&str>,
+    field: &str,
+    range: std::ops::RangeInclusive<u32>,
+    default: u32,
+) -> Result<u32, Failure> {
+    let Some(text) = text else {
+        return Ok(default);
+    };
+    text.parse::<u32>()
+        .ok()
+        .filter(|n| range.contains(n))
+        .ok_or_else(|| {
+            Failure::new(
+                StatusCode::BAD_REQUEST,
+                "invalid_field",
+                format!(
+                    "{field}: must be {}..={}, got {text:?}",
+                    range.start(),
+                    range.end()
+                ),
+                Some(field),
+            )
+        })
+}
+
 pub(super) fn internal(error: impl std::fmt::Display) -> Failure {
     tracing::error!(%error, "an API request failed");
     Failure::new(

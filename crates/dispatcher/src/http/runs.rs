@@ -17,7 +17,7 @@ use crate::dispatcher::{Cancelled, Dispatcher, ResumeFailure, Submission, Submit
 use crate::store::{RunFilter, RunRecord, RunStore};
 
 use super::body::read_body;
-use super::problem::{internal, Failure};
+use super::problem::{internal, query_number, Failure};
 use proto::RunRequest;
 
 /// Where a run is read.
@@ -279,21 +279,7 @@ pub(super) async fn list(
             )
         })?),
     };
-    let limit = match query.limit.as_deref() {
-        None => 50,
-        Some(text) => text
-            .parse::<u32>()
-            .ok()
-            .filter(|n| (1..=500).contains(n))
-            .ok_or_else(|| {
-                Failure::new(
-                    StatusCode::BAD_REQUEST,
-                    "invalid_field",
-                    format!("limit: must be 1..=500, got {text:?}"),
-                    Some("limit"),
-                )
-            })?,
-    };
+    let limit = query_number(query.limit.as_deref(), "limit", 1..=500, 50)?;
     let cursor = match query.cursor.as_deref() {
         None => None,
         Some(text) => Some(
