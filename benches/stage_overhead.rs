@@ -156,6 +156,7 @@ fn spec(name: String) -> StageSpec {
         timeout: Duration::from_secs(60),
         labels: HashMap::new(),
         redact: vec![],
+        agent: None,
     }
 }
 

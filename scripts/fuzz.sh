@@ -5,6 +5,7 @@
 #   job_message   a job message as a worker receives it (decode and check)
 #   request       a run request, JSON and TOML (API, CLI)
 #   frontmatter   a skill's review.md
+#   agent_output  an agent CLI's stdout, stderr and trajectory (each kind's reader)
 # Usage: scripts/fuzz.sh [SECONDS_PER_TARGET] [TARGET...]   (default 600 s, every target)
 # Findings (crashes and hangs) stay in fuzz/out/TARGET/default/{crashes,hangs}; the script
 # ends with one line per target and exits 1 if any target crashed.
@@ -14,7 +15,7 @@ seconds="${1:-600}"
 shift || true
 targets=("$@")
 if [ "${#targets[@]}" -eq 0 ]; then
-  targets=(verdict review_json job_message request frontmatter)
+  targets=(verdict review_json job_message request frontmatter agent_output)
 fi
 
 if ! command -v cargo-afl >/dev/null 2>&1; then

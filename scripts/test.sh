@@ -8,6 +8,8 @@ cd "$(dirname "$0")/.."
 
 scripts/services.sh
 scripts/build-images.sh
+# The real agent CLIs' images (tests/agents.rs); an image already built at its pinned version is kept.
+scripts/build-agent-images.sh
 scripts/chart-check.sh
 scripts/forge-tools.sh
 scripts/api-tools.sh

@@ -157,8 +157,26 @@ pub struct LocalArgs {
     /// The webhooks told of the run's end (SPEC 9).
     #[arg(long = "webhooks", env = "FORGEPOOL_WEBHOOKS_FILE")]
     pub webhooks_file: Option<PathBuf>,
+    /// The longest provider pause (a rate limit with its reset time) this process waits out
+    /// before it resumes the run by itself, in seconds; a longer pause, or one that names no
+    /// end, ends the command with exit 75 (`forgepool resume RUN_ID --local` continues it).
+    /// 0 never waits.
+    #[arg(long, env = ENV_PAUSE_WAIT, default_value = "900", value_parser = parse_pause_wait)]
+    pub pause_wait: Duration,
     #[command(flatten)]
     pub stages: StageArgs,
+}
+
+/// The longest pause `forgepool run` waits out in process.
+pub const ENV_PAUSE_WAIT: &str = "FORGEPOOL_PAUSE_WAIT";
+
+fn parse_pause_wait(text: &str) -> Result<Duration, String> {
+    match text.trim().parse::<u64>() {
+        Ok(seconds) if seconds <= 86_400 => Ok(Duration::from_secs(seconds)),
+        _ => Err(format!(
+            "{ENV_PAUSE_WAIT} must be a number of seconds from 0 to 86400, got {text:?}"
+        )),
+    }
 }
 
 impl LocalArgs {

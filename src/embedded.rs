@@ -21,6 +21,8 @@ use crate::progress;
 const EXIT_INVALID: i32 = 2;
 /// Exit code for a failed run.
 const EXIT_FAILED: i32 = 1;
+/// Exit code for a run paused by its agent's provider.
+const EXIT_PAUSED: i32 = 75;
 
 /// Runs one request to its end and returns the process exit code.
 pub async fn run(args: RunArgs) -> i32 {
@@ -73,7 +75,7 @@ pub async fn run(args: RunArgs) -> i32 {
         "Run {} accepted: {} with skill {}",
         job.run_id, job.ticket, job.skill
     );
-    execute(&store, job, &args.local).await
+    execute_waiting(&store, job, &args.local).await
 }
 
 /// `forgepool resume RUN_ID --local`: continues a paused embedded run from its latest
@@ -103,27 +105,76 @@ pub async fn resume(run_id: &str, local: &LocalArgs) -> i32 {
     if record.state != RunState::Paused {
         return invalid(format!("run {run_id} is {}, not paused", record.state));
     }
+    match resumed_job(&store, record.job).await {
+        Ok(job) => execute_waiting(&store, job, local).await,
+        Err(code) => code,
+    }
+}
+
+/// The paused run's job with its latest checkpoint, once its resumption is recorded; or the
+/// exit code when there is nothing to resume.
+async fn resumed_job(store: &Store, mut job: proto::Job) -> Result<proto::Job, i32> {
+    let run_id = job.run_id;
     let checkpoint = match store.events(run_id, 0).await {
         Ok(events) => proto::latest_checkpoint(events.iter().map(|(_, event)| event)),
-        Err(error) => return invalid(error.to_string()),
+        Err(error) => {
+            eprintln!("error: {error}");
+            return Err(EXIT_INVALID);
+        }
     };
     let Some(checkpoint) = checkpoint else {
-        return invalid(format!(
-            "run {run_id} has no saved progress to resume from; submit a new run"
-        ));
+        eprintln!("error: run {run_id} has no saved progress to resume from; submit a new run");
+        return Err(EXIT_INVALID);
     };
     let resumed = proto::resumed_event(run_id, &checkpoint);
     if let Err(error) = store.record_event(&resumed).await {
         eprintln!("error: {error}");
-        return EXIT_FAILED;
+        return Err(EXIT_FAILED);
     }
     println!(
         "Run {run_id} resumed from checkpoint {}: {} with skill {}",
-        checkpoint.sequence, record.job.ticket, record.job.skill
+        checkpoint.sequence, job.ticket, job.skill
     );
-    let mut job = record.job;
     job.resume = Some(checkpoint);
-    execute(&store, job, local).await
+    Ok(job)
+}
+
+/// Executes the job; when the run pauses until a time within `--pause-wait` (a provider's
+/// rate limit with its reset), waits for it here and resumes the run, as a pool would.
+async fn execute_waiting(store: &Store, job: proto::Job, local: &LocalArgs) -> i32 {
+    let run_id = job.run_id;
+    let mut code = execute(store, job, local).await;
+    while code == EXIT_PAUSED {
+        let Ok(Some(record)) = store.get_run(run_id).await else {
+            return code;
+        };
+        let events = store.events(run_id, 0).await.unwrap_or_default();
+        let until = proto::latest_checkpoint(events.iter().map(|(_, event)| event))
+            .and_then(|checkpoint| checkpoint.resume_at)
+            .and_then(|at| proto::parse_time(&at).map(|time| (at, time)));
+        let Some((at, time)) = until else {
+            return code;
+        };
+        let wait = time
+            .duration_since(std::time::SystemTime::now())
+            .unwrap_or_default();
+        if wait > local.pause_wait {
+            println!("Paused until {at}: continue then with `forgepool resume {run_id} --local`");
+            return code;
+        }
+        println!(
+            "Paused until {at}: resuming then in this process (Ctrl-C stops; `forgepool resume {run_id} --local` continues later)"
+        );
+        tokio::select! {
+            () = tokio::time::sleep(wait) => {}
+            _ = tokio::signal::ctrl_c() => return code,
+        }
+        code = match resumed_job(store, record.job).await {
+            Ok(job) => execute(store, job, local).await,
+            Err(code) => code,
+        };
+    }
+    code
 }
 
 /// Runs a stored job in this process, recording and printing its events; returns the exit

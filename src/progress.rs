@@ -58,6 +58,24 @@ fn raw_line(kind: &EventKind) -> Option<String> {
             ),
             None => format!("Stage {} started (round {round})", stage.as_str()),
         }),
+        // What an agent stage spent, as its CLI (or its usage.json) reported it.
+        EventKind::StageFinished {
+            stage,
+            usage: Some(usage),
+            ..
+        } => Some(format!(
+            "Stage {} spent {} input, {} output tokens ({} cache read), ${:.4}{}",
+            stage.as_str(),
+            usage.input_tokens,
+            usage.output_tokens,
+            usage.cache_read_tokens,
+            usage.cost_usd,
+            usage
+                .model
+                .as_deref()
+                .map(|m| format!(" on {}", printable(m)))
+                .unwrap_or_default()
+        )),
         EventKind::Check { result } => Some(format!(
             "Check `{}`: {} ({:.1} s)",
             result.argv.join(" "),

@@ -39,29 +39,6 @@ fn host_service(answer: bool) -> (u16, Arc<AtomicUsize>) {
     (port, hits)
 }
 
-fn docker_gateway() -> String {
-    // The default bridge's gateway, as a container on it sees it: the host's address there.
-    let output = common::output_within(
-        Command::new("docker").args([
-            "run",
-            "--rm",
-            "--network",
-            "bridge",
-            common::TEST_IMAGE,
-            "ip",
-            "route",
-        ]),
-        common::COMMAND_LIMIT,
-    );
-    let routes = String::from_utf8_lossy(&output.stdout).to_string();
-    routes
-        .lines()
-        .find_map(|l| l.strip_prefix("default via "))
-        .and_then(|rest| rest.split_whitespace().next())
-        .unwrap_or_else(|| panic!("no default route on the bridge network: {routes}"))
-        .to_string()
-}
-
 #[test]
 fn an_egress_stage_reaches_its_allowed_host_and_nothing_else() {
     let image = common::output_within(
@@ -72,7 +49,7 @@ fn an_egress_stage_reaches_its_allowed_host_and_nothing_else() {
         image.status.success(),
         "the forgepool image (the egress proxy) is missing: build it with `scripts/build-forgepool-image.sh --debug`"
     );
-    let gateway = docker_gateway();
+    let gateway = common::bridge_gateway();
     let (allowed, allowed_hits) = host_service(true);
     let (decoy, decoy_hits) = host_service(false);
     let fixture = Fixture::new(

@@ -8,61 +8,19 @@ mod common;
 
 use std::io::Read;
 use std::net::TcpListener;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use common::browser::{browse, browser_tools};
 use common::cluster::{container_count, Cluster};
 use common::{output_within, Fixture, TEST_IMAGE};
 
 const REVIEW: &str = "---\nmax_retries: 2\n---\n# Check\nAPPROVED when tests.txt exists.\n";
 const TOKEN: &str = "web-view-token-0123456789";
 const LIMIT: Duration = Duration::from_secs(120);
-
-/// The browser tools, or a failure saying how to install them.
-fn browser_tools() -> PathBuf {
-    let modules = Path::new(env!("CARGO_MANIFEST_DIR")).join(".tools/browser/node_modules");
-    assert!(
-        modules.join("playwright-core/package.json").exists()
-            && Path::new("/usr/bin/chromium").exists(),
-        "the browser tests need Chromium and playwright-core: run scripts/browser-tools.sh"
-    );
-    modules
-}
-
-/// Runs one phase of the browser script (off the runtime: it takes a while); panics with its
-/// output and the services' logs when a check failed.
-async fn browse(cluster: &Cluster, phase: &str, env: &[(&str, &str)]) -> String {
-    let shots = Path::new(env!("CARGO_TARGET_TMPDIR")).join("screenshots");
-    std::fs::create_dir_all(&shots).unwrap();
-    let mut command = Command::new("node");
-    command
-        .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/browser/view.js"))
-        .env("NODE_PATH", browser_tools())
-        .env("URL", cluster.url())
-        .env("TOKEN", TOKEN)
-        .env("PHASE", phase)
-        .env("SHOTS", &shots)
-        .envs(env.iter().copied());
-    let output =
-        tokio::task::spawn_blocking(move || output_within(&mut command, Duration::from_secs(240)))
-            .await
-            .unwrap();
-    let printed = format!(
-        "{}{}",
-        String::from_utf8_lossy(&output.stdout),
-        String::from_utf8_lossy(&output.stderr)
-    );
-    assert!(
-        output.status.success(),
-        "the browser phase {phase} failed:\n{printed}\n{}",
-        cluster.logs()
-    );
-    println!("{printed}");
-    printed
-}
 
 /// Counts the connections made to a local address, the image a hostile reviewer links to.
 fn tracker() -> (String, Arc<AtomicUsize>) {
@@ -136,6 +94,7 @@ async fn the_web_view_shows_runs_live_keeps_agent_text_inert_and_cancels() {
     assert_eq!(views[1]["state"], "delivered", "{}", views[1]);
     let printed = browse(
         &cluster,
+        TOKEN,
         "finished",
         &[("RUN_APPROVED", &approved), ("RUN_HOSTILE", &hostile)],
     )
@@ -158,7 +117,7 @@ async fn the_web_view_shows_runs_live_keeps_agent_text_inert_and_cancels() {
         )
         .await;
     cluster.wait_running(&slow).await;
-    browse(&cluster, "live", &[("RUN", &slow)]).await;
+    browse(&cluster, TOKEN, "live", &[("RUN", &slow)]).await;
 
     // Cancel from the page: the run ends cancelled and its container is gone.
     let forever = cluster
@@ -168,7 +127,7 @@ async fn the_web_view_shows_runs_live_keeps_agent_text_inert_and_cancels() {
         )
         .await;
     cluster.wait_running(&forever).await;
-    browse(&cluster, "cancel", &[("RUN", &forever)]).await;
+    browse(&cluster, TOKEN, "cancel", &[("RUN", &forever)]).await;
     let (view, _) = cluster.wait_one(&forever, LIMIT).await;
     assert_eq!(view["state"], "cancelled", "{view}");
     let started = Instant::now();

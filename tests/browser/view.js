@@ -5,6 +5,8 @@
 //             whose reviewer wrote hostile feedback; screenshots of both pages
 //   live      the page of a running run moves to the next stage by itself
 //   cancel    cancelling from the page stops the run
+//   transcript a real agent's stage opens to its transcript (RUN, AGENT, TOOL): collapsed,
+//             fetched when opened, with the stage's tokens and cost
 // Environment: URL, TOKEN, RUN (or RUN_APPROVED and RUN_HOSTILE), SHOTS (a folder).
 // Exits 0 when every check held; otherwise prints what failed and exits 1.
 'use strict';
@@ -164,6 +166,36 @@ async function cancel(browser, url, token) {
   await context.close();
 }
 
+async function transcript(browser, url, token, shots) {
+  const run = env('RUN');
+  const agent = env('AGENT');
+  const tool = env('TOOL');
+  const { page, context, errors, requests } = await open(browser);
+  await page.goto(`${url}/runs/${run}`);
+  await giveToken(page, token);
+  const stage = page.locator('details.stage', { hasText: 'Implement · round 1' }).first();
+  await stage.waitFor({ timeout: 20000 });
+  const summary = await stage.locator('summary').innerText();
+  check(/\d+ in · \d+ out/.test(summary), `the stage's summary shows its tokens: ${summary}`);
+  check(!(await stage.evaluate((node) => node.open)), 'the stage is collapsed at first');
+  check(!requests.some((address) => address.includes('/transcript')), 'no transcript is fetched before a stage is opened');
+  await stage.locator('summary').click();
+  const entries = stage.locator('ol.transcript > li');
+  await entries.first().waitFor({ timeout: 10000 });
+  check(requests.some((address) => address.includes(`/v1/runs/${run}/stages/1/transcript`)), 'opening the stage fetched its transcript');
+  const shown = await stage.locator('.transcript-body').innerText();
+  check(shown.includes(agent), `the transcript names the agent kind ${agent}`);
+  const call = stage.locator('ol.transcript > li.role-tool_call', { hasText: tool }).first();
+  check(await call.count() === 1, `the transcript shows the ${tool} tool call`);
+  check(await stage.locator('ol.transcript details[open]').count() === 0, 'every message and tool call is collapsed');
+  await call.locator('summary').click();
+  check(await call.locator('pre').isVisible(), 'a tool call opens to its input');
+  check(await page.locator('ol.transcript > li.role-tool_result').count() >= 1, "the tool's result is shown");
+  await page.screenshot({ path: path.join(shots, `transcript-${agent}.png`), fullPage: true });
+  check(errors.length === 0, `no script error (${errors.join('; ')})`);
+  await context.close();
+}
+
 (async () => {
   const url = env('URL');
   const token = env('TOKEN');
@@ -176,6 +208,7 @@ async function cancel(browser, url, token) {
     if (phase === 'finished') await finished(browser, url, token, env('SHOTS'));
     else if (phase === 'live') await live(browser, url, token);
     else if (phase === 'cancel') await cancel(browser, url, token);
+    else if (phase === 'transcript') await transcript(browser, url, token, env('SHOTS'));
     else throw new Error(`unknown phase ${phase}`);
   } catch (error) {
     console.log(`FAILED: ${error.message}`);

@@ -6,7 +6,9 @@
 
 #![allow(dead_code)]
 
+pub mod browser;
 pub mod cluster;
+pub mod model;
 pub mod postgres;
 pub mod proxy;
 
@@ -445,4 +447,29 @@ pub fn promtool() -> &'static str {
         panic!("promtool is not installed: run `scripts/services.sh` (it installs Debian's `prometheus` package)");
     }
     PROMTOOL
+}
+
+/// The host's address on Docker's default bridge, as a container on it sees it (its default
+/// route): where a stage reaches a service the test runs on the host.
+pub fn bridge_gateway() -> String {
+    // The default bridge's gateway, as a container on it sees it: the host's address there.
+    let output = output_within(
+        Command::new("docker").args([
+            "run",
+            "--rm",
+            "--network",
+            "bridge",
+            TEST_IMAGE,
+            "ip",
+            "route",
+        ]),
+        COMMAND_LIMIT,
+    );
+    let routes = String::from_utf8_lossy(&output.stdout).to_string();
+    routes
+        .lines()
+        .find_map(|l| l.strip_prefix("default via "))
+        .and_then(|rest| rest.split_whitespace().next())
+        .unwrap_or_else(|| panic!("no default route on the bridge network: {routes}"))
+        .to_string()
 }

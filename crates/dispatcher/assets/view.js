@@ -444,7 +444,64 @@
 
   // ---------------------------------------------------------------- `/runs/{id}`
 
-  function timelineSection(model) {
+  /** A stage's spending, as its `stage_finished` reported it: tokens and cost. */
+  function usageText(usage) {
+    if (!usage) return null;
+    const parts = [`${usage.input_tokens || 0} in`, `${usage.output_tokens || 0} out`];
+    if (usage.cache_read_tokens) parts.push(`${usage.cache_read_tokens} cached`);
+    if (usage.cost_usd) parts.push(`$${Number(usage.cost_usd).toFixed(4)}`);
+    if (usage.model) parts.push(usage.model);
+    return parts.join(' · ');
+  }
+
+  const ROLE_LABELS = { assistant: 'Agent', user: 'User', system: 'System', tool_call: 'Tool call', tool_result: 'Result', error: 'Error' };
+
+  /** A transcript's entries, each collapsed to its first line; errors and failed tool results
+   * are marked. Everything in it is the agent's: text nodes only. */
+  function transcriptView(data) {
+    const entries = data.transcript.entries || [];
+    const list = el('ol', { class: 'transcript', 'aria-label': `Transcript of ${stageName(data.stage)}` },
+      entries.map((entry) => {
+        const first = String(entry.text).split('\n', 1)[0];
+        const label = `${ROLE_LABELS[entry.role] || entry.role}${entry.tool ? ` · ${entry.tool}` : ''}`;
+        return el('li', { class: `entry role-${String(entry.role).replace(/[^a-z_]/g, '')}${entry.is_error ? ' failing' : ''}` },
+          el('details', null,
+            el('summary', null, el('strong', { text: label }), ' ', el('span', { class: 'muted mono', text: first.length > 160 ? `${first.slice(0, 160)}…` : first })),
+            el('pre', { class: 'output', text: entry.text })));
+      }));
+    const omitted = data.transcript.omitted ? el('p', { class: 'muted', text: `${data.transcript.omitted} more entries were not kept (the transcript is bounded).` }) : null;
+    return el('div', null, el('p', { class: 'muted', text: `${data.agent} · ${entries.length} entries` }), list, omitted);
+  }
+
+  /** A finished stage opens to its transcript, fetched when it is first opened and kept. */
+  function stageDetails(runId, model, item, label, detail) {
+    const usage = usageText(item.finished.usage);
+    const box = el('div', { class: 'transcript-body' });
+    const fill = (data) => replace(box, data.error ? el('p', { class: 'muted', text: data.error }) : transcriptView(data));
+    const details = el('details', { class: 'stage', open: model.open.has(item.index) },
+      el('summary', null, el('strong', { text: label }), ' ', el('span', { class: 'muted', text: detail }),
+        usage ? el('span', { class: 'usage muted', text: ` · ${usage}` }) : null),
+      box);
+    const load = async () => {
+      if (model.transcripts.has(item.index)) return fill(model.transcripts.get(item.index));
+      replace(box, el('p', { class: 'muted', text: 'Loading the transcript…' }));
+      let data;
+      try {
+        data = await api(`/v1/runs/${runId}/stages/${item.index}/transcript`);
+      } catch (error) {
+        data = { error: error.status === 404 ? 'No transcript: this stage ran a command, not an agent kind.' : `Cannot read the transcript: ${error.message}` };
+      }
+      model.transcripts.set(item.index, data);
+      fill(data);
+    };
+    details.addEventListener('toggle', () => {
+      if (details.open) { model.open.add(item.index); load(); } else model.open.delete(item.index);
+    });
+    if (details.open) load();
+    return details;
+  }
+
+  function timelineSection(runId, model) {
     const list = el('ol', { class: 'timeline' });
     for (const item of model.items) {
       if (item.kind === 'state') {
@@ -456,7 +513,9 @@
           ? `${seconds(done.duration_seconds)} · ${done.outcome.replace(/_/g, ' ')}${done.exit_code !== null && done.exit_code !== undefined ? ` (exit ${done.exit_code})` : ''}`
           : `running for ${seconds((Date.now() - Date.parse(item.time)) / 1000)}`;
         list.append(el('li', { class: done ? `tl-stage outcome-${done.outcome}` : 'tl-stage running' },
-          el('strong', { text: label }), ' ', el('span', { class: done ? 'muted' : 'muted elapsed', 'data-since': done ? null : item.time, text: detail })));
+          done && item.index && item.stage !== 'verify'
+            ? stageDetails(runId, model, item, label, detail)
+            : [el('strong', { text: label }), ' ', el('span', { class: done ? 'muted' : 'muted elapsed', 'data-since': done ? null : item.time, text: detail })]));
       }
     }
     return el('section', { 'aria-labelledby': 'h-timeline' }, el('h2', { id: 'h-timeline', text: 'Timeline' }),
@@ -578,7 +637,7 @@
 
   /** What the page keeps of the events: the timeline's items, the checks, the log. */
   function newModel() {
-    return { items: [], stages: new Map(), checks: [], pullRequest: null, log: [], logStage: null };
+    return { items: [], stages: new Map(), started: 0, open: new Set(), transcripts: new Map(), checks: [], pullRequest: null, log: [], logStage: null };
   }
 
   function take(model, event) {
@@ -589,7 +648,9 @@
         model.items.push({ kind: 'state', state: kind.state, reason: kind.reason, time: event.time });
         break;
       case 'stage_started': {
-        const item = { kind: 'stage', stage: kind.stage, round: kind.round, cycle: kind.cycle, time: event.time, finished: null };
+        // Stages are numbered as the API's transcripts are: from 1, in the order they started.
+        model.started += 1;
+        const item = { kind: 'stage', index: model.started, stage: kind.stage, round: kind.round, cycle: kind.cycle, time: event.time, finished: null };
         model.stages.set(`${kind.stage}/${kind.round}/${kind.cycle}`, item);
         model.items.push(item);
         break;
@@ -675,7 +736,7 @@
         run.warnings.length ? el('ul', { class: 'warnings', 'aria-label': 'Warnings' }, run.warnings.map((w) => el('li', { text: w }))) : null);
     };
     const drawBody = () => {
-      replace(body, timelineSection(model), roundsSection(run, model));
+      replace(body, timelineSection(runId, model), roundsSection(run, model));
     };
     // What changes only with the run itself (cycles, result): drawn again on a reload, not on
     // every stage event, since a change or a report may be long.

@@ -3,7 +3,7 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use proto::{AgentProfile, Network};
+use proto::{AgentKind, AgentProfile, Network};
 use serde::Deserialize;
 
 /// A stage's time limit when a profile sets none.
@@ -63,7 +63,20 @@ struct Defaults {
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct ProfileEntry {
-    image: String,
+    #[serde(default)]
+    kind: Option<String>,
+    #[serde(default)]
+    image: Option<String>,
+    #[serde(default)]
+    model: Option<String>,
+    #[serde(default)]
+    base_url: Option<String>,
+    #[serde(default)]
+    args: Vec<String>,
+    #[serde(default)]
+    pause_seconds: Option<u64>,
+    #[serde(default)]
+    provider: Option<String>,
     #[serde(default)]
     command: Vec<String>,
     #[serde(default)]
@@ -151,37 +164,9 @@ impl AgentBook {
     }
 }
 
-fn check_profile(name: &str, entry: ProfileEntry) -> Result<AgentProfile, String> {
+/// The profile's `network` and its `egress` list, which only applies with `"egress"`.
+fn check_network(name: &str, entry: &ProfileEntry) -> Result<Network, String> {
     let key = |k: &str| format!("agents.{name}.{k}");
-    let max_concurrent = check_pool_keys(name, entry.max_concurrent)?;
-    if entry.image.trim().is_empty() {
-        return Err(format!("{} must name a container image", key("image")));
-    }
-    for variable in &entry.env {
-        if let Some(why) = proto::names::env_name_refusal(variable) {
-            return Err(format!(
-                "{} holds {variable:?}, which is not allowed: {why}",
-                key("env")
-            ));
-        }
-    }
-    if let Some(user) = &entry.user {
-        if proto::names::is_root_user(user) {
-            return Err(format!(
-                "{} is {user:?}, which is root: stages never run as root; name a non-root uid:gid",
-                key("user")
-            ));
-        }
-    }
-    let disk_bytes = match entry.disk.as_deref() {
-        None => proto::DEFAULT_DISK_BYTES,
-        Some(text) => parse_memory(text).ok_or_else(|| {
-            format!(
-                "{} must be a size like \"512m\" or \"4g\" of at least 6m, got {text:?}",
-                key("disk")
-            )
-        })?,
-    };
     let network = match entry.network.as_deref() {
         None | Some("none") => Network::None,
         Some("bridge") => Network::Bridge,
@@ -209,6 +194,42 @@ fn check_profile(name: &str, entry: ProfileEntry) -> Result<AgentProfile, String
             key("egress")
         ));
     }
+    Ok(network)
+}
+
+fn check_profile(name: &str, entry: ProfileEntry) -> Result<AgentProfile, String> {
+    let key = |k: &str| format!("agents.{name}.{k}");
+    let max_concurrent = check_pool_keys(name, entry.max_concurrent)?;
+    let (kind, image) = check_kind(name, &entry)?;
+    if image.trim().is_empty() {
+        return Err(format!("{} must name a container image", key("image")));
+    }
+    for variable in &entry.env {
+        if let Some(why) = proto::names::env_name_refusal(variable) {
+            return Err(format!(
+                "{} holds {variable:?}, which is not allowed: {why}",
+                key("env")
+            ));
+        }
+    }
+    if let Some(user) = &entry.user {
+        if proto::names::is_root_user(user) {
+            return Err(format!(
+                "{} is {user:?}, which is root: stages never run as root; name a non-root uid:gid",
+                key("user")
+            ));
+        }
+    }
+    let disk_bytes = match entry.disk.as_deref() {
+        None => proto::DEFAULT_DISK_BYTES,
+        Some(text) => parse_memory(text).ok_or_else(|| {
+            format!(
+                "{} must be a size like \"512m\" or \"4g\" of at least 6m, got {text:?}",
+                key("disk")
+            )
+        })?,
+    };
+    let network = check_network(name, &entry)?;
     let memory_bytes = match entry.memory.as_deref() {
         None => DEFAULT_AGENT_MEMORY_BYTES,
         Some(text) => parse_memory(text).ok_or_else(|| {
@@ -234,8 +255,13 @@ fn check_profile(name: &str, entry: ProfileEntry) -> Result<AgentProfile, String
     Ok(AgentProfile {
         max_concurrent,
         name: name.to_string(),
-        image: entry.image,
+        image,
         command: entry.command,
+        kind,
+        model: entry.model,
+        base_url: entry.base_url,
+        args: entry.args,
+        pause_seconds: entry.pause_seconds,
         env: entry.env,
         network,
         memory_bytes,
@@ -246,6 +272,81 @@ fn check_profile(name: &str, entry: ProfileEntry) -> Result<AgentProfile, String
         disk_bytes,
         egress: entry.egress,
     })
+}
+
+/// The profile's agent kind and its image (the kind's pinned one when it names none), and
+/// the keys that only a kind, or only `command`, may use.
+fn check_kind(name: &str, entry: &ProfileEntry) -> Result<(AgentKind, String), String> {
+    let key = |k: &str| format!("agents.{name}.{k}");
+    let kind = match entry.kind.as_deref() {
+        None => AgentKind::Command,
+        Some(text) => AgentKind::parse(text).ok_or_else(|| {
+            let known: Vec<&str> = AgentKind::ALL.iter().map(|k| k.as_str()).collect();
+            format!(
+                "{} is {text:?}; forgepool knows {}",
+                key("kind"),
+                known.join(", ")
+            )
+        })?,
+    };
+    if entry.provider.is_some() {
+        return Err(format!(
+            "{} needs the model gateway (SPEC 16), which this version does not have yet; reach the provider with network = \"egress\" and its host in egress (see docs/AGENTS.md)",
+            key("provider")
+        ));
+    }
+    if kind.is_command() {
+        for (field, set) in [
+            ("model", entry.model.is_some()),
+            ("base_url", entry.base_url.is_some()),
+            ("args", !entry.args.is_empty()),
+            ("pause_seconds", entry.pause_seconds.is_some()),
+        ] {
+            if set {
+                return Err(format!(
+                    "{} applies to agent kinds only: set {} (see docs/AGENTS.md)",
+                    key(field),
+                    key("kind")
+                ));
+            }
+        }
+    } else if !entry.command.is_empty() {
+        return Err(format!(
+            "{} is for kind \"command\": a {} profile's command line comes from its kind; add arguments with {}",
+            key("command"),
+            kind.as_str(),
+            key("args")
+        ));
+    }
+    if let Some(seconds) = entry.pause_seconds {
+        if !(1..=proto::MAX_PAUSE_SECONDS).contains(&seconds) {
+            return Err(format!(
+                "{} must be a number of seconds from 1 to {} (a day), got {seconds}",
+                key("pause_seconds"),
+                proto::MAX_PAUSE_SECONDS
+            ));
+        }
+    }
+    if let Some(url) = &entry.base_url {
+        let scheme_ok = url.starts_with("http://") || url.starts_with("https://");
+        if !scheme_ok || url.contains('@') || url.chars().any(|c| c.is_control() || c == ' ') {
+            return Err(format!(
+                "{} must be an http:// or https:// address without credentials, got {url:?}",
+                key("base_url")
+            ));
+        }
+    }
+    let image = match (entry.image.clone(), kind.default_image()) {
+        (Some(image), _) => image,
+        (None, Some(image)) => image,
+        (None, None) => {
+            return Err(format!(
+                "{} is missing: a profile of kind \"command\" must name a container image",
+                key("image")
+            ))
+        }
+    };
+    Ok((kind, image))
 }
 
 /// The profile's name (it names queues on the broker) and its `max_concurrent`.
@@ -350,6 +451,34 @@ mod tests {
                 "defaults.reviewer",
             ),
             ("[agents.a]\n", "image"),
+            (
+                "[agents.a]\nkind = \"claude\"\n",
+                "agents.a.kind is \"claude\"; forgepool knows command, claude-code, codex",
+            ),
+            (
+                "[agents.a]\nkind = \"codex\"\ncommand = [\"codex\"]\n",
+                "agents.a.command is for kind \"command\"",
+            ),
+            (
+                "[agents.a]\nimage = \"x\"\nmodel = \"m\"\n",
+                "agents.a.model applies to agent kinds only",
+            ),
+            (
+                "[agents.a]\nkind = \"claude-code\"\nprovider = \"anthropic\"\n",
+                "agents.a.provider needs the model gateway",
+            ),
+            (
+                "[agents.a]\nkind = \"aider\"\nbase_url = \"http://user:pw@host/v1\"\n",
+                "agents.a.base_url",
+            ),
+            (
+                "[agents.a]\nimage = \"x\"\npause_seconds = 60\n",
+                "agents.a.pause_seconds applies to agent kinds only",
+            ),
+            (
+                "[agents.a]\nkind = \"codex\"\npause_seconds = 0\n",
+                "agents.a.pause_seconds must be a number of seconds from 1 to 86400",
+            ),
         ];
         for (text, needle) in cases {
             let error = AgentBook::parse(text, Path::new("conf/agents.toml"))
@@ -358,6 +487,29 @@ mod tests {
             assert!(error.contains("conf/agents.toml"), "{error}");
             assert!(error.contains(needle), "{error} lacks {needle}");
         }
+    }
+
+    /// Catches: a kind's profile without an image refused, or given no pinned image; the
+    /// kind's own fields lost on the way into the job.
+    #[test]
+    fn an_agent_kind_needs_no_image_and_keeps_its_fields() {
+        let text = r#"
+            [agents.claude]
+            kind = "claude-code"
+            model = "claude-sonnet-4-5"
+            base_url = "http://172.17.0.1:8089"
+            args = ["--max-turns", "40"]
+            network = "egress"
+            egress = ["172.17.0.1:8089"]
+        "#;
+        let book = AgentBook::parse(text, Path::new("agents.toml")).unwrap();
+        let claude = book.get("claude").unwrap();
+        assert_eq!(claude.kind, AgentKind::ClaudeCode);
+        assert_eq!(claude.image, AgentKind::ClaudeCode.default_image().unwrap());
+        assert_eq!(claude.model.as_deref(), Some("claude-sonnet-4-5"));
+        assert_eq!(claude.base_url.as_deref(), Some("http://172.17.0.1:8089"));
+        assert_eq!(claude.args, ["--max-turns", "40"]);
+        assert!(claude.command.is_empty());
     }
 
     #[test]

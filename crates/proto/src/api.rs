@@ -132,6 +132,27 @@ pub struct RunTimeline {
     pub last_position: i64,
 }
 
+/// One stage's transcript: what an agent kind's CLI said and did (SPEC 16).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct StageTranscript {
+    /// The stage's place among the run's stages, from 1 (as `stage_started` events come).
+    pub index: u32,
+    /// `implement`, `review` or `final_review`.
+    pub stage: String,
+    /// The implementation round it belongs to.
+    pub round: u32,
+    /// The review cycle, for review stages.
+    pub cycle: Option<u32>,
+    /// The agent kind that ran.
+    pub agent: String,
+    /// The conversation: messages, tool calls and their results, in order.
+    pub transcript: crate::Transcript,
+    /// What the stage spent, as its `stage_finished` reported.
+    #[cfg_attr(feature = "openapi", schema(value_type = Option<Object>))]
+    pub usage: Option<crate::Usage>,
+}
+
 /// The most events [`RunTimeline::events`] holds.
 pub const TIMELINE_EVENTS: u32 = 5000;
 

@@ -146,6 +146,20 @@ pub enum EventKind {
         /// `delivered`, `retrying` (another attempt follows) or `gave_up`.
         outcome: String,
     },
+    /// What an agent kind's stage said and did (SPEC 16), read from its CLI's output when
+    /// the stage ended; published just before its `stage_finished`.
+    Transcript {
+        /// Which stage.
+        stage: Stage,
+        /// The implementation round it belongs to.
+        round: u32,
+        /// The review cycle, for review stages.
+        cycle: Option<u32>,
+        /// The agent kind that ran.
+        agent: crate::AgentKind,
+        /// The conversation, bounded.
+        transcript: crate::Transcript,
+    },
     /// The run's final result; always followed by a terminal `state` event.
     Result {
         /// The result.
@@ -168,6 +182,7 @@ impl EventKind {
             EventKind::CancelRequested { .. } => "cancel_requested",
             EventKind::Webhook { .. } => "webhook",
             EventKind::PullRequest { .. } => "pull_request",
+            EventKind::Transcript { .. } => "transcript",
             EventKind::Result { .. } => "result",
         }
     }

@@ -3,7 +3,7 @@
 use serde::{Deserialize, Serialize};
 use uuid::Uuid;
 
-use crate::{RepositoryRef, VerifyCommand};
+use crate::{AgentKind, RepositoryRef, VerifyCommand};
 
 /// Everything a worker needs to perform a run, frozen by the dispatcher at submission.
 ///
@@ -118,6 +118,23 @@ pub struct AgentProfile {
     /// The most stages of this profile running at once across the pool; unlimited when absent.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_concurrent: Option<u32>,
+    /// The agent CLI the image runs (SPEC 16); `command` runs `command` under SPEC 6.
+    #[serde(default, skip_serializing_if = "AgentKind::is_command")]
+    pub kind: AgentKind,
+    /// For an agent kind: the model the CLI asks for; the CLI's default when absent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model: Option<String>,
+    /// For an agent kind: the model API's root the CLI is pointed at; the kind's provider's
+    /// public address when absent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub base_url: Option<String>,
+    /// For an agent kind: extra arguments added to the CLI's command line.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub args: Vec<String>,
+    /// For an agent kind: how long a rate-limited stage pauses when neither the CLI nor the
+    /// provider named the reset; the worker's default (300 s) when absent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pause_seconds: Option<u64>,
 }
 
 /// A profile's `disk` when it sets none: 4 GiB.
@@ -246,6 +263,33 @@ impl AgentProfile {
                 self.name
             ));
         }
+        if self.kind.is_command()
+            && (self.model.is_some()
+                || self.base_url.is_some()
+                || !self.args.is_empty()
+                || self.pause_seconds.is_some())
+        {
+            return Err(format!(
+                "profile `{}`: model, base_url, args and pause_seconds apply to agent kinds only",
+                self.name
+            ));
+        }
+        if self
+            .pause_seconds
+            .is_some_and(|s| !(1..=MAX_PAUSE_SECONDS).contains(&s))
+        {
+            return Err(format!(
+                "profile `{}`: pause_seconds must be from 1 to {MAX_PAUSE_SECONDS}",
+                self.name
+            ));
+        }
+        let texts = self.model.iter().chain(&self.base_url).chain(&self.args);
+        if texts.clone().any(|t| t.chars().any(char::is_control)) || self.args.len() > 64 {
+            return Err(format!(
+                "profile `{}`: model, base_url and args must be printable (at most 64 args)",
+                self.name
+            ));
+        }
         for name in &self.env {
             if let Some(why) = crate::names::env_name_refusal(name) {
                 return Err(format!(
@@ -286,9 +330,17 @@ impl AgentProfile {
             "max_concurrent",
             self.max_concurrent != other.max_concurrent,
         );
+        check("kind", self.kind != other.kind);
+        check("model", self.model != other.model);
+        check("base_url", self.base_url != other.base_url);
+        check("args", self.args != other.args);
+        check("pause_seconds", self.pause_seconds != other.pause_seconds);
         fields
     }
 }
+
+/// The longest pause a profile may give a rate limit without a named reset: a day.
+pub const MAX_PAUSE_SECONDS: u64 = 86_400;
 
 /// A stage container's network.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -359,6 +411,11 @@ mod tests {
             read_only_root: true,
             disk_bytes: DEFAULT_DISK_BYTES,
             egress: vec![],
+            kind: AgentKind::Command,
+            model: None,
+            base_url: None,
+            args: vec![],
+            pause_seconds: None,
         }
     }
 

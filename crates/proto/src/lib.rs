@@ -5,6 +5,7 @@
 //! streams. Only the types in this crate are serialized; each message carries
 //! [`SCHEMA_VERSION`] so that a reader can refuse what it does not understand.
 
+mod agent;
 #[cfg(feature = "amqp")]
 pub mod amqp;
 mod api;
@@ -17,10 +18,14 @@ pub mod signing;
 mod state;
 mod usage;
 
+pub use agent::{
+    AgentKind, Transcript, TranscriptEntry, MAX_ENTRY_CHARS, MAX_TRANSCRIPT_BYTES,
+    MAX_TRANSCRIPT_ENTRIES,
+};
 pub use api::{
     CancelAnswer, CancelProgress, Control, ControlAction, PoolView, PositionedEvent, Problem,
-    Readiness, ResumeAnswer, RunList, RunSummary, RunTimeline, RunView, StateChange,
-    SubmitResponse, PROBLEM_CONTENT_TYPE, TIMELINE_EVENTS,
+    Readiness, ResumeAnswer, RunList, RunSummary, RunTimeline, RunView, StageTranscript,
+    StateChange, SubmitResponse, PROBLEM_CONTENT_TYPE, TIMELINE_EVENTS,
 };
 pub use checkpoint::{
     Checkpoint, FailureSignature, FinalReport, Finding, Limits, LoopState, MachineState, Phase,
@@ -31,7 +36,10 @@ pub use event::{
     EventKind, LogStream, RoundRecord, RunResult, Stage, StageOutcome, AUTO_RESUMED_REASON,
     MAX_CHANGE_BYTES, MAX_CHECKPOINT_PATCH_BYTES, RESUMED_REASON,
 };
-pub use job::{check_egress_entry, AgentProfile, Job, Network, ReviewConfig, DEFAULT_DISK_BYTES};
+pub use job::{
+    check_egress_entry, AgentProfile, Job, Network, ReviewConfig, DEFAULT_DISK_BYTES,
+    MAX_PAUSE_SECONDS,
+};
 pub use request::{AgentChoice, Assurance, RepositoryRef, RunRequest, VerifyCommand};
 pub use signing::{JobKey, SIGNATURE_HEADER};
 pub use state::RunState;

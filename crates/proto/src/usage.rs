@@ -213,17 +213,27 @@ impl PauseRequest {
                 return Err("pause.json: give retry_after_seconds or resume_at".to_string())
             }
         };
+        Ok(PauseRequest::after(
+            file.reason.as_deref().unwrap_or_default(),
+            after,
+            now,
+        ))
+    }
+
+    /// A pause of `after` from `now` (at most [`MAX_PROFILE_PAUSE`]), for `reason`.
+    pub fn after(reason: &str, after: Duration, now: SystemTime) -> PauseRequest {
         let after = after.min(MAX_PROFILE_PAUSE);
         // Rounded up to the second: the pause never ends before the time asked for.
         let until = now + after + Duration::from_millis(999);
-        Ok(PauseRequest {
-            reason: file
-                .reason
-                .map(|r| printable(&r, MAX_REASON_CHARS))
-                .filter(|r| !r.is_empty())
-                .unwrap_or_else(|| "paused".to_string()),
+        let reason = printable(reason, MAX_REASON_CHARS);
+        PauseRequest {
+            reason: if reason.is_empty() {
+                "paused".to_string()
+            } else {
+                reason
+            },
             until: crate::format_timestamp(until),
-        })
+        }
     }
 }
 

@@ -431,6 +431,7 @@ impl Metrics {
             | EventKind::Checkpoint { .. }
             | EventKind::CancelRequested { .. }
             | EventKind::Webhook { .. }
+            | EventKind::Transcript { .. }
             | EventKind::PullRequest { .. } => {}
         }
     }

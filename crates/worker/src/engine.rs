@@ -34,6 +34,7 @@ use crate::sink::{EventSink, PublishEvent};
 use crate::sink::{Redacting, Stamped};
 use crate::verdict::{self, Verdict};
 
+mod agent;
 mod checkpoint;
 use checkpoint::keep_progress;
 mod context;
@@ -56,8 +57,7 @@ pub use gated::Execution;
 use gated::{over_budget, Gated};
 use stage::{agent_mounts, workspace_mounts, PreparedStage, StagePlace, StageRequest};
 
-/// The exit code with which a stage says its provider paused (quota, rate limit, login).
-pub const EXIT_PAUSED: i64 = 75;
+pub use crate::agents::EXIT_PAUSED;
 /// The default interval between scans of `.forge/` while a stage runs.
 pub const DEFAULT_POLL_INTERVAL: Duration = Duration::from_millis(100);
 /// The user stage containers run as when the worker runs as root: `nobody`.

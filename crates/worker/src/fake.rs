@@ -11,6 +11,7 @@ use proto::{LogStream, Stage};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
+use crate::agents::AgentReader;
 use crate::runtime::{
     ContainerRuntime, LogChunk, RuntimeError, StageExit, StageOutput, StageSpec, LABEL_STAGE,
 };
@@ -187,7 +188,7 @@ impl ContainerRuntime for FakeRuntime {
             },
             act => act,
         };
-        let (exit, stdout) = match act {
+        let (exit, stdout, agent) = match act {
             Act::Exit {
                 code,
                 stdout,
@@ -207,18 +208,26 @@ impl ContainerRuntime for FakeRuntime {
                         code = 1;
                     }
                 }
-                if !stdout.is_empty() {
+                // An agent kind's output is read as the Docker runtime reads it.
+                let (logged, agent) = match spec
+                    .agent
+                    .and_then(|kind| AgentReader::read_all(kind, &stdout))
+                {
+                    Some((report, readable)) => (readable, Some(report)),
+                    None => (stdout, None),
+                };
+                if !logged.is_empty() {
                     let chunk = LogChunk {
                         stream: LogStream::Stdout,
-                        text: stdout.clone(),
+                        text: logged.clone(),
                     };
                     let _ = logs.send(chunk).await;
                 }
-                (StageExit::Exited(code), stdout)
+                (StageExit::Exited(code), logged, agent)
             }
             Act::Hang => tokio::select! {
-                () = tokio::time::sleep(spec.timeout) => (StageExit::TimedOut, String::new()),
-                () = cancel.cancelled() => (StageExit::Cancelled, String::new()),
+                () = tokio::time::sleep(spec.timeout) => (StageExit::TimedOut, String::new(), None),
+                () = cancel.cancelled() => (StageExit::Cancelled, String::new(), None),
             },
             Act::Unstartable(_) => unreachable!("refused at creation"),
             Act::Slow(..) => unreachable!("a slow act is done above"),
@@ -228,6 +237,7 @@ impl ContainerRuntime for FakeRuntime {
             tail: stdout.clone(),
             stdout,
             duration: began.elapsed().max(Duration::from_millis(1)),
+            agent,
         })
     }
 

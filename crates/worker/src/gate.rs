@@ -268,6 +268,11 @@ mod tests {
             disk_bytes: proto::DEFAULT_DISK_BYTES,
             egress: vec![],
             max_concurrent: max,
+            kind: proto::AgentKind::Command,
+            model: None,
+            base_url: None,
+            args: vec![],
+            pause_seconds: None,
         }
     }
 

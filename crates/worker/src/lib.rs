@@ -5,6 +5,7 @@
 //! [`docker`]), collects cycle files ([`collector`]), reads verdicts ([`verdict`]), delivers
 //! with [`git`], and reports through the event seam ([`sink`]).
 
+pub mod agents;
 pub mod amqp;
 pub mod cache;
 pub mod collector;

@@ -70,6 +70,10 @@ pub struct StageSpec {
     pub labels: HashMap<String, String>,
     /// Secret values to replace with `[REDACTED]` in everything read from the container.
     pub redact: Vec<String>,
+    /// The agent kind whose CLI the stage runs: its stdout is read by the kind's
+    /// [`crate::agents::AgentReader`] (log lines, transcript, usage, outcome). `None` for the
+    /// `command` kind and for verification commands, whose output is logged as it is.
+    pub agent: Option<proto::AgentKind>,
 }
 
 /// A host directory mounted into a stage container.
@@ -105,6 +109,8 @@ pub struct StageOutput {
     pub tail: String,
     /// Wall time from create to removal.
     pub duration: Duration,
+    /// For a stage of an agent kind: what its CLI reported ([`StageSpec::agent`]).
+    pub agent: Option<crate::agents::AgentReport>,
 }
 
 /// The most stdout kept for a stage (the reviewer's verdict is read from it).

@@ -4,8 +4,12 @@
 use std::sync::Arc;
 
 use axum::extract::{Path, Query, State};
+use axum::http::StatusCode;
 use axum::Json;
-use proto::{PoolView, PositionedEvent, Problem, RunTimeline, TIMELINE_EVENTS};
+use proto::{
+    EventKind, PoolView, PositionedEvent, Problem, RunTimeline, Stage, StageTranscript,
+    TIMELINE_EVENTS,
+};
 use serde::Deserialize;
 
 use crate::dispatcher::Dispatcher;
@@ -96,3 +100,95 @@ pub(super) async fn timeline(
         last_position,
     }))
 }
+
+#[utoipa::path(
+    get,
+    path = "/v1/runs/{id}/stages/{n}/transcript",
+    tag = "runs",
+    summary = "What an agent kind's stage said and did: messages, tool calls and their results, with its usage",
+    params(
+        ("id" = uuid::Uuid, Path, description = "the run id"),
+        ("n" = u32, Path, minimum = 1, description = "the stage's place among the run's stages, from 1, in the order they started"),
+    ),
+    responses(
+        (status = 200, description = "the stage's transcript (the latest, when a resumed run repeated the stage)", body = StageTranscript),
+        (status = 400, description = "the id is not a UUID, or `n` is not a number from 1; `field` names it", content_type = "application/problem+json", body = Problem),
+        (status = 401, description = "a token is configured and the request has none, or a wrong one", content_type = "application/problem+json", body = Problem),
+        (status = 404, description = "no such run, no such stage, or a stage without a transcript (a `command` profile, a verification command, or a stage still running)", content_type = "application/problem+json", body = Problem),
+        (status = 500, description = "the store failed; nothing was changed", content_type = "application/problem+json", body = Problem),
+    )
+)]
+pub(super) async fn transcript(
+    State(dispatcher): State<Arc<Dispatcher>>,
+    Path((id, n)): Path<(String, String)>,
+) -> Result<Json<StageTranscript>, Failure> {
+    let index = query_number(Some(n.as_str()), "n", 1..=MAX_STAGES, 1)?;
+    let run_id = record(&dispatcher, &id).await?.job.run_id;
+    let store = &dispatcher.store;
+    let started = store
+        .events_of_kinds(run_id, &["stage_started"], false, MAX_STAGES)
+        .await
+        .map_err(internal)?;
+    let missing = |what: String| Failure::new(StatusCode::NOT_FOUND, "not_found", what, None);
+    let Some((_, event)) = started.get(index as usize - 1) else {
+        return Err(missing(format!(
+            "run {run_id} has {} stages, not {index}",
+            started.len()
+        )));
+    };
+    let EventKind::StageStarted {
+        stage,
+        round,
+        cycle,
+    } = event.kind
+    else {
+        return Err(missing(format!("run {run_id} has no stage {index}")));
+    };
+    let ended = store
+        .events_of_kinds(
+            run_id,
+            &["transcript", "stage_finished"],
+            false,
+            2 * MAX_STAGES,
+        )
+        .await
+        .map_err(internal)?;
+    let same = |s: Stage, r: u32, c: Option<u32>| s == stage && r == round && c == cycle;
+    let usage = ended.iter().rev().find_map(|(_, e)| match &e.kind {
+        EventKind::StageFinished {
+            stage: s,
+            round: r,
+            cycle: c,
+            usage,
+            ..
+        } if same(*s, *r, *c) => usage.clone(),
+        _ => None,
+    });
+    ended
+        .into_iter()
+        .rev()
+        .find_map(|(_, e)| match e.kind {
+            EventKind::Transcript { stage: s, round: r, cycle: c, agent, transcript } if same(s, r, c) => {
+                Some(StageTranscript {
+                    index,
+                    stage: stage.as_str().to_string(),
+                    round,
+                    cycle,
+                    agent: agent.as_str().to_string(),
+                    transcript,
+                    usage: usage.clone(),
+                })
+            }
+            _ => None,
+        })
+        .map(Json)
+        .ok_or_else(|| {
+            missing(format!(
+                "stage {index} of run {run_id} ({} stage, round {round}) has no transcript: only agent kinds' stages have one, once they end",
+                stage.as_str()
+            ))
+        })
+}
+
+/// The most stages a transcript is looked up among.
+const MAX_STAGES: u32 = 1000;

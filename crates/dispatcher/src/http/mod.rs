@@ -50,6 +50,10 @@ pub fn router(dispatcher: Arc<Dispatcher>) -> Router {
         .route("/v1/runs/{id}", get(show))
         .route("/v1/runs/{id}/events", get(events))
         .route("/v1/runs/{id}/timeline", get(glance::timeline))
+        .route(
+            "/v1/runs/{id}/stages/{n}/transcript",
+            get(glance::transcript),
+        )
         .route("/v1/pool", get(glance::pool))
         .route("/v1/runs/{id}/cancel", post(cancel))
         .route("/v1/runs/{id}/resume", post(resume))

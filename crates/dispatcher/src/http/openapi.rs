@@ -28,6 +28,7 @@ the body is over 1 MiB.\n\nWhen the dispatcher has a token (`FORGEPOOL_API_TOKEN
         runs::show,
         events::events,
         glance::timeline,
+        glance::transcript,
         glance::pool,
         runs::cancel,
         runs::resume,
@@ -104,6 +105,11 @@ mod tests {
             ),
             (
                 "/v1/runs/{id}/timeline",
+                "get",
+                &["200", "400", "401", "404", "500"],
+            ),
+            (
+                "/v1/runs/{id}/stages/{n}/transcript",
                 "get",
                 &["200", "400", "401", "404", "500"],
             ),

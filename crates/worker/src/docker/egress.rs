@@ -8,7 +8,7 @@ use bollard::models::HostConfig;
 use bollard::query_parameters::{CreateContainerOptions, ListNetworksOptions, LogsOptions};
 use futures_util::StreamExt;
 
-use super::{process_alive, short_instance};
+use super::short_instance;
 use crate::runtime::{
     LABEL_CLUSTER, LABEL_HOST, LABEL_INSTANCE, LABEL_MANAGED, LABEL_PID, LABEL_STAGE, LABEL_WORKER,
 };
@@ -275,10 +275,9 @@ impl DockerRuntime {
         })
     }
 
-    /// Removes the egress networks of worker processes that are gone: an earlier instance of
-    /// this worker, or a process on this host that no longer runs (the same rule as for
-    /// containers). A live worker's network is never touched, and one in use cannot be
-    /// removed anyway.
+    /// Removes the egress networks of worker processes that are gone (the rule of
+    /// [`super::janitor::left_behind`], as for containers): of this worker or of any process on
+    /// this host. A live process's network is never touched, even under the same worker name.
     pub(super) async fn remove_orphan_networks(&self) {
         let mut filters = HashMap::new();
         filters.insert("label".to_string(), vec![format!("{LABEL_MANAGED}=true")]);
@@ -297,11 +296,10 @@ impl DockerRuntime {
         for network in networks {
             let labels = network.labels.clone().unwrap_or_default();
             let label = |key: &str| labels.get(key).map(String::as_str).unwrap_or("");
-            let gone = label(LABEL_INSTANCE) != self.identity.instance
-                && label(LABEL_CLUSTER) == self.identity.cluster
+            let gone = label(LABEL_CLUSTER) == self.identity.cluster
                 && (label(LABEL_WORKER) == self.identity.worker
-                    || (label(LABEL_HOST) == self.identity.host
-                        && !process_alive(label(LABEL_PID))));
+                    || label(LABEL_HOST) == self.identity.host)
+                && super::janitor::left_behind(&self.identity, &labels);
             if !gone {
                 continue;
             }

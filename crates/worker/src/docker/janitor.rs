@@ -11,6 +11,19 @@ use crate::runtime::{
     LABEL_PID, LABEL_WORKER,
 };
 
+/// Whether what carries these owner labels was left by a process that is gone: another
+/// instance than this one, and either on another host (the same worker name moved) or of a
+/// process of this host that no longer runs, or whose pid this process now has. A live
+/// process's things are never taken for leftovers, even under the same worker name (every
+/// `forgepool run` on a host is the worker `embedded`).
+pub(super) fn left_behind(identity: &super::Identity, labels: &HashMap<String, String>) -> bool {
+    let label = |key: &str| labels.get(key).map(String::as_str).unwrap_or("");
+    label(LABEL_INSTANCE) != identity.instance
+        && (label(LABEL_HOST) != identity.host
+            || label(LABEL_PID) == identity.pid.to_string()
+            || !process_alive(label(LABEL_PID)))
+}
+
 impl DockerRuntime {
     pub(super) async fn remove_orphans_and_overdue(&self) -> Result<usize, RuntimeError> {
         let containers = self.managed_containers().await?;
@@ -19,11 +32,8 @@ impl DockerRuntime {
         for container in containers {
             let labels = container.labels.unwrap_or_default();
             let label = |key: &str| labels.get(key).map(String::as_str).unwrap_or("");
-            let ours_from_before = label(LABEL_WORKER) == self.identity.worker
-                && label(LABEL_INSTANCE) != self.identity.instance
-                && (label(LABEL_HOST) != self.identity.host
-                    || label(LABEL_PID) == self.identity.pid.to_string()
-                    || !process_alive(label(LABEL_PID)));
+            let ours_from_before =
+                label(LABEL_WORKER) == self.identity.worker && left_behind(&self.identity, &labels);
             let overdue = label(LABEL_DEADLINE)
                 .parse::<u64>()
                 .is_ok_and(|deadline| deadline < now);
@@ -88,5 +98,48 @@ impl DockerRuntime {
         )
         .await?
         .map_err(|e| RuntimeError::Cleanup(e.to_string()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::HashMap;
+
+    use super::left_behind;
+    use crate::docker::Identity;
+    use crate::runtime::{LABEL_HOST, LABEL_INSTANCE, LABEL_PID};
+
+    fn labels(instance: &str, host: &str, pid: u32) -> HashMap<String, String> {
+        HashMap::from([
+            (LABEL_INSTANCE.to_string(), instance.to_string()),
+            (LABEL_HOST.to_string(), host.to_string()),
+            (LABEL_PID.to_string(), pid.to_string()),
+        ])
+    }
+
+    /// Catches: two `forgepool run` processes on one host (both the worker `embedded`) taking
+    /// each other's egress network for a leftover, which failed the other run's stage with
+    /// "network forgepool-egress-… not found".
+    #[test]
+    fn a_live_process_of_the_same_worker_name_is_not_left_behind() {
+        let us = Identity::for_worker("embedded");
+        let parent = std::os::unix::process::parent_id();
+        assert!(!left_behind(&us, &labels("other", &us.host, parent)));
+        assert!(!left_behind(&us, &labels(&us.instance, &us.host, 1)));
+    }
+
+    /// Catches: leftovers of a killed run, or of the same worker on another host, kept forever.
+    #[test]
+    fn a_gone_process_or_another_host_is_left_behind() {
+        let us = Identity::for_worker("embedded");
+        assert!(left_behind(&us, &labels("old", &us.host, u32::MAX - 1)));
+        assert!(left_behind(
+            &us,
+            &labels("old", "elsewhere", std::process::id())
+        ));
+        assert!(left_behind(
+            &us,
+            &labels("old", &us.host, std::process::id())
+        ));
     }
 }

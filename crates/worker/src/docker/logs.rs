@@ -5,6 +5,7 @@ use bollard::Docker;
 use futures_util::StreamExt;
 
 use super::LOG_DRAIN;
+use crate::agents::{AgentReader, AgentReport};
 use crate::runtime::{tail, TAIL_BYTES};
 use bollard::container::LogOutput;
 use proto::LogStream;
@@ -18,6 +19,8 @@ use crate::runtime::{
 /// and the partial lines of each stream not yet forwarded as chunks.
 #[derive(Debug, Default)]
 pub(super) struct Collected {
+    /// For an agent kind's stage: reads its stdout into readable lines and its report.
+    reader: Option<AgentReader>,
     stdout: String,
     combined: String,
     pending: [String; 2],
@@ -30,6 +33,14 @@ pub(super) struct Collected {
 }
 
 impl Collected {
+    /// A collector for a stage of `agent`'s kind (`None`: output is logged as it is).
+    pub(super) fn new(agent: Option<proto::AgentKind>) -> Collected {
+        Collected {
+            reader: agent.and_then(AgentReader::new),
+            ..Collected::default()
+        }
+    }
+
     /// Reads the container's output until the stream ends, forwarding whole lines.
     pub(super) async fn follow(
         &mut self,
@@ -105,12 +116,13 @@ impl Collected {
         }
     }
 
-    /// Forwards the partial lines left, and returns the captured stdout and combined output.
+    /// Forwards the partial lines left, and returns the captured stdout and combined output,
+    /// and the agent's report for an agent kind's stage.
     pub(super) async fn finish(
         mut self,
         secrets: &[String],
         logs: &mpsc::Sender<LogChunk>,
-    ) -> (String, String) {
+    ) -> (String, String, Option<AgentReport>) {
         for (index, rest) in std::mem::take(&mut self.pending).into_iter().enumerate() {
             if !rest.is_empty() {
                 let kind = if index == 0 {
@@ -121,6 +133,14 @@ impl Collected {
                 self.emit(&rest, kind, secrets, logs).await;
             }
         }
+        let report = match self.reader.take() {
+            Some(reader) => {
+                let (report, rest) = reader.finish();
+                self.forward(rest, LogStream::Stdout, logs).await;
+                Some(report)
+            }
+            None => None,
+        };
         if self.dropped_bytes > 0 {
             let summary = format!(
                 "[forgepool: {} more bytes in {} lines of output were not stored; a stage keeps at most {} bytes and {} lines of its log]\n",
@@ -133,7 +153,7 @@ impl Collected {
                 })
                 .await;
         }
-        (self.stdout, self.combined)
+        (self.stdout, self.combined, report)
     }
 
     async fn emit(
@@ -143,7 +163,23 @@ impl Collected {
         secrets: &[String],
         logs: &mpsc::Sender<LogChunk>,
     ) {
-        let text = redact(text, secrets);
+        let mut text = redact(text, secrets);
+        if let Some(reader) = &mut self.reader {
+            // The CLI's record is read whole, before any cap; what is logged and kept is its
+            // readable form.
+            match stream {
+                LogStream::Stdout => text = reader.stdout(&text),
+                LogStream::Stderr => reader.stderr(&text),
+            }
+        }
+        self.forward(text, stream, logs).await;
+    }
+
+    /// Keeps and forwards text read from the stage, within the caps.
+    async fn forward(&mut self, text: String, stream: LogStream, logs: &mpsc::Sender<LogChunk>) {
+        if text.is_empty() {
+            return;
+        }
         if stream == LogStream::Stdout && self.stdout.len() < MAX_CAPTURED_STDOUT {
             let room = MAX_CAPTURED_STDOUT - self.stdout.len();
             self.stdout.push_str(head(&text, room));

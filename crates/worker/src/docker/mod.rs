@@ -209,7 +209,7 @@ impl DockerRuntime {
         spec: &StageSpec,
         logs: mpsc::Sender<LogChunk>,
         cancel: CancellationToken,
-    ) -> Result<(StageExit, String, String), RuntimeError> {
+    ) -> Result<Driven, RuntimeError> {
         bounded(
             "start container",
             API_TIMEOUT,
@@ -258,7 +258,7 @@ impl DockerRuntime {
         // stay open for ever on some engines (Docker 20.10), and must not hold a finished
         // stage. Forwarding what was read is never cut short.
         let (stopped, stop_seen) = tokio::sync::watch::channel(false);
-        let mut collected = Collected::default();
+        let mut collected = Collected::new(spec.agent);
         let (exit, ()) = tokio::join!(
             async {
                 let exit = limited.await;
@@ -267,10 +267,19 @@ impl DockerRuntime {
             },
             collected.follow(&self.docker, id, &spec.redact, &logs, stop_seen)
         );
-        let (stdout, combined) = collected.finish(&spec.redact, &logs).await;
-        Ok((exit?, stdout, combined))
+        let (stdout, combined, report) = collected.finish(&spec.redact, &logs).await;
+        Ok((exit?, stdout, combined, report))
     }
 }
+
+/// What a stage's run left: how it ended, its captured stdout, its combined output, and its
+/// agent's report.
+type Driven = (
+    StageExit,
+    String,
+    String,
+    Option<crate::agents::AgentReport>,
+);
 
 /// A stage container of [`DockerRuntime`], created and not started: its spec, how long its
 /// creation took (a stage's duration is that plus its run, never the wait in between), and
@@ -360,13 +369,14 @@ impl ContainerRuntime for DockerRuntime {
         let driven = self.drive(&id, &spec, logs, cancel).await;
         let removed = self.remove(&id).await;
         guard.id = None;
-        let (exit, stdout, combined) = driven?;
+        let (exit, stdout, combined, agent) = driven?;
         removed?;
         Ok(StageOutput {
             exit,
             stdout,
             tail: tail(&combined, TAIL_BYTES).to_string(),
             duration: creation + began.elapsed(),
+            agent,
         })
     }
 

@@ -101,6 +101,7 @@ impl<R: ContainerRuntime> Engine<R> {
                 mounts,
                 profile.timeout_seconds,
                 0,
+                &prompt,
             ),
         );
         let output = match self.run_stage(run, sink, cancel, prepared, None).await? {

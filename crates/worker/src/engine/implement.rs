@@ -29,6 +29,7 @@ impl<R: ContainerRuntime> Engine<R> {
                 mounts,
                 profile.timeout_seconds,
                 cycles_used + 1,
+                &prompt,
             ),
         ))
     }

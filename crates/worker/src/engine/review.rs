@@ -42,6 +42,7 @@ impl<R: ContainerRuntime> Engine<R> {
                 mounts,
                 review.timeout_seconds,
                 cycle,
+                &prompt,
             ),
         );
         let started = Instant::now();

@@ -1,7 +1,9 @@
 //! Running one stage: its container's spec, the container with its output forwarded and
 //! `.forge/` polled, the disk allowance watched, and the sweep after it exits.
 
+use super::agent::settle_agent;
 use super::*;
+use crate::agents::{Invocation, Role};
 
 /// Where a stage stands in its run: its kind, its round and, for a review, its cycle.
 #[derive(Debug, Clone, Copy)]
@@ -23,25 +25,33 @@ pub(super) struct StageRequest<'p> {
     pub(super) timeout_seconds: u64,
     /// `FORGE_CYCLE` in the container: the review cycle the stage belongs to (0 for none).
     pub(super) forge_cycle: u32,
+    /// For a profile of an agent kind: the CLI's environment (its command is `command`).
+    pub(super) agent: Option<Invocation>,
 }
 
 impl<'p> StageRequest<'p> {
-    /// A request to run an agent: `profile`'s own command, on its network.
+    /// A request to run an agent on its network: `profile`'s own command, or for an agent
+    /// kind the kind's command line with `prompt`.
     pub(super) fn agent(
         place: StagePlace,
         profile: &'p AgentProfile,
         mounts: Vec<Mount>,
         timeout_seconds: u64,
         forge_cycle: u32,
+        prompt: &str,
     ) -> StageRequest<'p> {
+        let agent = crate::agents::invocation(profile, Role::of(place.stage), prompt);
         StageRequest {
             place,
             profile,
-            command: profile.command.clone(),
+            command: agent
+                .as_ref()
+                .map_or_else(|| profile.command.clone(), |a| a.command.clone()),
             mounts,
             network: profile.network,
             timeout_seconds,
             forge_cycle,
+            agent,
         }
     }
 }
@@ -69,6 +79,7 @@ impl<R: ContainerRuntime> Engine<R> {
             network,
             timeout_seconds,
             forge_cycle: cycle,
+            agent,
         } = request;
         let (stage, round) = (place.stage, place.round);
         let job = run.job;
@@ -85,6 +96,12 @@ impl<R: ContainerRuntime> Engine<R> {
             "FORGE_PROMPT_FILE=/forge/input/prompt.md".to_string(),
             "HOME=/tmp".to_string(),
         ];
+        let kind = agent.map(|invocation| {
+            // The CLI's home is its own, under /tmp.
+            env.retain(|e| !e.starts_with("HOME="));
+            env.extend(invocation.env);
+            profile.kind
+        });
         let mut redact = Vec::new();
         for name in &profile.env {
             match std::env::var(name) {
@@ -126,6 +143,7 @@ impl<R: ContainerRuntime> Engine<R> {
             timeout: Duration::from_secs(timeout_seconds),
             labels,
             redact,
+            agent: kind,
         };
         PreparedStage { spec, place }
     }
@@ -226,8 +244,7 @@ impl<R: ContainerRuntime> Engine<R> {
             .await?;
         }
         self.sweep(run, sink).await?;
-        let paused = matches!(&outcome, Ok(o) if o.exit == StageExit::Exited(EXIT_PAUSED));
-        let usage = take_outputs(run, sink, stage, output_dir, paused).await?;
+        let (outcome, usage) = settle_outputs(run, sink, place, output_dir, outcome).await?;
         self.finish_stage(sink, run_id, place, outcome, disk_exceeded, usage)
             .await
     }
@@ -337,6 +354,28 @@ impl<R: ContainerRuntime> Engine<R> {
 /// Takes a finished stage's `usage.json` into the run's sums, and its `pause.json` (when it
 /// paused) into the run; notes each file that was there but could not be taken in the run's
 /// log. Returns the stage's usage.
+/// Reads what the stage left: an agent kind's report of its CLI, or the files of SPEC 6.
+async fn settle_outputs<S: EventSink>(
+    run: &mut RunContext<'_>,
+    sink: &S,
+    place: StagePlace,
+    output_dir: Option<PathBuf>,
+    outcome: Result<StageOutput, RuntimeError>,
+) -> Result<(Result<StageOutput, RuntimeError>, Option<proto::Usage>), PublishEvent> {
+    Ok(match outcome {
+        // An agent kind's stage ends as its CLI's report says.
+        Ok(mut output) if output.agent.is_some() => {
+            let usage = settle_agent(run, sink, place, output_dir, &mut output).await?;
+            (Ok(output), usage)
+        }
+        outcome => {
+            let paused = matches!(&outcome, Ok(o) if o.exit == StageExit::Exited(EXIT_PAUSED));
+            let usage = take_outputs(run, sink, place.stage, output_dir, paused).await?;
+            (outcome, usage)
+        }
+    })
+}
+
 async fn take_outputs<S: EventSink>(
     run: &mut RunContext<'_>,
     sink: &S,

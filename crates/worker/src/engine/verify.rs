@@ -39,6 +39,7 @@ impl<R: ContainerRuntime> Engine<R> {
                     network: Network::None,
                     timeout_seconds: command.timeout,
                     forge_cycle: 0,
+                    agent: None,
                 },
             );
             // Checks run the implementer's image without its secrets.

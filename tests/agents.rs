@@ -1,0 +1,508 @@
+//! The real agent CLIs (SPEC 16), each in the image `scripts/build-agent-images.sh` builds,
+//! run by `forgepool run` as production runs them: non-root, read-only root, and
+//! `network = "egress"` with only the fake model server allowed (never host networking).
+//! Judged by what the fake model server recorded and what the delivered branch holds.
+//! Needs Docker, the agent images and the forgepool image (the egress proxy):
+//! `scripts/services.sh && scripts/build-agent-images.sh && scripts/build-forgepool-image.sh --debug`.
+
+mod common;
+
+use std::process::Command;
+use std::time::Duration;
+
+use common::model::{FakeModel, Script, FEEDBACK, INPUT_TOKENS, OUTPUT_TOKENS, REVIEWER_MARK};
+use common::Fixture;
+use proto::{AgentKind, EventKind, Stage, StageOutcome};
+
+const BRANCH: &str = "forge/test-1";
+const FILE: &str = "hello.txt";
+const CONTENT: &str = "hello from a real agent";
+
+/// The variable each kind's key is read from, and the key the test gives it.
+fn key_variable(kind: AgentKind) -> &'static str {
+    match kind {
+        AgentKind::ClaudeCode => "ANTHROPIC_API_KEY",
+        AgentKind::GeminiCli => "GEMINI_API_KEY",
+        _ => "OPENAI_API_KEY",
+    }
+}
+
+fn key(kind: AgentKind) -> String {
+    format!("fake-key-{}-0123456789", kind.as_str())
+}
+
+fn require_images(kind: AgentKind) {
+    for image in [kind.default_image().unwrap(), "forgepool:dev".to_string()] {
+        let found = common::output_within(
+            Command::new("docker").args(["image", "inspect", &image]),
+            common::COMMAND_LIMIT,
+        );
+        assert!(
+            found.status.success(),
+            "the image {image} is missing: build it with `scripts/build-agent-images.sh {}` (agent images) and `scripts/build-forgepool-image.sh --debug` (the egress proxy)",
+            kind.as_str()
+        );
+    }
+}
+
+/// The skill's review, which the fake model recognises as the reviewer's prompt.
+fn review() -> String {
+    format!(
+        "---\nmax_retries: 3\n---\n# Review\n{REVIEWER_MARK}: check that {FILE} greets. Answer APPROVED or REJECTED with the reason.\n"
+    )
+}
+
+/// A profile `name` of `kind` against the fake model: its endpoint, its key's variable, and
+/// `network = "egress"` allowing only the fake.
+fn profile(kind: AgentKind, name: &str, model: &FakeModel) -> String {
+    let host = format!("{}:{}", common::bridge_gateway(), model.port);
+    format!(
+        "[agents.{name}]\nkind = \"{}\"\nmodel = \"fake-model\"\nbase_url = \"http://{host}{}\"\nenv = [\"{}\"]\nnetwork = \"egress\"\negress = [\"{host}\"]\nmemory = \"2g\"\ncpus = 1.0\ntimeout_seconds = 300\n",
+        kind.as_str(),
+        if matches!(kind, AgentKind::ClaudeCode | AgentKind::GeminiCli) { "" } else { "/v1" },
+        key_variable(kind),
+    )
+}
+
+/// A fixture whose implementer and reviewer are `kind`'s real CLI against the fake.
+fn fixture(kind: AgentKind, model: &FakeModel) -> Fixture {
+    require_images(kind);
+    let fixture = Fixture::new(Some(&review()), &["change"], &["approve"]);
+    std::fs::write(
+        &fixture.agents,
+        format!(
+            "[defaults]\nimplementer = \"impl\"\nreviewer = \"rev\"\n\n{}\n{}",
+            profile(kind, "impl", model),
+            profile(kind, "rev", model)
+        ),
+    )
+    .unwrap();
+    fixture
+}
+
+fn script(rate_limited: usize) -> Script {
+    Script::writing(FILE, CONTENT, rate_limited)
+}
+
+/// The implementer changes the file with the CLI's own tool; the reviewer of the same kind
+/// rejects once; the second round's request carries the feedback; the reviewer approves;
+/// the branch holds the file; the run's usage is what the fake scripted; the transcript
+/// holds the tool call; the key reached the model and nothing stored.
+/// Catches: a kind whose command line, endpoint, proxy or key does not reach the model; a
+/// reader that loses the usage, the verdict or the tool calls; feedback not given back.
+async fn delivers_with(kind: AgentKind) {
+    let model = FakeModel::start(script(0)).await;
+    let fixture = fixture(kind, &model);
+    let key = key(kind);
+    let outcome = tokio::task::spawn_blocking({
+        let key = key.clone();
+        move || {
+            let outcome = fixture.run_with("", &[(key_variable(kind), key.as_str())]);
+            (fixture, outcome)
+        }
+    })
+    .await
+    .unwrap();
+    let (fixture, outcome) = outcome;
+    let requests = model.requests();
+    let summary = requests
+        .iter()
+        .map(|r| format!("{} -> {}", r.path, r.answer))
+        .collect::<Vec<_>>()
+        .join("\n");
+    let context = format!("{}\nrequests:\n{summary}", outcome.printed());
+    assert_eq!(outcome.code, 0, "{context}");
+    assert!(
+        outcome.stdout.contains(&format!("REJECTED - {FEEDBACK}")),
+        "{context}"
+    );
+    assert!(
+        outcome.stdout.contains("Review cycle 2/3: APPROVED"),
+        "{context}"
+    );
+    assert_eq!(
+        fixture.branch_file(BRANCH, FILE).trim(),
+        CONTENT,
+        "{context}"
+    );
+
+    // What the fake server got: the CLI's tool call answered, the feedback given back, the
+    // key the worker holds.
+    assert!(
+        requests
+            .iter()
+            .any(|r| r.answer == "tool" || r.answer == "whole-edit"),
+        "{context}"
+    );
+    let round_two = requests.iter().find(|r| {
+        let text = r.body.to_string();
+        text.contains("## Reviewer Feedback")
+            && text.contains(FEEDBACK)
+            && !text.contains(REVIEWER_MARK)
+    });
+    assert!(
+        round_two.is_some(),
+        "no implementer request carried the feedback\n{context}"
+    );
+    assert!(
+        requests
+            .iter()
+            .all(|r| r.key.as_deref().is_some_and(|k| k.contains(&key))),
+        "every request carries the profile's key\n{context}"
+    );
+
+    // The run's usage is what the fake answered.
+    let record = outcome.record();
+    let usage = record
+        .result
+        .as_ref()
+        .and_then(|r| r.usage.clone())
+        .expect("the run has usage");
+    let answers = model.usage_answers();
+    assert_eq!(
+        (
+            usage.input_tokens + usage.cache_read_tokens,
+            usage.output_tokens
+        ),
+        (INPUT_TOKENS * answers, OUTPUT_TOKENS * answers),
+        "the run's usage is the fake's {answers} answers\n{context}"
+    );
+
+    // The implementer's transcript holds its tool call.
+    let transcripts: Vec<_> = outcome
+        .events
+        .iter()
+        .filter_map(|e| match &e.kind {
+            EventKind::Transcript {
+                stage,
+                agent,
+                transcript,
+                ..
+            } => Some((*stage, *agent, transcript)),
+            _ => None,
+        })
+        .collect();
+    let implement = transcripts
+        .iter()
+        .find(|(stage, _, _)| *stage == Stage::Implement)
+        .expect("the implement stage has a transcript");
+    assert_eq!(implement.1, kind);
+    assert!(implement.2.tool_calls() >= 1, "{:#?}", implement.2);
+    let stored = serde_json::to_string(&outcome.events).unwrap();
+    assert!(!stored.contains(&key), "the key is in a stored event");
+    let logs: String = outcome
+        .events
+        .iter()
+        .filter_map(|e| match &e.kind {
+            EventKind::Log { text, .. } => Some(text.as_str()),
+            _ => None,
+        })
+        .collect();
+    assert!(
+        !logs.contains("{\"type\":"),
+        "the CLI's raw JSON reached the log\n{logs}"
+    );
+    if !matches!(kind, AgentKind::Aider | AgentKind::MiniSweAgent) {
+        // The JSON streams become readable lines, tool by tool (aider and mini-swe-agent
+        // print text for people, which is logged as it is).
+        assert!(logs.contains("→ "), "the log tells the tool calls\n{logs}");
+    }
+    model.stop();
+    outcome.assert_no_containers_left();
+    drop(fixture);
+}
+
+/// Whether a kind's CLI passes on the reset time the provider named.
+#[derive(Clone, Copy, PartialEq, Debug)]
+enum Reset {
+    /// The CLI prints the provider's `retry-after` (or its message's "try again in 2s").
+    Named,
+    /// The CLI prints only "429" (Codex): the stage pauses for the profile's
+    /// `pause_seconds`.
+    Unnamed,
+}
+
+/// The `pause_seconds` the rate-limit tests give their profiles, far from the provider's 2 s
+/// and from the default 300 s, so that the test tells which one paused the stage.
+const PROFILE_PAUSE: u64 = 12;
+
+/// Every request is refused with a 429 until the CLI gives up: the stage ends paused (not
+/// failed, not completed) until the reset the provider named, or for the profile's
+/// `pause_seconds` when the CLI keeps the reset to itself; `forgepool run` waits the pause
+/// out and resumes the run by itself; the resumed run delivers, and the paused round was
+/// not spent.
+/// Catches: a rate limit read as a failure (Claude, Codex, opencode and mini-swe-agent exit
+/// 1), as a success (aider exits 0), Gemini's exit 173 taken for a crash, a pause without
+/// the provider's reset time (or without the profile's), and a pause nobody resumes.
+async fn pauses_on_a_rate_limit_with(kind: AgentKind, refused: usize, reset: Reset) {
+    let model = FakeModel::start(script(refused)).await;
+    let fixture = fixture(kind, &model);
+    let agents = std::fs::read_to_string(&fixture.agents).unwrap();
+    let agents = agents.replace(
+        "timeout_seconds = 300\n",
+        &format!("timeout_seconds = 300\npause_seconds = {PROFILE_PAUSE}\n"),
+    );
+    std::fs::write(&fixture.agents, agents).unwrap();
+    let key = key(kind);
+    let (fixture, outcome) = tokio::task::spawn_blocking(move || {
+        let env = [(key_variable(kind), key.as_str())];
+        let outcome = fixture.run_with("", &env);
+        (fixture, outcome)
+    })
+    .await
+    .unwrap();
+    let requests = model.requests();
+    let context = format!(
+        "{}\nrequests: {:?}",
+        outcome.printed(),
+        requests.iter().map(|r| &r.answer).collect::<Vec<_>>()
+    );
+    let paused = outcome.events.iter().find(|e| {
+        matches!(
+            &e.kind,
+            EventKind::StageFinished {
+                stage: Stage::Implement,
+                outcome: StageOutcome::Paused,
+                ..
+            }
+        )
+    });
+    let paused = paused.unwrap_or_else(|| panic!("the implement stage never paused\n{context}"));
+    let resume_at = outcome.events.iter().find_map(|e| match &e.kind {
+        EventKind::Checkpoint { checkpoint } => checkpoint.resume_at.clone(),
+        _ => None,
+    });
+    let resume_at = resume_at.expect("the pause names its end");
+    let paused_at = humantime::parse_rfc3339_weak(&paused.time).unwrap();
+    let until = humantime::parse_rfc3339_weak(&resume_at).unwrap();
+    let wait = until.duration_since(paused_at).unwrap_or_default();
+    // The fake says `retry-after: 2`; Claude Code passes on the delay of its last retry,
+    // which it may lengthen with its own backoff.
+    let (least, most) = match reset {
+        Reset::Named => (1.0, 8.0),
+        Reset::Unnamed => (PROFILE_PAUSE as f64 - 0.5, PROFILE_PAUSE as f64 + 1.5),
+    };
+    let seconds = wait.as_secs_f64();
+    assert!(
+        (least..=most).contains(&seconds),
+        "the pause lasts {least}-{most} s ({reset:?}), not {wait:?}\n{context}"
+    );
+    assert!(
+        outcome.stdout.contains("resuming then in this process"),
+        "{context}"
+    );
+    assert_eq!(outcome.code, 0, "the resumed run delivered\n{context}");
+    assert!(
+        outcome.stdout.contains("Review cycle 2/3: APPROVED"),
+        "{context}"
+    );
+    let result = outcome
+        .record()
+        .result
+        .clone()
+        .expect("a delivered run has a result");
+    assert_eq!(
+        result.implementation_rounds, 2,
+        "the paused round was not spent\n{context}"
+    );
+    assert_eq!(
+        fixture.branch_file(BRANCH, FILE).trim(),
+        CONTENT,
+        "{context}"
+    );
+    assert_eq!(
+        requests.iter().filter(|r| r.answer == "429").count(),
+        refused,
+        "{context}"
+    );
+    model.stop();
+    outcome.assert_no_containers_left();
+    drop(fixture);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn claude_code_delivers_a_reviewed_change() {
+    delivers_with(AgentKind::ClaudeCode).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn claude_code_pauses_on_a_rate_limit_and_resumes() {
+    pauses_on_a_rate_limit_with(AgentKind::ClaudeCode, 3, Reset::Named).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn codex_delivers_a_reviewed_change() {
+    delivers_with(AgentKind::Codex).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn codex_pauses_on_a_rate_limit_and_resumes() {
+    pauses_on_a_rate_limit_with(AgentKind::Codex, 2, Reset::Unnamed).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gemini_cli_delivers_a_reviewed_change() {
+    delivers_with(AgentKind::GeminiCli).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gemini_cli_pauses_on_a_rate_limit_and_resumes() {
+    pauses_on_a_rate_limit_with(AgentKind::GeminiCli, 2, Reset::Named).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn opencode_delivers_a_reviewed_change() {
+    delivers_with(AgentKind::Opencode).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn opencode_pauses_on_a_rate_limit_and_resumes() {
+    pauses_on_a_rate_limit_with(AgentKind::Opencode, 9, Reset::Named).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn aider_delivers_a_reviewed_change() {
+    delivers_with(AgentKind::Aider).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn aider_pauses_on_a_rate_limit_and_resumes() {
+    pauses_on_a_rate_limit_with(AgentKind::Aider, 9, Reset::Named).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mini_swe_agent_delivers_a_reviewed_change() {
+    delivers_with(AgentKind::MiniSweAgent).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mini_swe_agent_pauses_on_a_rate_limit_and_resumes() {
+    pauses_on_a_rate_limit_with(AgentKind::MiniSweAgent, 2, Reset::Named).await;
+}
+
+/// The token of the pool test's dispatcher.
+const TOKEN: &str = "agents-pool-token-0123456789";
+
+/// Claude Code and Codex in the pool: a dispatcher, RabbitMQ and a worker running both at
+/// once (each against its own fake model), as production runs them. Each run delivers; the
+/// API serves each agent stage's transcript (with the stage's usage) and refuses a stage
+/// that has none; the run view opens a stage to its transcript in Chromium.
+/// Catches: agent kinds that only work in `forgepool run` (a job message that loses the
+/// profile's kind, model or base URL; a worker that does not read the CLI's report), a
+/// transcript endpoint that counts stages differently from the view, and a view that does
+/// not show the transcript or the stage's tokens.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn claude_code_and_codex_run_in_the_pool_with_their_transcripts_shown() {
+    common::browser::browser_tools();
+    let claude = FakeModel::start(script(0)).await;
+    let codex = FakeModel::start(script(0)).await;
+    require_images(AgentKind::ClaudeCode);
+    require_images(AgentKind::Codex);
+    let fixture = Fixture::new(Some(&review()), &["change"], &["approve"]);
+    std::fs::write(
+        &fixture.agents,
+        format!(
+            "[defaults]\nimplementer = \"claude\"\nreviewer = \"claude-review\"\n\n{}\n{}\n{}\n{}",
+            profile(AgentKind::ClaudeCode, "claude", &claude),
+            profile(AgentKind::ClaudeCode, "claude-review", &claude),
+            profile(AgentKind::Codex, "codex", &codex),
+            profile(AgentKind::Codex, "codex-review", &codex),
+        ),
+    )
+    .unwrap();
+    let keys = [AgentKind::ClaudeCode, AgentKind::Codex]
+        .map(|kind| (key_variable(kind).to_string(), key(kind)))
+        .to_vec();
+    let options = common::cluster::Options {
+        env: keys,
+        ..Default::default()
+    };
+    let cluster = common::cluster::Cluster::start_with(fixture, 1, 2, Some(TOKEN), options).await;
+    let by_claude = cluster.submit_with("AGENT-1", serde_json::json!({})).await;
+    let by_codex = cluster
+        .submit_with(
+            "AGENT-2",
+            serde_json::json!({"agents": {"implementer": "codex", "reviewer": "codex-review"}}),
+        )
+        .await;
+    let views = cluster
+        .wait_terminal(
+            &[by_claude.clone(), by_codex.clone()],
+            Duration::from_secs(300),
+        )
+        .await;
+    for (view, model) in views.iter().zip([&claude, &codex]) {
+        assert_eq!(view["state"], "delivered", "{view}\n{}", cluster.logs());
+        let answers = model.usage_answers();
+        assert_eq!(
+            view["usage"]["output_tokens"],
+            OUTPUT_TOKENS * answers,
+            "{view}"
+        );
+    }
+
+    for (run, kind, tool) in [
+        (&by_claude, AgentKind::ClaudeCode, "Write"),
+        (&by_codex, AgentKind::Codex, "shell"),
+    ] {
+        // Stage 1 is the implementer's; its transcript holds the tool call and its result.
+        let response = cluster
+            .request(
+                reqwest::Method::GET,
+                &format!("/v1/runs/{run}/stages/1/transcript"),
+            )
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(response.status(), 200);
+        let stage: proto::StageTranscript = response.json().await.unwrap();
+        assert_eq!(
+            (stage.index, stage.stage.as_str(), stage.round),
+            (1, "implement", 1)
+        );
+        assert_eq!(stage.agent, kind.as_str());
+        assert!(
+            stage
+                .transcript
+                .entries
+                .iter()
+                .any(|e| e.role == "tool_call" && e.tool.as_deref() == Some(tool)),
+            "{:#?}",
+            stage.transcript
+        );
+        assert!(stage
+            .transcript
+            .entries
+            .iter()
+            .any(|e| e.role == "tool_result"));
+        let usage = stage.usage.expect("the stage's usage");
+        assert_eq!(usage.output_tokens % OUTPUT_TOKENS, 0, "{usage:?}");
+        assert!(usage.output_tokens > 0, "{usage:?}");
+        assert!(!serde_json::to_string(&stage.transcript)
+            .unwrap()
+            .contains(&key(kind)));
+        // A stage the run never had.
+        let missing = cluster
+            .request(
+                reqwest::Method::GET,
+                &format!("/v1/runs/{run}/stages/99/transcript"),
+            )
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(missing.status(), 404);
+
+        common::browser::browse(
+            &cluster,
+            TOKEN,
+            "transcript",
+            &[("RUN", run), ("AGENT", kind.as_str()), ("TOOL", tool)],
+        )
+        .await;
+    }
+    claude.stop();
+    codex.stop();
+    for run in [&by_claude, &by_codex] {
+        assert_eq!(common::cluster::container_count(run), 0);
+    }
+}
