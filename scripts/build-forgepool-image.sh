@@ -35,6 +35,6 @@ fi
 context="$(mktemp -d)"
 cp "target/$profile/forgepool" "$context/forgepool"
 cp docker/Dockerfile.local "$context/Dockerfile"
-docker build -q -t "$tag" "$context" >/dev/null
-rm -rf "$context"
+docker build -q -t "$tag" "$context" >/dev/null 2>"$context.err" || { cat "$context.err" >&2; exit 1; }
+rm -rf "$context" "$context.err"
 echo "built $tag ($profile)"

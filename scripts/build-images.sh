@@ -19,8 +19,9 @@ build() {
   context="$(mktemp -d)"
   cp -r "$dir"/. "$context"/
   cp /bin/busybox "$context/busybox"
-  docker build -q -t "$tag" "$context" >/dev/null
-  rm -rf "$context"
+  # The legacy builder's deprecation notice is noise here; any other output shows on failure.
+  docker build -q -t "$tag" "$context" >/dev/null 2>"$context.err" || { cat "$context.err" >&2; exit 1; }
+  rm -rf "$context" "$context.err"
   echo "built $tag"
 }
 

@@ -2,14 +2,47 @@
 # Runs the example end to end on this machine: starts Docker, builds the example's agent
 # images and forgepool, creates a small git repository, and runs `forgepool run` on it.
 # The run shows a rejection, the fix, and an approval, then delivers the branch forge/shop-42.
+#
+# `scripts/example.sh --agent claude-code` runs the same ticket with the real Claude Code CLI
+# (its image from scripts/build-agent-images.sh) as implementer and reviewer, against a local
+# fake model server that plays the model's part (examples/fake_model.rs): no key, no internet.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+agent=""
+case "${1:-}" in
+  "") ;;
+  --agent) agent="${2:-}"
+    [ "$agent" = claude-code ] || { echo "usage: $0 [--agent claude-code]" >&2; exit 2; } ;;
+  *) echo "usage: $0 [--agent claude-code]" >&2; exit 2 ;;
+esac
 
 scripts/services.sh
 scripts/build-images.sh
 cargo build --release --quiet
+agents=examples/agents.toml
 
 work="$(mktemp -d /tmp/forgepool-example.XXXXXX)"
+if [ -n "$agent" ]; then
+  scripts/build-agent-images.sh "$agent"
+  # The egress proxy's image (the stage reaches only the fake model, through it).
+  docker image inspect forgepool:dev >/dev/null 2>&1 || scripts/build-forgepool-image.sh
+  cargo build --release --quiet --example fake_model
+  ./target/release/examples/fake_model "$work/model.port" "Output exactly one" \
+    "[Tests] reserve() now rejects negative quantities but no test exercises it. Add a test under tests/ that expects ValueError." \
+    inventory/reservations.py examples/agent/reservations.py \
+    tests/test_reservations.py examples/agent/test_reservations.py &
+  model=$!
+  trap 'kill "$model" 2>/dev/null || true' EXIT
+  for _ in $(seq 50); do [ -s "$work/model.port" ] && break; sleep 0.1; done
+  [ -s "$work/model.port" ] || { echo "the fake model server did not start" >&2; exit 1; }
+  # Stage containers reach the host at the default bridge's gateway.
+  gateway="$(ip -4 -o addr show docker0 | awk '{print $4}' | cut -d/ -f1 | head -1)"
+  sed "s|MODEL_HOST|$gateway:$(cat "$work/model.port")|g" examples/agent/agents.toml > "$work/agents.toml"
+  agents="$work/agents.toml"
+  # The fake model takes any key; Claude Code needs one to start.
+  export ANTHROPIC_API_KEY=example-key-for-the-fake-model
+  echo "== $agent against the fake model server on port $(cat "$work/model.port")"
+fi
 git init --quiet --bare --initial-branch=main "$work/shop.git"
 git clone --quiet "$work/shop.git" "$work/seed" 2>/dev/null
 cp -r examples/shop/. "$work/seed/"
@@ -21,7 +54,7 @@ sed "s|REPOSITORY_URL|file://$work/shop.git|" examples/request.toml > "$work/req
 echo "== forgepool run $work/request.toml"
 set +e
 ./target/release/forgepool run "$work/request.toml" \
-  --skills examples/skills --agents examples/agents.toml \
+  --skills examples/skills --agents "$agents" \
   --database "$work/forgepool.db" --workspace "$work/workspaces"
 code=$?
 set -e

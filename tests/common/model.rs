@@ -6,7 +6,7 @@
 //! writes [`Script::file`] with the CLI's own edit tool (aider, which has no tools, gets its
 //! `whole` edit format), a request that carries the tool's result gets a final text; a
 //! reviewer (its prompt holds [`REVIEWER_MARK`]) rejects with [`FEEDBACK`] until an
-//! implementer's request carried `## Reviewer Feedback`, then approves. The first
+//! implementer's request carried the feedback, then approves. The first
 //! `rate_limited` requests get a 429 with `retry-after`. Every answer reports
 //! [`INPUT_TOKENS`] and [`OUTPUT_TOKENS`], so a run's usage is those times the answers.
 //!
@@ -47,6 +47,8 @@ pub struct Script {
     pub reviewer_mark: String,
     /// What the reviewer says when it rejects (the tests' [`FEEDBACK`]).
     pub feedback: String,
+    /// What the reviewer says when it approves.
+    pub approval: String,
     /// The file and content the implementer writes once the feedback came back; the same
     /// as the first round's when `None`.
     pub after_feedback: Option<(String, String)>,
@@ -63,6 +65,7 @@ impl Script {
             retry_after: 2,
             reviewer_mark: REVIEWER_MARK.into(),
             feedback: FEEDBACK.into(),
+            approval: "APPROVED: the greeting is right.".into(),
             after_feedback: None,
         }
     }
@@ -192,7 +195,8 @@ async fn answer(
         let reviewer = text.contains(&script.reviewer_mark);
         let has_result = carries_tool_result(api, &body);
         let tools = offers_tools(api, &body);
-        if !reviewer && text.contains("## Reviewer Feedback") {
+        // The feedback itself, not the section's heading: a skill may name the heading.
+        if !reviewer && text.contains(&script.feedback) {
             book.feedback_seen = true;
         }
         let title = !tools && text.contains("title generator");
@@ -202,7 +206,7 @@ async fn answer(
             ("title".to_string(), Reply::Text("forgepool task".into()))
         } else if reviewer {
             let verdict = if book.feedback_seen {
-                "APPROVED: the greeting is right.".to_string()
+                script.approval.clone()
             } else {
                 format!("REJECTED: {}", script.feedback)
             };
@@ -217,7 +221,12 @@ async fn answer(
             } else {
                 (format!("verdict:{verdict}"), Reply::Text(verdict))
             }
-        } else if has_result {
+        } else if !has_result && has_tool(&body, "Read") && has_tool(&body, "Write") {
+            // Claude Code writes over an existing file only once it has read it.
+            let (file, _) = script.edit(book.feedback_seen);
+            let path = format!("/workspace/{file}");
+            ("read".to_string(), Reply::Tool("Read", json!({"file_path": path})))
+        } else if has_result && last_tool_use(api, &body).as_deref() != Some("Read") {
             if api == Api::Chat && only_bash(&body) {
                 let command = "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT && echo done";
                 (
@@ -341,6 +350,24 @@ fn offers_tools(_api: Api, body: &Value) -> bool {
     body.get("tools")
         .and_then(Value::as_array)
         .is_some_and(|t| !t.is_empty())
+}
+
+/// The name of the tool the model called last (Anthropic Messages only).
+fn last_tool_use(api: Api, body: &Value) -> Option<String> {
+    if api != Api::Anthropic {
+        return None;
+    }
+    let messages = body.get("messages")?.as_array()?;
+    let assistant = messages
+        .iter()
+        .rev()
+        .find(|m| m.get("role").and_then(Value::as_str) == Some("assistant"))?;
+    let blocks = assistant.get("content")?.as_array()?;
+    blocks
+        .iter()
+        .rev()
+        .find(|b| b.get("type").and_then(Value::as_str) == Some("tool_use"))
+        .and_then(|b| b.get("name")?.as_str().map(str::to_string))
 }
 
 /// Whether the request's last turn carries a tool's result.
