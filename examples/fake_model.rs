@@ -29,7 +29,8 @@ async fn main() {
     let mut script = Script::writing(&args[3], &read(&args[4]), 0);
     script.reviewer_mark = args[1].clone();
     script.feedback = args[2].clone();
-    script.approval = "APPROVED: reserve() rejects negative quantities and a test covers it.".into();
+    script.approval =
+        "APPROVED: reserve() rejects negative quantities and a test covers it.".into();
     if args.len() == 7 {
         script.after_feedback = Some((args[5].clone(), read(&args[6])));
     }

@@ -7,78 +7,14 @@
 
 mod common;
 
-use std::process::Command;
 use std::time::Duration;
 
+use common::kinds::{fixture, key, key_variable, profile, require_images, review, CONTENT, FILE};
 use common::model::{FakeModel, Script, FEEDBACK, INPUT_TOKENS, OUTPUT_TOKENS, REVIEWER_MARK};
 use common::Fixture;
 use proto::{AgentKind, EventKind, Stage, StageOutcome};
 
 const BRANCH: &str = "forge/test-1";
-const FILE: &str = "hello.txt";
-const CONTENT: &str = "hello from a real agent";
-
-/// The variable each kind's key is read from, and the key the test gives it.
-fn key_variable(kind: AgentKind) -> &'static str {
-    match kind {
-        AgentKind::ClaudeCode => "ANTHROPIC_API_KEY",
-        AgentKind::GeminiCli => "GEMINI_API_KEY",
-        _ => "OPENAI_API_KEY",
-    }
-}
-
-fn key(kind: AgentKind) -> String {
-    format!("fake-key-{}-0123456789", kind.as_str())
-}
-
-fn require_images(kind: AgentKind) {
-    for image in [kind.default_image().unwrap(), "forgepool:dev".to_string()] {
-        let found = common::output_within(
-            Command::new("docker").args(["image", "inspect", &image]),
-            common::COMMAND_LIMIT,
-        );
-        assert!(
-            found.status.success(),
-            "the image {image} is missing: build it with `scripts/build-agent-images.sh {}` (agent images) and `scripts/build-forgepool-image.sh --debug` (the egress proxy)",
-            kind.as_str()
-        );
-    }
-}
-
-/// The skill's review, which the fake model recognises as the reviewer's prompt.
-fn review() -> String {
-    format!(
-        "---\nmax_retries: 3\n---\n# Review\n{REVIEWER_MARK}: check that {FILE} greets. Answer APPROVED or REJECTED with the reason.\n"
-    )
-}
-
-/// A profile `name` of `kind` against the fake model: its endpoint, its key's variable, and
-/// `network = "egress"` allowing only the fake.
-fn profile(kind: AgentKind, name: &str, model: &FakeModel) -> String {
-    let host = format!("{}:{}", common::bridge_gateway(), model.port);
-    format!(
-        "[agents.{name}]\nkind = \"{}\"\nmodel = \"fake-model\"\nbase_url = \"http://{host}{}\"\nenv = [\"{}\"]\nnetwork = \"egress\"\negress = [\"{host}\"]\nmemory = \"2g\"\ncpus = 1.0\ntimeout_seconds = 300\n",
-        kind.as_str(),
-        if matches!(kind, AgentKind::ClaudeCode | AgentKind::GeminiCli) { "" } else { "/v1" },
-        key_variable(kind),
-    )
-}
-
-/// A fixture whose implementer and reviewer are `kind`'s real CLI against the fake.
-fn fixture(kind: AgentKind, model: &FakeModel) -> Fixture {
-    require_images(kind);
-    let fixture = Fixture::new(Some(&review()), &["change"], &["approve"]);
-    std::fs::write(
-        &fixture.agents,
-        format!(
-            "[defaults]\nimplementer = \"impl\"\nreviewer = \"rev\"\n\n{}\n{}",
-            profile(kind, "impl", model),
-            profile(kind, "rev", model)
-        ),
-    )
-    .unwrap();
-    fixture
-}
 
 fn script(rate_limited: usize) -> Script {
     Script::writing(FILE, CONTENT, rate_limited)

@@ -141,6 +141,124 @@ fn a_layered_run_reviews_verifies_and_delivers_the_change_and_leaves_no_mount() 
     outcome.assert_no_containers_left();
 }
 
+/// Catches: a layered copy that cannot carry an edit of a file of the base (each verify and
+/// review stage falling back to a checkout, with a warning), and a copy that lost the edit.
+#[test]
+fn an_edit_of_a_base_file_is_laid_over_the_cache_without_a_fallback() {
+    let fixture = Fixture::new(Some(REVIEW), &["change-base"], &["rules"]);
+    let (outcome, seen) = run_watching_mounts(&fixture, "auto");
+    assert_eq!(outcome.code, 0, "{}", outcome.printed());
+    for folder in ["verify-1", "review-1", "verify-2", "review-2"] {
+        assert!(
+            seen.contains(folder),
+            "{folder} was never an overlay; saw {seen:?}"
+        );
+    }
+    assert!(
+        !outcome.stderr.contains("checking one out") && !outcome.stderr.contains(" WARN "),
+        "a copy fell back:\n{}",
+        outcome.printed()
+    );
+    let readme = fixture.branch_file(BRANCH, "README.md");
+    assert!(
+        readme.ends_with("edited in round 1\nedited in round 2\n"),
+        "{readme:?}"
+    );
+    outcome.assert_no_containers_left();
+}
+
+/// Catches: the README's example printing a warning (a fallback of the cache's fast path, a
+/// copy that could not be linked) or not delivering, run as `scripts/example.sh` runs it. The
+/// warning came from a cached checkout made by the worker and then given to the stage user:
+/// its index still named the worker as every file's owner.
+#[test]
+fn the_readme_example_delivers_with_no_warning() {
+    let fixture = Fixture::new(None, &["change"], &["approve"]);
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let bare = fixture.dir.path().join("shop.git");
+    let seed = fixture.dir.path().join("shop");
+    common::git(
+        fixture.dir.path(),
+        &[
+            "init",
+            "--quiet",
+            "--bare",
+            "--initial-branch=main",
+            bare.to_str().unwrap(),
+        ],
+    );
+    common::git(
+        fixture.dir.path(),
+        &[
+            "clone",
+            "--quiet",
+            bare.to_str().unwrap(),
+            seed.to_str().unwrap(),
+        ],
+    );
+    let copied = std::process::Command::new("cp")
+        .arg("-r")
+        .arg(root.join("examples/shop/."))
+        .arg(&seed)
+        .status()
+        .unwrap();
+    assert!(copied.success());
+    common::git(&seed, &["add", "-A"]);
+    common::git(
+        &seed,
+        &[
+            "-c",
+            "user.name=t",
+            "-c",
+            "user.email=t@t",
+            "commit",
+            "--quiet",
+            "-m",
+            "The shop",
+        ],
+    );
+    common::git(&seed, &["push", "--quiet", "origin", "HEAD:main"]);
+    let request = std::fs::read_to_string(root.join("examples/request.toml"))
+        .unwrap()
+        .replace("REPOSITORY_URL", &format!("file://{}", bare.display()));
+    let file = fixture.dir.path().join("shop-request.toml");
+    std::fs::write(&file, request).unwrap();
+    // As `scripts/example.sh` has it: the workspace folder inside a folder of `mktemp -d`,
+    // closed to the stage user, so the cache's checkout is made by the worker and given to
+    // the stage user.
+    let workspaces = tempfile::tempdir().unwrap();
+    std::fs::set_permissions(
+        workspaces.path(),
+        std::os::unix::fs::PermissionsExt::from_mode(0o700),
+    )
+    .unwrap();
+    let mut command = fixture.command();
+    command
+        .env(
+            "FORGEPOOL_WORKSPACE_DIR",
+            workspaces.path().join("workspaces"),
+        )
+        .arg("run")
+        .arg(&file)
+        .arg("--skills")
+        .arg(root.join("examples/skills"))
+        .arg("--agents")
+        .arg(root.join("examples/agents.toml"));
+    let outcome = fixture.outcome(command);
+    assert_eq!(outcome.code, 0, "{}", outcome.printed());
+    assert!(
+        outcome.stdout.contains("Review cycle 2/3: APPROVED"),
+        "{}",
+        outcome.printed()
+    );
+    assert!(
+        !outcome.stderr.contains("WARN"),
+        "the example printed a warning:\n{}",
+        outcome.printed()
+    );
+    outcome.assert_no_containers_left();
+}
+
 /// Catches: `FORGEPOOL_OVERLAY_WORKSPACES=false` not honoured, and a checked-out run that
 /// delivers other files than a layered one.
 #[test]

@@ -8,6 +8,7 @@
 
 pub mod browser;
 pub mod cluster;
+pub mod kinds;
 pub mod model;
 pub mod postgres;
 pub mod proxy;

@@ -83,6 +83,8 @@ pub struct Recorded {
     pub body: Value,
     /// What it was answered: `429`, `tool`, `text`, `verdict:…`.
     pub answer: String,
+    /// When it arrived.
+    pub at: std::time::SystemTime,
 }
 
 #[derive(Debug, Default)]
@@ -225,7 +227,10 @@ async fn answer(
             // Claude Code writes over an existing file only once it has read it.
             let (file, _) = script.edit(book.feedback_seen);
             let path = format!("/workspace/{file}");
-            ("read".to_string(), Reply::Tool("Read", json!({"file_path": path})))
+            (
+                "read".to_string(),
+                Reply::Tool("Read", json!({"file_path": path})),
+            )
         } else if has_result && last_tool_use(api, &body).as_deref() != Some("Read") {
             if api == Api::Chat && only_bash(&body) {
                 let command = "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT && echo done";
@@ -263,6 +268,7 @@ async fn answer(
         key,
         body,
         answer: decision,
+        at: std::time::SystemTime::now(),
     });
     response
 }
@@ -286,10 +292,7 @@ impl Script {
 fn tool_call(api: Api, body: &Value, file: &str, content: &str) -> Reply {
     let absolute = format!("/workspace/{file}");
     if has_tool(body, "Write") {
-        return Reply::Tool(
-            "Write",
-            json!({"file_path": absolute, "content": content}),
-        );
+        return Reply::Tool("Write", json!({"file_path": absolute, "content": content}));
     }
     if has_tool(body, "write_file") {
         return Reply::Tool(
@@ -298,10 +301,7 @@ fn tool_call(api: Api, body: &Value, file: &str, content: &str) -> Reply {
         );
     }
     if has_tool(body, "write") {
-        return Reply::Tool(
-            "write",
-            json!({"filePath": absolute, "content": content}),
-        );
+        return Reply::Tool("write", json!({"filePath": absolute, "content": content}));
     }
     let shell = format!("printf '%s\\n' '{}' > {}", content, absolute);
     if has_tool(body, "exec_command") {

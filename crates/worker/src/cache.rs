@@ -74,7 +74,7 @@ impl RepoCache {
     pub async fn fetch(&self, url: &str, reference: Option<&str>) -> Result<Fetched, GitError> {
         tokio::fs::create_dir_all(&self.dir)
             .await
-            .map_err(GitError::Spawn)?;
+            .map_err(GitError::Files)?;
         let mirror = self.mirror_of(url);
         let lock = FileLock::exclusive(&lock_path(&mirror), GIT_TIMEOUT).await?;
         let began = Instant::now();
@@ -328,7 +328,7 @@ pub async fn link_from_mirror(mirror: &Path, repo: &Repo) -> Result<(), GitError
     .await?;
     tokio::fs::remove_file(repo.work_tree.join(".git"))
         .await
-        .map_err(GitError::Spawn)
+        .map_err(GitError::Files)
 }
 
 /// Checks `commit` out detached in the run's work tree and keeps it as the branch `base`.
@@ -456,13 +456,13 @@ impl FileLock {
             .truncate(false)
             .write(true)
             .open(path)
-            .map_err(GitError::Spawn)?;
+            .map_err(GitError::Files)?;
         let deadline = Instant::now() + limit;
         loop {
             match rustix::fs::flock(file.as_fd(), operation) {
                 Ok(()) => return Ok(FileLock { _file: file }),
                 Err(error) if Instant::now() >= deadline => {
-                    return Err(GitError::Spawn(std::io::Error::other(format!(
+                    return Err(GitError::Files(std::io::Error::other(format!(
                         "cannot lock {} within {limit:?}: {error}",
                         path.display()
                     ))))

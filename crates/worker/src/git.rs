@@ -46,6 +46,9 @@ pub enum GitError {
     /// git could not be started.
     #[error("cannot run git: {0}; install git on the worker")]
     Spawn(std::io::Error),
+    /// A file or folder of the run's repository could not be made or read.
+    #[error("cannot prepare the repository's files: {0}")]
+    Files(std::io::Error),
     /// git exited with an error.
     #[error("`git {command}` failed: {stderr}")]
     Failed {
@@ -131,8 +134,8 @@ impl Repo {
             std::fs::create_dir_all(work_tree.join(".git"))
         })
         .await
-        .map_err(|e| GitError::Spawn(std::io::Error::other(e)))?
-        .map_err(GitError::Spawn)
+        .map_err(|e| GitError::Files(std::io::Error::other(e)))?
+        .map_err(GitError::Files)
     }
 }
 
@@ -395,7 +398,7 @@ async fn clone_into(url: &str, options: &[&str], repo: &Repo) -> Result<(), GitE
     git(parent, &args).await?;
     tokio::fs::remove_file(repo.work_tree.join(".git"))
         .await
-        .map_err(GitError::Spawn)
+        .map_err(GitError::Files)
 }
 
 /// Clones `url` with `reference` (a branch or tag; the default branch when `None`) checked
@@ -443,10 +446,10 @@ pub(crate) async fn exclude_forge(repo: &Repo) -> Result<(), GitError> {
         text.push_str("\n/.forge/\n");
         tokio::fs::create_dir_all(&info)
             .await
-            .map_err(GitError::Spawn)?;
+            .map_err(GitError::Files)?;
         tokio::fs::write(&exclude, text)
             .await
-            .map_err(GitError::Spawn)?;
+            .map_err(GitError::Files)?;
     }
     Ok(())
 }
@@ -622,10 +625,10 @@ pub async fn checkpoint_patch(repo: &Repo, base: &str, tree: &str) -> Result<Str
     let previous = tokio::fs::read(&attributes).await.ok();
     tokio::fs::create_dir_all(&info)
         .await
-        .map_err(GitError::Spawn)?;
+        .map_err(GitError::Files)?;
     tokio::fs::write(&attributes, "* binary\n")
         .await
-        .map_err(GitError::Spawn)?;
+        .map_err(GitError::Files)?;
     let patch = repo
         .git(&[
             "diff",
@@ -641,7 +644,7 @@ pub async fn checkpoint_patch(repo: &Repo, base: &str, tree: &str) -> Result<Str
         Some(bytes) => tokio::fs::write(&attributes, bytes).await,
         None => tokio::fs::remove_file(&attributes).await,
     };
-    restored.map_err(GitError::Spawn)?;
+    restored.map_err(GitError::Files)?;
     patch
 }
 
@@ -652,7 +655,7 @@ pub async fn apply_checkpoint(repo: &Repo, patch: &str) -> Result<String, GitErr
         // A binary hunk ends with a blank line, which the captured output lost.
         tokio::fs::write(&file, format!("{}\n\n", patch.trim_end()))
             .await
-            .map_err(GitError::Spawn)?;
+            .map_err(GitError::Files)?;
         let path = file.to_string_lossy().to_string();
         repo.git_in_tree(&["apply", "--binary", "--index", "--whitespace=nowarn", &path])
             .await?;

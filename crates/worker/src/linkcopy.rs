@@ -58,8 +58,8 @@ pub async fn link_copy(
         Ok(true)
     })
     .await
-    .map_err(|e| GitError::Spawn(std::io::Error::other(e)))?
-    .map_err(GitError::Spawn)?;
+    .map_err(|e| GitError::Files(std::io::Error::other(e)))?
+    .map_err(GitError::Files)?;
     if !linked {
         return Ok(false);
     }
@@ -116,8 +116,16 @@ fn link_files(work_tree: &Path, dest: &Path, entries: &[(bool, String)]) -> std:
         if !kind_matches {
             return Ok(false);
         }
-        // `link` does not follow a symbolic link: a recorded link is linked as a link.
-        std::fs::hard_link(&source, dest.join(relative))?;
+        // `link` does not follow a symbolic link: a recorded link is linked as a link. A
+        // work tree on another file system (an overlay of the cache) cannot be linked: the
+        // copy is checked out instead, which is no fault.
+        match std::fs::hard_link(&source, dest.join(relative)) {
+            Ok(()) => {}
+            Err(e) if e.raw_os_error() == Some(rustix::io::Errno::XDEV.raw_os_error()) => {
+                return Ok(false)
+            }
+            Err(e) => return Err(e),
+        }
     }
     Ok(true)
 }

@@ -46,6 +46,11 @@ if [ "$mode" = pause-at ]; then
   fi
   mode=change
 fi
+if [ "$mode" = change-base ]; then
+  # Also edits a file of the base: later stages' copies must carry the edit.
+  echo "edited in round $FORGE_ROUND" >> /workspace/README.md
+  mode=change
+fi
 if [ "$mode" = env-dump ]; then
   env > /workspace/env.txt
   cat /proc/self/mounts > /workspace/mounts.txt

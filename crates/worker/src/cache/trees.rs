@@ -91,7 +91,7 @@ impl BaseTree {
         self.mount(&repo.work_tree).await?;
         tokio::fs::copy(&self.index, repo.git_dir.join("index"))
             .await
-            .map_err(GitError::Spawn)?;
+            .map_err(GitError::Files)?;
         repo.git(&["update-ref", "--no-deref", "HEAD", &self.commit])
             .await?;
         repo.git(&["branch", "--force", "base", &self.commit])
@@ -109,7 +109,7 @@ impl BaseTree {
         let index = layer.join("index");
         tokio::fs::copy(&self.index, &index)
             .await
-            .map_err(GitError::Spawn)?;
+            .map_err(GitError::Files)?;
         let (git_dir, work_tree) = (
             format!("--git-dir={}", repo.git_dir.display()),
             format!("--work-tree={}", dest.display()),
@@ -118,12 +118,21 @@ impl BaseTree {
         git::git_with_env(
             &layer,
             &[
+                // The index is the cached checkout's, whose stat data an overlay does not
+                // keep whole (and a small checkout's index is never refreshed): a two-tree
+                // merge (`-m`) refused every path the candidate changes as "not uptodate".
+                // `--reset` makes the copy the candidate whatever the index says; the files
+                // are the cache's, which nobody writes. Only what a checkout keeps is compared,
+                // so the untouched files stay as they are.
+                "-c",
+                "core.checkStat=minimal",
+                "-c",
+                "core.trustctime=false",
                 &git_dir,
                 &work_tree,
                 "read-tree",
-                "-m",
+                "--reset",
                 "-u",
-                &self.commit,
                 commit,
             ],
             &[("GIT_INDEX_FILE", &index_text)],
@@ -137,8 +146,8 @@ impl BaseTree {
             std::fs::create_dir_all(&mount_point)
         })
         .await
-        .map_err(|e| GitError::Spawn(std::io::Error::other(e)))?
-        .map_err(GitError::Spawn)?;
+        .map_err(|e| GitError::Files(std::io::Error::other(e)))?
+        .map_err(GitError::Files)?;
         let stage_git = format!("--git-dir={}", layer.join("git").display());
         git::git(
             &layer,
@@ -172,8 +181,8 @@ impl BaseTree {
         let (files, target, owner) = (self.files.clone(), target.to_path_buf(), self.owner);
         tokio::task::spawn_blocking(move || overlay::mount(&files, &target, owner))
             .await
-            .map_err(|e| GitError::Spawn(std::io::Error::other(e)))?
-            .map_err(GitError::Spawn)
+            .map_err(|e| GitError::Files(std::io::Error::other(e)))?
+            .map_err(GitError::Files)
     }
 }
 
@@ -257,8 +266,11 @@ async fn check_out(
     // git's parallel checkout leaves entries that every later status re-checks by content
     // (measured: 1.3 s more per warm run on 50,000 files) until one refresh records them. A
     // small checkout is re-checked faster than the refresh.
+    // Files checked out as the worker and then given to the stage user changed owner and
+    // inode change time after the index recorded them: without a refresh every path of every
+    // later copy reads as changed (`read-tree -m` refused them as "not uptodate").
     let entries = tokio::fs::metadata(&index).await.map_or(0, |m| m.len());
-    if entries >= SMALL_INDEX_BYTES {
+    if entries >= SMALL_INDEX_BYTES || !as_owner {
         refresh(place, &git_dir, &work_tree, &env, user).await?;
     }
     // Read in place by `intact` at every later use: dated ahead so it re-hashes nothing.
@@ -271,10 +283,10 @@ async fn check_out(
     let _ = tokio::fs::remove_dir_all(dir).await;
     tokio::fs::rename(&temporary, dir)
         .await
-        .map_err(GitError::Spawn)?;
+        .map_err(GitError::Files)?;
     tokio::fs::write(record, bytes.to_string())
         .await
-        .map_err(GitError::Spawn)
+        .map_err(GitError::Files)
 }
 
 /// Where a checkout's size is recorded.
@@ -351,8 +363,8 @@ async fn git_by(
 
 fn blocking(outcome: Result<std::io::Result<()>, tokio::task::JoinError>) -> Result<(), GitError> {
     outcome
-        .map_err(|e| GitError::Spawn(std::io::Error::other(e)))?
-        .map_err(GitError::Spawn)
+        .map_err(|e| GitError::Files(std::io::Error::other(e)))?
+        .map_err(GitError::Files)
 }
 
 /// Gives `owner` everything under `dir` (a checkout git just wrote: nothing in it is linked).
