@@ -13,7 +13,6 @@
 //! scripts/build-forgepool-image.sh && cargo bench --bench agent_kinds`
 //! (`RUNS=3` runs per kind, the default; `KINDS=claude-code,codex` picks kinds).
 
-#[allow(dead_code)]
 #[path = "../tests/common/mod.rs"]
 mod common;
 
