@@ -10,7 +10,10 @@ mod common;
 use std::time::Duration;
 
 use common::kinds::{fixture, key, key_variable, profile, require_images, review, CONTENT, FILE};
-use common::model::{FakeModel, Script, FEEDBACK, INPUT_TOKENS, OUTPUT_TOKENS, REVIEWER_MARK};
+use common::model::{
+    FakeModel, Script, FEEDBACK, FINAL_REVIEW_MARK, FINAL_SUMMARY, INPUT_TOKENS, OUTPUT_TOKENS,
+    REVIEWER_MARK,
+};
 use common::Fixture;
 use proto::{AgentKind, EventKind, Stage, StageOutcome};
 
@@ -254,6 +257,78 @@ async fn pauses_on_a_rate_limit_with(kind: AgentKind, refused: usize, reset: Res
     model.stop();
     outcome.assert_no_containers_left();
     drop(fixture);
+}
+
+/// The final review (SPEC 7.3) by each kind: once the loop approved, the same CLI as the
+/// run's final review agent writes `/forge/output/review.json` with its own tool, over a
+/// read-only copy; forgepool accepts it, and the run is delivered with the review approved
+/// and its summary in the result.
+/// Catches: a kind whose final reviewer cannot write its report (file tools confined to the
+/// workspace, a read-only mode that forbids every write), or whose report is not read.
+async fn final_review_with(kind: AgentKind) {
+    let model = FakeModel::start(script(0)).await;
+    let fixture = fixture(kind, &model);
+    let mut agents = std::fs::read_to_string(&fixture.agents).unwrap();
+    agents.push_str(&format!("\n{}", profile(kind, "final", &model)));
+    std::fs::write(&fixture.agents, agents).unwrap();
+    let key = key(kind);
+    let (fixture, outcome) = tokio::task::spawn_blocking(move || {
+        let extra = "[assurance]\nreview_agent = \"final\"\n";
+        let outcome = fixture.run_with(extra, &[(key_variable(kind), key.as_str())]);
+        (fixture, outcome)
+    })
+    .await
+    .unwrap();
+    let requests = model.requests();
+    let summary: Vec<String> = requests
+        .iter()
+        .map(|r| format!("{} -> {}", r.path, r.answer))
+        .collect();
+    let context = format!("{}\nrequests:\n{}", outcome.printed(), summary.join("\n"));
+    assert_eq!(outcome.code, 0, "{context}");
+    assert!(
+        requests
+            .iter()
+            .any(|r| r.body.to_string().contains(FINAL_REVIEW_MARK)
+                && (r.answer == "tool" || r.answer == "whole-edit")),
+        "the final reviewer never called a tool\n{context}"
+    );
+    let result = outcome.record().result.clone().unwrap();
+    assert_eq!(result.review, "approved", "{context}");
+    let report = result.final_review.expect("the final review's report");
+    assert_eq!(report.summary, FINAL_SUMMARY, "{context}");
+    outcome.assert_no_containers_left();
+    drop(fixture);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn claude_code_writes_a_final_review() {
+    final_review_with(AgentKind::ClaudeCode).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn codex_writes_a_final_review() {
+    final_review_with(AgentKind::Codex).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gemini_cli_writes_a_final_review() {
+    final_review_with(AgentKind::GeminiCli).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn opencode_writes_a_final_review() {
+    final_review_with(AgentKind::Opencode).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn aider_writes_a_final_review() {
+    final_review_with(AgentKind::Aider).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mini_swe_agent_writes_a_final_review() {
+    final_review_with(AgentKind::MiniSweAgent).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -27,6 +27,12 @@ use serde_json::{json, Value};
 pub const REVIEWER_MARK: &str = "FAKE-REVIEWER-CHECKLIST";
 /// The reviewer's feedback when it rejects.
 pub const FEEDBACK: &str = "the greeting lacks an exclamation mark";
+/// What only forgepool's prompt of a final reviewer (SPEC 7.3) holds.
+pub const FINAL_REVIEW_MARK: &str = "# Independent final review";
+/// Where a final reviewer writes its report.
+pub const FINAL_REVIEW_FILE: &str = "/forge/output/review.json";
+/// The summary of the report the fake's final reviewer writes.
+pub const FINAL_SUMMARY: &str = "The greeting file is written as the brief asks.";
 /// Input tokens every answer reports.
 pub const INPUT_TOKENS: u64 = 321;
 /// Output tokens every answer reports.
@@ -195,6 +201,17 @@ async fn answer(
         ("429".to_string(), rate_limited(api, script.retry_after))
     } else {
         let reviewer = text.contains(&script.reviewer_mark);
+        // A final reviewer works as an implementer does, writing its report instead.
+        let final_review = !reviewer && text.contains(FINAL_REVIEW_MARK);
+        let report =
+            json!({"verdict": "approved", "summary": FINAL_SUMMARY, "findings": []}).to_string();
+        let edit = |feedback_seen: bool| {
+            if final_review {
+                (FINAL_REVIEW_FILE, report.as_str())
+            } else {
+                script.edit(feedback_seen)
+            }
+        };
         let has_result = carries_tool_result(api, &body);
         let tools = offers_tools(api, &body);
         // The feedback itself, not the section's heading: a skill may name the heading.
@@ -225,8 +242,8 @@ async fn answer(
             }
         } else if !has_result && has_tool(&body, "Read") && has_tool(&body, "Write") {
             // Claude Code writes over an existing file only once it has read it.
-            let (file, _) = script.edit(book.feedback_seen);
-            let path = format!("/workspace/{file}");
+            let (file, _) = edit(book.feedback_seen);
+            let path = absolute(file);
             (
                 "read".to_string(),
                 Reply::Tool("Read", json!({"file_path": path})),
@@ -250,11 +267,11 @@ async fn answer(
             ("side".to_string(), Reply::Text(answer.into()))
         } else if !tools {
             // aider: the edit as a whole file in its reply.
-            let (file, content) = script.edit(book.feedback_seen);
+            let (file, content) = edit(book.feedback_seen);
             let reply = format!("{file}\n```\n{content}\n```\n");
             ("whole-edit".to_string(), Reply::Text(reply))
         } else {
-            let (file, content) = script.edit(book.feedback_seen);
+            let (file, content) = edit(book.feedback_seen);
             ("tool".to_string(), tool_call(api, &body, file, content))
         };
         if !title {
@@ -290,7 +307,7 @@ impl Script {
 
 /// The implementer's edit, with the tool its CLI offers.
 fn tool_call(api: Api, body: &Value, file: &str, content: &str) -> Reply {
-    let absolute = format!("/workspace/{file}");
+    let absolute = absolute(file);
     if has_tool(body, "Write") {
         return Reply::Tool("Write", json!({"file_path": absolute, "content": content}));
     }
@@ -312,6 +329,15 @@ fn tool_call(api: Api, body: &Value, file: &str, content: &str) -> Reply {
     }
     let _ = api;
     Reply::Tool("bash", json!({"command": shell}))
+}
+
+/// A file's path in the container: relative ones are the workspace's.
+fn absolute(file: &str) -> String {
+    if file.starts_with('/') {
+        file.to_string()
+    } else {
+        format!("/workspace/{file}")
+    }
 }
 
 /// Whether the request offers a tool of this name.

@@ -39,6 +39,14 @@ pub(super) fn invocation(profile: &AgentProfile, role: Role, prompt: &str) -> In
     ]
     .map(String::from)
     .to_vec();
+    if role == Role::FinalReviewer {
+        // Gemini CLI's file tools refuse any path outside its workspace folders: the report
+        // goes to /forge/output.
+        command.extend([
+            "--include-directories".to_string(),
+            "/forge/output".to_string(),
+        ]);
+    }
     if let Some(model) = &profile.model {
         command.extend(["-m".to_string(), model.clone()]);
     }
