@@ -39,6 +39,8 @@ if [ -n "$agent" ]; then
   gateway="$(ip -4 -o addr show docker0 | awk '{print $4}' | cut -d/ -f1 | head -1)"
   sed "s|MODEL_HOST|$gateway:$(cat "$work/model.port")|g" examples/agent/agents.toml > "$work/agents.toml"
   agents="$work/agents.toml"
+  # What Claude does, tool by tool, under each stage.
+  export FORGEPOOL_SHOW_LOGS=true
   # The fake model takes any key; Claude Code needs one to start.
   export ANTHROPIC_API_KEY=example-key-for-the-fake-model
   echo "== $agent against the fake model server on port $(cat "$work/model.port")"

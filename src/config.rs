@@ -163,6 +163,10 @@ pub struct LocalArgs {
     /// 0 never waits.
     #[arg(long, env = ENV_PAUSE_WAIT, default_value = "900", value_parser = parse_pause_wait)]
     pub pause_wait: Duration,
+    /// Also print what each stage's container prints, line by line (for an agent kind, its
+    /// readable log: the messages and the tools it calls).
+    #[arg(long = "show-logs", env = "FORGEPOOL_SHOW_LOGS", default_value = "false", value_parser = clap::builder::BoolishValueParser::new())]
+    pub show_logs: bool,
     #[command(flatten)]
     pub stages: StageArgs,
 }

@@ -262,7 +262,7 @@ async fn execute(store: &Store, job: proto::Job, local: &LocalArgs) -> i32 {
     };
     let signals = tokio::spawn(shutdown_signal(cancel.clone()));
 
-    let final_state = record_and_print(store, &mut events).await;
+    let final_state = record_and_print(store, &mut events, local.show_logs).await;
     let _ = worker.await;
     signals.abort();
     runtime.close_egress().await;
@@ -310,11 +310,12 @@ async fn notify(store: &Store, webhooks: &dispatcher::webhooks::Webhooks, run_id
     }
 }
 
-/// Stores and prints each event of the run until its sink closes; returns its last terminal
-/// or paused state.
+/// Stores and prints each event of the run until its sink closes (with `show_logs`, the
+/// stages' log lines too); returns its last terminal or paused state.
 async fn record_and_print(
     store: &Store,
     events: &mut tokio::sync::mpsc::Receiver<proto::Event>,
+    show_logs: bool,
 ) -> Option<RunState> {
     let mut final_state = None;
     while let Some(event) = events.recv().await {
@@ -323,6 +324,10 @@ async fn record_and_print(
         }
         if let Some(line) = progress::line(&event.kind) {
             println!("{line}");
+        } else if let (true, EventKind::Log { stage, text, .. }) = (show_logs, &event.kind) {
+            for line in progress::log_lines(*stage, text) {
+                println!("{line}");
+            }
         }
         if let EventKind::State { state, .. } = &event.kind {
             if state.is_terminal() || *state == RunState::Paused {

@@ -11,6 +11,24 @@ pub fn line(kind: &EventKind) -> Option<String> {
     raw_line(kind).map(|line| printable(&line))
 }
 
+/// The longest log line shown by `--show-logs`, in characters.
+pub const LOG_LINE_CHARS: usize = 160;
+
+/// A stage's log text as printed by `--show-logs`: each line indented under its stage,
+/// printable, and cut to [`LOG_LINE_CHARS`].
+pub fn log_lines(stage: proto::Stage, text: &str) -> Vec<String> {
+    text.lines()
+        .filter(|line| !line.trim().is_empty())
+        .map(|line| {
+            let mut shown: String = line.chars().take(LOG_LINE_CHARS).collect();
+            if line.chars().nth(LOG_LINE_CHARS).is_some() {
+                shown.push('…');
+            }
+            format!("  {} │ {}", stage.as_str(), printable(&shown))
+        })
+        .collect()
+}
+
 /// `text` with every control character but newlines and tabs replaced by `\u{fffd}`: an
 /// agent's escape sequences cannot move the cursor, rewrite earlier lines or set the title.
 pub fn printable(text: &str) -> String {
@@ -129,6 +147,23 @@ mod tests {
             "{printed:?}"
         );
         assert!(printed.ends_with("done\nnext"), "{printed:?}");
+    }
+
+    /// Catches: `--show-logs` letting an agent's escape sequences or an endless line reach
+    /// the terminal, or printing blank lines.
+    #[test]
+    fn shown_log_lines_are_indented_printable_and_cut() {
+        let long = "x".repeat(LOG_LINE_CHARS + 50);
+        let text = format!("→ Read inventory/reservations.py\n\n\u{1b}[2Jwiped\n{long}\n");
+        let lines = log_lines(proto::Stage::Implement, &text);
+        assert_eq!(lines.len(), 3, "{lines:?}");
+        assert_eq!(lines[0], "  implement │ → Read inventory/reservations.py");
+        assert!(!lines[1].chars().any(char::is_control), "{lines:?}");
+        assert!(lines[2].ends_with('…'));
+        assert_eq!(
+            lines[2].chars().count(),
+            "  implement │ ".chars().count() + LOG_LINE_CHARS + 1
+        );
     }
     use super::*;
     use proto::CycleRecord;

@@ -98,12 +98,46 @@ pub(crate) fn called(report: &mut AgentReport, readable: &mut String, tool: &str
     report
         .transcript
         .push("tool_call", Some(tool), input, false);
-    let input = one_line(input);
+    let input = one_line(&gist(input));
     readable.push_str(&format!(
         "→ {} {}\n",
         printable_name(tool),
         cut(&input, LOG_TOOL)
     ));
+}
+
+/// The arguments whose value says what a tool call does, in the order they are looked for:
+/// the file, the command, the search.
+const GIST_KEYS: [&str; 9] = [
+    "file_path",
+    "filePath",
+    "absolute_path",
+    "path",
+    "command",
+    "cmd",
+    "pattern",
+    "url",
+    "query",
+];
+
+/// What a log line shows of a tool's input: the value of its first [`GIST_KEYS`] argument
+/// (a command given as a list is joined), else the input as it is. The transcript keeps the
+/// whole input.
+pub(crate) fn gist(input: &str) -> String {
+    if input.len() > 64 * 1024 {
+        return input.to_string();
+    }
+    let Ok(Value::Object(arguments)) = serde_json::from_str::<Value>(input) else {
+        return input.to_string();
+    };
+    GIST_KEYS
+        .iter()
+        .find_map(|key| match arguments.get(*key)? {
+            Value::String(text) => Some(text.clone()),
+            Value::Array(parts) => Some(parts.iter().map(compact).collect::<Vec<_>>().join(" ")),
+            _ => None,
+        })
+        .unwrap_or_else(|| input.to_string())
 }
 
 /// Adds a tool's result: `← Tool: first line (N lines)`.
@@ -241,6 +275,38 @@ mod tests {
                 (g, e) => assert_eq!(g, e, "{message}"),
             }
         }
+    }
+
+    /// Catches: log lines that show a tool call as raw JSON (a whole file's content for a
+    /// write) instead of what it acts on, and a gist that loses an input it cannot read.
+    #[test]
+    fn a_tool_call_is_logged_by_what_it_acts_on() {
+        let cases = [
+            (
+                r#"{"file_path":"/workspace/a.py","content":"x = 1"}"#,
+                "/workspace/a.py",
+            ),
+            (r#"{"command":["bash","-lc","ls -la"]}"#, "bash -lc ls -la"),
+            (r#"{"cmd":"cargo test","timeout":10}"#, "cargo test"),
+            (r#"{"pattern":"TODO","path":"src"}"#, "src"),
+            (
+                r#"{"content":"no known key"}"#,
+                r#"{"content":"no known key"}"#,
+            ),
+            ("not json", "not json"),
+            ("[1, 2]", "[1, 2]"),
+        ];
+        for (input, shown) in cases {
+            assert_eq!(gist(input), shown, "{input}");
+        }
+        let mut report = AgentReport::new(proto::AgentKind::ClaudeCode);
+        let mut readable = String::new();
+        called(&mut report, &mut readable, "Write", cases[0].0);
+        assert_eq!(readable, "→ Write /workspace/a.py\n");
+        assert_eq!(
+            report.transcript.entries[0].text, cases[0].0,
+            "the transcript keeps it all"
+        );
     }
 
     #[test]
