@@ -267,6 +267,10 @@ fn setup_logging(format: &str) -> Result<(), String> {
         .map_err(|error| format!("FORGEPOOL_LOG ({requested:?}) is not a log filter: {error}"))?;
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
+        .with_ansi(colour(
+            std::io::IsTerminal::is_terminal(&std::io::stderr()),
+            std::env::var_os("NO_COLOR").as_deref(),
+        ))
         .with_writer(std::io::stderr);
     match format {
         "text" => builder.init(),
@@ -280,9 +284,24 @@ fn setup_logging(format: &str) -> Result<(), String> {
     Ok(())
 }
 
+/// Whether log lines are coloured: only on a terminal, and never when `NO_COLOR` is set to
+/// anything but the empty string (no-color.org).
+fn colour(terminal: bool, no_color: Option<&std::ffi::OsStr>) -> bool {
+    terminal && no_color.is_none_or(|value| value.is_empty())
+}
+
 #[cfg(test)]
 mod tests {
-    use super::capped_filter;
+    use super::{capped_filter, colour};
+
+    /// Catches: escape codes in logs redirected to a file, and `NO_COLOR` ignored.
+    #[test]
+    fn logs_are_coloured_only_on_a_terminal_without_no_color() {
+        assert!(colour(true, None));
+        assert!(colour(true, Some(std::ffi::OsStr::new(""))));
+        assert!(!colour(true, Some(std::ffi::OsStr::new("1"))));
+        assert!(!colour(false, None));
+    }
 
     #[test]
     fn no_log_filter_lets_request_bodies_through() {

@@ -167,8 +167,9 @@ fn an_edit_of_a_base_file_is_laid_over_the_cache_without_a_fallback() {
     outcome.assert_no_containers_left();
 }
 
-/// Catches: the README's example printing a warning (a fallback of the cache's fast path, a
-/// copy that could not be linked) or not delivering, run as `scripts/example.sh` runs it. The
+/// Catches: the README's example falling back from the cache's fast path (a copy not laid
+/// over the cached checkout, or not linked), colour codes in logs that go to a pipe, or an
+/// example that does not deliver, run as `scripts/example.sh` runs it. The
 /// warning came from a cached checkout made by the worker and then given to the stage user:
 /// its index still named the worker as every file's owner.
 #[test]
@@ -238,6 +239,8 @@ fn the_readme_example_delivers_with_no_warning() {
             "FORGEPOOL_WORKSPACE_DIR",
             workspaces.path().join("workspaces"),
         )
+        // The fallbacks log at debug level; info shows that logs carry no colour codes.
+        .env("FORGEPOOL_LOG", "info,forgepool_worker::engine=debug")
         .arg("run")
         .arg(&file)
         .arg("--skills")
@@ -252,8 +255,13 @@ fn the_readme_example_delivers_with_no_warning() {
         outcome.printed()
     );
     assert!(
-        !outcome.stderr.contains("WARN"),
-        "the example printed a warning:\n{}",
+        !outcome.stderr.contains("WARN") && !outcome.stderr.contains("checking one out"),
+        "the example printed a warning or fell back:\n{}",
+        outcome.printed()
+    );
+    assert!(
+        outcome.stderr.contains("INFO") && !outcome.stderr.contains('\u{1b}'),
+        "logs redirected to a pipe carry colour codes:\n{}",
         outcome.printed()
     );
     outcome.assert_no_containers_left();

@@ -16,7 +16,7 @@ use proto::{
 };
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
-use tracing::{info, warn, Instrument};
+use tracing::{debug, info, warn, Instrument};
 use uuid::Uuid;
 
 use crate::collector::{write_atomically, CycleCollector};
