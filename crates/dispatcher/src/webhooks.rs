@@ -295,12 +295,7 @@ fn check(entry: HookEntry, env: &impl Fn(&str) -> Option<String>) -> Result<Hook
         })?,
         _ => return Err("give url or url_env (a URL that is a secret), one of the two".into()),
     };
-    let loopback = ["http://127.0.0.1", "http://localhost", "http://[::1]"]
-        .iter()
-        .any(|l| url.starts_with(l));
-    if !(url.starts_with("https://") || loopback) {
-        return Err("the URL must be https:// (http:// only on loopback)".into());
-    }
+    check_url(&url)?;
     let secret = env(&entry.secret_env).ok_or_else(|| {
         format!(
             "secret_env names {}, which is not set in the dispatcher's environment",
@@ -337,9 +332,53 @@ fn check(entry: HookEntry, env: &impl Fn(&str) -> Option<String>) -> Result<Hook
     })
 }
 
+/// A webhook's URL: `https://` to any host, `http://` only to a loopback host, judged on the
+/// parsed URL (a prefix test let `http://127.0.0.1@other-host/` and
+/// `http://127.0.0.1.example.net/` through).
+fn check_url(url: &str) -> Result<(), String> {
+    let parsed = reqwest::Url::parse(url).map_err(|e| format!("the URL is not valid: {e}"))?;
+    let host = parsed.host_str().unwrap_or_default();
+    let loopback = match host.trim_start_matches('[').trim_end_matches(']').parse() {
+        Ok(ip) => std::net::IpAddr::is_loopback(&ip),
+        Err(_) => host.eq_ignore_ascii_case("localhost"),
+    };
+    match parsed.scheme() {
+        "https" if !host.is_empty() => Ok(()),
+        "http" if loopback => Ok(()),
+        _ => Err("the URL must be https:// (http:// only to a loopback host)".into()),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Catches: the loopback rule judged on the URL's text (a user name or a domain that
+    /// starts like a loopback address let plain http go to another host).
+    #[test]
+    fn plain_http_goes_only_to_a_loopback_host() {
+        for url in [
+            "https://hooks.example.com/forgepool",
+            "http://127.0.0.1:9000/hook",
+            "http://127.8.0.1/hook",
+            "http://localhost/hook",
+            "http://[::1]:8080/hook",
+        ] {
+            assert_eq!(check_url(url), Ok(()), "{url}");
+        }
+        for url in [
+            "http://127.0.0.1@other-host/",
+            "http://127.0.0.1.example.net/",
+            "http://localhost.example.net/",
+            "http://[::2]/",
+            "http://example.com/",
+            "ftp://127.0.0.1/",
+            "https://",
+            "not a url",
+        ] {
+            assert!(check_url(url).is_err(), "{url} was accepted");
+        }
+    }
 
     fn env(name: &str) -> Option<String> {
         match name {
