@@ -5,7 +5,7 @@
 - no function over 100 lines, except plain tables (a function whose body is one literal);
 - lapin and deadpool-lapin only in AMQP modules; bollard only in the worker's Docker module;
 - `machine.rs` does no I/O;
-- no circle of files through `crate::` paths within a crate;
+- no circle of files through `crate::` or `super::` paths within a crate;
 - the worker and the dispatcher do not depend on each other.
 
 Prints every breach and exits 1 when there is one.
@@ -133,6 +133,18 @@ for path in files:
             target = module_file(crate_root, item.strip().split("::"))
             if target and target != path:
                 targets.add(target)
+    # `super::x::...` and `use super::{a, b::c}`: paths from the parent module.
+    inner = path[len(crate_root) + 1:-3].split("/")
+    if inner[-1] == "mod":
+        inner = inner[:-1]
+    parent = inner[:-1] if inner[-1] not in ("lib", "main") else []
+    names = [m.group(1) for m in re.finditer(r"\bsuper::((?:\w+::)*\w+)", production)]
+    for group in re.finditer(r"use super::\{([^}]*)\}", production):
+        names += [item.strip() for item in group.group(1).split(",") if item.strip()]
+    for name in names:
+        target = module_file(crate_root, parent + name.split("::"))
+        if target and target != path:
+            targets.add(target)
     edges[path] = targets
 
 

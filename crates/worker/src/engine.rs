@@ -55,9 +55,18 @@ mod verify;
 use context::RunContext;
 pub use gated::Execution;
 use gated::{over_budget, Gated};
-use stage::{agent_mounts, workspace_mounts, PreparedStage, StagePlace, StageRequest};
+use stage::{agent_mounts, workspace_mounts, PreparedStage, StageRequest};
 
 pub use crate::agents::EXIT_PAUSED;
+
+/// Where a stage stands in its run: its kind, its round and, for a review, its cycle.
+#[derive(Debug, Clone, Copy)]
+struct StagePlace {
+    stage: Stage,
+    round: u32,
+    cycle: Option<u32>,
+}
+
 /// The default interval between scans of `.forge/` while a stage runs.
 pub const DEFAULT_POLL_INTERVAL: Duration = Duration::from_millis(100);
 /// The user stage containers run as when the worker runs as root: `nobody`.

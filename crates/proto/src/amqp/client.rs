@@ -8,7 +8,6 @@ use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
 use tokio::sync::Mutex;
 
-use super::delivery::header_text;
 use super::{
     refusal_code, AmqpError, Topology, CONFIRM_TIMEOUT, CONNECT_TIMEOUT, REASON_HEADER,
     SESSION_TIMEOUT, SOURCE_HEADER,
@@ -453,6 +452,15 @@ impl Publisher {
         );
         self.publish(&topology.dead(), "", payload, Some(headers))
             .await
+    }
+}
+
+/// A text header of a message, if it has one.
+pub fn header_text(properties: &BasicProperties, name: &str) -> Option<String> {
+    match properties.headers().as_ref()?.inner().get(name)? {
+        AMQPValue::LongString(value) => Some(value.to_string()),
+        AMQPValue::ShortString(value) => Some(value.to_string()),
+        _ => None,
     }
 }
 

@@ -11,7 +11,7 @@ use lapin::{BasicProperties, Channel, Connection};
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
-use super::client::{connect, Publisher};
+use super::client::{connect, header_text, Publisher};
 use super::{AmqpError, Topology, DELIVERY_LIMIT, REASON_HEADER, SESSION_TIMEOUT, SOURCE_HEADER};
 
 /// The headers that carry a job's signature.
@@ -93,15 +93,6 @@ impl Carried {
             text(WAITS_HEADER, u64::from(self.waits_for));
         }
         (!headers.inner().is_empty()).then_some(headers)
-    }
-}
-
-/// A text header of a message, if it has one.
-pub fn header_text(properties: &BasicProperties, name: &str) -> Option<String> {
-    match properties.headers().as_ref()?.inner().get(name)? {
-        AMQPValue::LongString(value) => Some(value.to_string()),
-        AMQPValue::ShortString(value) => Some(value.to_string()),
-        _ => None,
     }
 }
 

@@ -91,7 +91,7 @@ pub mod topology;
 
 pub use client::{
     check_worker_heartbeat, connect, connect_channel, connection_properties, exclusive_queue,
-    open_channel, queue_exists, redact_url, with_frame_max, Publisher, FRAME_MAX,
+    header_text, open_channel, queue_exists, redact_url, with_frame_max, Publisher, FRAME_MAX,
     PUBLISH_ATTEMPT_TIMEOUT,
 };
 pub use delivery::*;

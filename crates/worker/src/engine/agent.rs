@@ -4,7 +4,6 @@
 //! code, a CLI that says it failed fails, and a reviewer's verdict is read from its final
 //! message rather than from its raw stream.
 
-use super::stage::StagePlace;
 use super::*;
 
 /// The largest record a kind's CLI leaves in `/forge/output` that is read (a trajectory).

@@ -5,14 +5,6 @@ use super::agent::settle_agent;
 use super::*;
 use crate::agents::{Invocation, Role};
 
-/// Where a stage stands in its run: its kind, its round and, for a review, its cycle.
-#[derive(Debug, Clone, Copy)]
-pub(super) struct StagePlace {
-    pub(super) stage: Stage,
-    pub(super) round: u32,
-    pub(super) cycle: Option<u32>,
-}
-
 /// What a phase asks of one stage.
 #[derive(Debug)]
 pub(super) struct StageRequest<'p> {
