@@ -172,7 +172,7 @@ def main():
     git("push", "--quiet", "origin", "HEAD:main", cwd=seed)
     _, agents = write_skill_and_agents(work, IMAGE, IMPLEMENT, REVIEW)
     prefix = "bench" + uuid.uuid4().hex[:8]
-    env = dict(os.environ, FORGEPOOL_AMQP_PREFIX=prefix, FORGEPOOL_JOB_KEY=os.environ.get("FORGEPOOL_JOB_KEY", "bench-cluster-job-key-0123456789"), FORGEPOOL_LOG=os.environ.get("BENCH_LOG", "warn,lapin=off"))
+    env = dict(os.environ, FORGEPOOL_AMQP_PREFIX=prefix, FORGEPOOL_ALLOWED_URL_SCHEMES="https,ssh,file", FORGEPOOL_JOB_KEY=os.environ.get("FORGEPOOL_JOB_KEY", "bench-cluster-job-key-0123456789"), FORGEPOOL_LOG=os.environ.get("BENCH_LOG", "warn,lapin=off"))
 
     creates = {}
     events = subprocess.Popen(["docker", "events", "--format", "{{json .}}", "--filter", "type=container",

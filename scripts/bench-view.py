@@ -97,7 +97,8 @@ def main():
     skills, agents = write_skill_and_agents(work, "busybox", ["true"], ["true"])
     store = os.path.join(work, "runs.db")
     env = dict(os.environ, FORGEPOOL_AMQP_PREFIX=f"bv{uuid.uuid4().hex[:8]}",
-               FORGEPOOL_JOB_KEY="bench-view-key-0123456789abcdef0123", FORGEPOOL_LOG="warn")
+               FORGEPOOL_JOB_KEY="bench-view-key-0123456789abcdef0123", FORGEPOOL_LOG="warn",
+               FORGEPOOL_ALLOWED_URL_SCHEMES="https,ssh,file")
     args = [BIN, "dispatcher", "--listen", "127.0.0.1:18089", "--skills", skills,
             "--agents", agents, "--database", store]
     # The first start migrates the empty store; then it is filled and the dispatcher restarted.

@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
 # Starts a local cluster: one dispatcher on 127.0.0.1:8080 and N workers (default 2), using
-# RabbitMQ and Docker from # Dispatcher and workers sign and check jobs with the same key.
-export FORGEPOOL_JOB_KEY="${FORGEPOOL_JOB_KEY:-$(head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n')}"
-scripts/services.sh. Logs and the store go to ./cluster/.
+# RabbitMQ and Docker from scripts/services.sh. Logs and the store go to ./cluster/.
 #   scripts/cluster.sh [WORKERS] [SKILLS_DIR] [AGENTS_FILE]
 # Stop it with: pkill -TERM -f 'forgepool (dispatcher|worker)'
 set -euo pipefail
+# Dispatcher and workers sign and check jobs with the same key.
+export FORGEPOOL_JOB_KEY="${FORGEPOOL_JOB_KEY:-$(head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n')}"
+# A cluster on one machine, to try with local repositories: file:// is allowed here, which a
+# pool refuses by default.
+export FORGEPOOL_ALLOWED_URL_SCHEMES="${FORGEPOOL_ALLOWED_URL_SCHEMES:-https,ssh,file}"
 cd "$(dirname "$0")/.."
 workers="${1:-2}"
 skills="${2:-examples/skills}"

@@ -142,7 +142,7 @@ def main():
     run("su", "postgres", "-c", f"createdb -O forgepool {database}")
     prefix = "soak" + uuid.uuid4().hex[:8]
     env = dict(os.environ, FORGEPOOL_AMQP_PREFIX=prefix,
-               FORGEPOOL_JOB_KEY=os.environ.get("FORGEPOOL_JOB_KEY", "soak-job-key-0123456789abcdef"),
+               FORGEPOOL_ALLOWED_URL_SCHEMES="https,ssh,file", FORGEPOOL_JOB_KEY=os.environ.get("FORGEPOOL_JOB_KEY", "soak-job-key-0123456789abcdef"),
                FORGEPOOL_LOG=os.environ.get("SOAK_LOG", "info,lapin=off"))
     dispatcher, address = spawn(["dispatcher", "--listen", "127.0.0.1:0", "--skills", os.path.join(work, "skills"),
                                  "--agents", agents, "--database",

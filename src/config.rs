@@ -52,8 +52,10 @@ pub struct RunArgs {
 #[derive(Debug, Args)]
 pub struct StageArgs {
     /// Repository URL schemes accepted (comma-separated; of https, http, ssh, git, file).
-    #[arg(long = "allowed-url-schemes", env = ENV_ALLOWED_URL_SCHEMES, default_value = "https,ssh,file", value_parser = parse_schemes)]
-    pub allowed_schemes: AllowedSchemes,
+    /// Default: `https,ssh` for the dispatcher and workers (a `file://` URL would reach the
+    /// worker's own repositories), `https,ssh,file` for `forgepool run`.
+    #[arg(long = "allowed-url-schemes", env = ENV_ALLOWED_URL_SCHEMES, value_parser = parse_schemes)]
+    pub allowed_schemes: Option<AllowedSchemes>,
     /// Let profiles with `network = "bridge"` run (unrestricted network for their stages).
     #[arg(long = "allow-bridge-network", env = ENV_ALLOW_BRIDGE, default_value = "false", value_parser = clap::builder::BoolishValueParser::new())]
     pub allow_bridge: bool,
@@ -78,6 +80,19 @@ pub struct StageArgs {
 }
 
 impl StageArgs {
+    /// The schemes accepted: the configured ones, else the default of the embedded mode
+    /// (`embedded`, which may use local repositories) or of the services.
+    pub fn schemes(&self, embedded: bool) -> Vec<String> {
+        match &self.allowed_schemes {
+            Some(schemes) => schemes.0.clone(),
+            None if embedded => proto::names::default_allowed_schemes(),
+            None => proto::names::SERVICE_ALLOWED_SCHEMES
+                .iter()
+                .map(|s| s.to_string())
+                .collect(),
+        }
+    }
+
     /// Decides on layered workspaces (a probe mount in the cache folder), then loads the
     /// forges file (an error names the file, the entry and the key) and gives it to
     /// forgepool's git, with its ssh configuration under `workspace_root`.

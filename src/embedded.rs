@@ -54,7 +54,7 @@ pub async fn run(args: RunArgs) -> i32 {
         Err(error) => return invalid(format!("{}: {error}", args.file.display())),
     };
     let freezer = Freezer::from_process_env(&args.skills, agents)
-        .with_allowed_schemes(args.local.stages.allowed_schemes.0.clone());
+        .with_allowed_schemes(args.local.stages.schemes(true));
     let frozen = match freezer.freeze(request) {
         Ok(frozen) => frozen,
         Err(error) => return invalid(format!("{}: {error}", args.file.display())),
@@ -180,7 +180,7 @@ async fn execute_waiting(store: &Store, job: proto::Job, local: &LocalArgs) -> i
 /// Runs a stored job in this process, recording and printing its events; returns the exit
 /// code of its final state.
 async fn execute(store: &Store, job: proto::Job, local: &LocalArgs) -> i32 {
-    worker::git::set_allowed_schemes(local.stages.allowed_schemes.0.clone());
+    worker::git::set_allowed_schemes(local.stages.schemes(true));
     let run_id = job.run_id;
     let workspace_root = match local.workspace_root() {
         Ok(root) => root,

@@ -82,7 +82,7 @@ pub async fn dispatcher(args: DispatcherArgs) -> i32 {
         agents,
         api_token: args.api_token,
         job_key,
-        allowed_schemes: args.stages.allowed_schemes.0,
+        allowed_schemes: args.stages.schemes(false),
         silent_after: Duration::from_secs(args.silent_run_seconds),
         auto_resume: args.auto_resume,
         shared_store: args.shared_store,
@@ -132,7 +132,7 @@ pub async fn worker(args: WorkerArgs) -> i32 {
     if let Err(message) = proto::amqp::check_worker_heartbeat(&args.broker.amqp_url) {
         return invalid(message);
     }
-    worker::git::set_allowed_schemes(args.stages.allowed_schemes.0.clone());
+    worker::git::set_allowed_schemes(args.stages.schemes(false));
     let worker_id = args.worker_id.clone().unwrap_or_else(|| {
         std::fs::read_to_string("/proc/sys/kernel/hostname")
             .map(|h| h.trim().to_string())
@@ -185,7 +185,7 @@ pub async fn worker(args: WorkerArgs) -> i32 {
         publish_deadline: Duration::from_secs(600),
         job_key,
         profiles: agents.profiles().clone(),
-        allowed_schemes: args.stages.allowed_schemes.0,
+        allowed_schemes: args.stages.schemes(false),
     };
     let code = match worker::service::run(config, engine, metrics_registry, shutdown.clone()).await
     {

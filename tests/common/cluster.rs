@@ -101,7 +101,8 @@ impl Drop for Service {
 pub struct Options {
     /// The dispatcher's store (a path or URL); a SQLite file in the fixture by default.
     pub database: Option<String>,
-    /// Environment added to every service process (after the defaults, so it wins).
+    /// Environment added to every service process (after the defaults, so it wins; an empty
+    /// value removes the variable).
     pub env: Vec<(String, String)>,
 }
 
@@ -174,11 +175,21 @@ impl Cluster {
             .env("FORGEPOOL_LOG", "info,lapin=off")
             .env("AGENT_SECRET", "sk-test-0123456789abcdef")
             .env("FORGEPOOL_JOB_KEY", JOB_KEY)
+            // The tests' repositories are local folders, which a pool refuses by default.
+            .env("FORGEPOOL_ALLOWED_URL_SCHEMES", "https,ssh,file")
             .env_remove("AUTO_REVIEW_MAX_RETRIES")
             .env_remove("FORGE_REPAIR_ATTEMPTS")
-            .envs(self.env.iter().map(|(k, v)| (k, v)))
+            .envs(
+                self.env
+                    .iter()
+                    .filter(|(_, v)| !v.is_empty())
+                    .map(|(k, v)| (k, v)),
+            )
             .stdout(Stdio::piped())
             .stderr(std::fs::File::create(&log).unwrap());
+        for (name, _) in self.env.iter().filter(|(_, v)| v.is_empty()) {
+            command.env_remove(name);
+        }
         (command, log)
     }
 

@@ -75,8 +75,12 @@ pub fn is_root_user(user: &str) -> bool {
     name == "0" || name == "root" || name.trim_start_matches('0').is_empty()
 }
 
-/// The repository URL schemes accepted when `FORGEPOOL_ALLOWED_URL_SCHEMES` is unset.
+/// The repository URL schemes `forgepool run` accepts when `FORGEPOOL_ALLOWED_URL_SCHEMES` is
+/// unset (a local repository is the user's own).
 pub const DEFAULT_ALLOWED_SCHEMES: &[&str] = &["https", "ssh", "file"];
+/// The schemes the dispatcher and workers accept when it is unset: `file://` would let a
+/// submission name any repository on a worker's host, its cache's mirrors included.
+pub const SERVICE_ALLOWED_SCHEMES: &[&str] = &["https", "ssh"];
 /// Every scheme that may be allowed: git's own transports, never a remote helper.
 pub const KNOWN_SCHEMES: &[&str] = &["https", "http", "ssh", "git", "file"];
 

@@ -46,6 +46,7 @@ mod gated;
 mod implement;
 mod prompt;
 mod pull;
+mod refusal;
 mod review;
 mod stage;
 #[cfg(test)]
@@ -542,30 +543,6 @@ impl<R: ContainerRuntime> Engine<R> {
         let reason = format!("an earlier execution of this run delivered commit {commit} to {branch}; nothing ran again");
         run.delivered = Some((branch, commit, tree));
         Some((RunState::Delivered, reason))
-    }
-
-    /// Why this worker will not run the job at all, if it will not: a profile asks for what the
-    /// operator did not allow, or the repository URL's scheme is not allowed.
-    fn refusal(&self, job: &Job) -> Option<String> {
-        let profiles = [
-            Some(&job.implementer),
-            job.reviewer.as_ref(),
-            job.final_reviewer.as_ref(),
-        ];
-        for profile in profiles.into_iter().flatten() {
-            if profile.network == Network::Bridge && !self.config.allow_bridge {
-                return Some(format!(
-                    "the profile `{}` asks for network = \"bridge\" (unrestricted network), which this worker's operator has not allowed (FORGEPOOL_ALLOW_BRIDGE_NETWORK=true)",
-                    profile.name
-                ));
-            }
-            if let Err(error) = profile.check() {
-                return Some(error);
-            }
-        }
-        proto::names::check_url(&job.repository.url, &git::allowed_schemes())
-            .err()
-            .map(|e| format!("repository.url {e}"))
     }
 
     /// Makes the run's folder and clones the repository into it. With `ahead`, the first

@@ -108,11 +108,11 @@ pub(super) async fn timeline(
     summary = "What an agent kind's stage said and did: messages, tool calls and their results, with its usage",
     params(
         ("id" = uuid::Uuid, Path, description = "the run id"),
-        ("n" = u32, Path, minimum = 1, description = "the stage's place among the run's stages, from 1, in the order they started"),
+        ("n" = u32, Path, minimum = 1, maximum = 1000, description = "the stage's place among the run's stages, from 1, in the order they started (a run's first 1,000 stages are counted)"),
     ),
     responses(
         (status = 200, description = "the stage's transcript (the latest, when a resumed run repeated the stage)", body = StageTranscript),
-        (status = 400, description = "the id is not a UUID, or `n` is not a number from 1; `field` names it", content_type = "application/problem+json", body = Problem),
+        (status = 400, description = "the id is not a UUID, or `n` is not a number from 1 to 1000; `field` names it", content_type = "application/problem+json", body = Problem),
         (status = 401, description = "a token is configured and the request has none, or a wrong one", content_type = "application/problem+json", body = Problem),
         (status = 404, description = "no such run, no such stage, or a stage without a transcript (a `command` profile, a verification command, or a stage still running)", content_type = "application/problem+json", body = Problem),
         (status = 500, description = "the store failed; nothing was changed", content_type = "application/problem+json", body = Problem),
