@@ -103,3 +103,42 @@ fn a_worker_never_reads_its_own_folders() {
         outcome.assert_no_containers_left();
     }
 }
+
+/// Catches: a repository URL carrying a token accepted (it went into the agent's
+/// `/forge/input/job.json`, failure reasons, webhook bodies and git's command line on the
+/// process list): it is refused before anything is stored or contacted, pointing to the
+/// forges file, and the token is printed nowhere.
+#[test]
+fn a_repository_url_with_credentials_is_refused_before_anything_happens() {
+    const TOKEN: &str = "ghp_MARKER0123456789abcdef";
+    let fixture = Fixture::new(None, &["change"], &["approve"]);
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    listener.set_nonblocking(true).unwrap();
+    let port = listener.local_addr().unwrap().port();
+    for url in [
+        format!("https://x-access-token:{TOKEN}@127.0.0.1:{port}/org/repo.git"),
+        format!("https://{TOKEN}@127.0.0.1:{port}/org/repo.git"),
+        format!("https://127.0.0.1:{port}/org/repo.git?private_token={TOKEN}"),
+    ] {
+        let outcome = fixture.run_request(&format!(
+            "ticket = \"TEST-3\"\nskill = \"implement-task\"\nbrief = \"b\"\n[repository]\nurl = \"{url}\"\n"
+        ));
+        assert_eq!(outcome.code, 2, "{}", outcome.printed());
+        assert!(
+            outcome.stderr.contains("repository.url")
+                && outcome.stderr.contains("FORGEPOOL_FORGES_FILE"),
+            "{}",
+            outcome.printed()
+        );
+        assert!(!outcome.printed().contains(TOKEN), "{}", outcome.printed());
+        assert!(
+            outcome.run_id.is_none(),
+            "a run was stored: {}",
+            outcome.printed()
+        );
+    }
+    assert!(
+        listener.accept().is_err(),
+        "the repository's host was contacted"
+    );
+}

@@ -293,7 +293,8 @@ fn check_repository(
     let unsafe_text =
         |s: &str| s.starts_with('-') || s.chars().any(|c| c.is_control() || c.is_whitespace());
     if let Err(rule) = proto::names::check_url(url, allowed_schemes) {
-        return Err(SubmitError::invalid("repository.url", &rule, url));
+        let shown = proto::names::shown_url(url);
+        return Err(SubmitError::invalid("repository.url", &rule, &shown));
     }
     if let Some(reference) = &repository.git_ref {
         let forbidden = ["..", "~", "^", ":", "?", "*", "[", "\\", "@{", "//"];

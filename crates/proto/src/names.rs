@@ -149,7 +149,69 @@ pub fn check_url(url: &str, allowed: &[String]) -> Result<(), String> {
                 .into(),
         );
     }
+    if let Some(what) = credential_in_url(url) {
+        return Err(format!(
+            "must not carry credentials ({what}): it is shown to the agent and stored with the run; give forgepool the host's token or deploy key in the forges file (FORGEPOOL_FORGES_FILE, SPEC 9)"
+        ));
+    }
     Ok(())
+}
+
+/// What in a repository URL could be a credential: a password (`user:secret@`), a user name
+/// on http(s) (a token passed as the user), or a query or fragment (`?token=…`). An ssh
+/// user name (`ssh://git@host/…`, `git@host:…`) is not one.
+pub fn credential_in_url(url: &str) -> Option<&'static str> {
+    let scheme = url_scheme(url);
+    let rest = url.split_once("://").map_or(url, |(_, rest)| rest);
+    let authority = rest.split('/').next().unwrap_or_default();
+    if let Some((userinfo, _)) = authority.rsplit_once('@') {
+        if userinfo.contains(':') {
+            return Some("a password in the URL");
+        }
+        if scheme == "https" || scheme == "http" {
+            return Some("a user name in an http(s) URL, where it is a token");
+        }
+    }
+    if matches!(scheme.as_str(), "https" | "http" | "git")
+        && (rest.contains('?') || rest.contains('#'))
+    {
+        return Some("a query or fragment");
+    }
+    None
+}
+
+/// A repository URL as forgepool shows it: its user information, query and fragment
+/// replaced by `***`.
+pub fn shown_url(url: &str) -> String {
+    let redacted = redact_url_credentials(url);
+    match redacted.find(['?', '#']) {
+        Some(at) if url.contains("://") => format!("{}{}***", &redacted[..at], &redacted[at..=at]),
+        _ => redacted,
+    }
+}
+
+/// `text` with the credential part of every URL in it (`scheme://userinfo@`) replaced by
+/// `***`: what forgepool shows of a git command line or error never carries a password.
+pub fn redact_url_credentials(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    let mut rest = text;
+    while let Some(at) = rest.find("://") {
+        let (head, tail) = rest.split_at(at + 3);
+        out.push_str(head);
+        let end = tail
+            .find(|c: char| c == '/' || c.is_whitespace() || c == '\'' || c == '"' || c == '`')
+            .unwrap_or(tail.len());
+        match tail[..end].rfind('@') {
+            Some(user_end) => {
+                out.push_str("***");
+                out.push_str(&tail[user_end..end]);
+            }
+            None => out.push_str(&tail[..end]),
+        }
+        rest = &tail[end..];
+    }
+    out.push_str(rest);
+    out
 }
 
 /// A name of 1..=64 bytes whose first byte is `[a-z0-9]` and whose other bytes pass `rest`.
@@ -163,6 +225,50 @@ fn matches_name(name: &str, rest: impl Fn(u8) -> bool) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Catches: a token in a repository URL accepted (it would reach the agent's job file,
+    /// failure reasons, webhooks and the process list), and an ssh user taken for one.
+    #[test]
+    fn credentials_in_repository_urls_are_refused_and_redacted() {
+        let allowed: Vec<String> = ["https", "ssh", "http", "git"].map(String::from).to_vec();
+        for url in [
+            "https://github.com/a/b.git",
+            "ssh://git@host/a.git",
+            "git@github.com:a/b.git",
+            "https://host:8443/a/b.git",
+        ] {
+            assert_eq!(check_url(url, &allowed), Ok(()), "{url}");
+        }
+        for url in [
+            "https://user:ghp_secret@github.com/a/b.git",
+            "https://ghp_secret@github.com/a/b.git",
+            "http://x-access-token:tok@127.0.0.1/a.git",
+            "ssh://git:secret@host/a.git",
+            "https://host/a.git?private_token=secret",
+            "https://host/a.git#secret",
+        ] {
+            let refused = check_url(url, &allowed).unwrap_err();
+            assert!(
+                refused.contains("FORGEPOOL_FORGES_FILE"),
+                "{url}: {refused}"
+            );
+            assert!(
+                !refused.contains("secret") && !refused.contains("tok@"),
+                "{refused}"
+            );
+        }
+        assert_eq!(
+            redact_url_credentials("`git fetch https://user:pw@host/a.git` failed: https://t@h/x"),
+            "`git fetch https://***@host/a.git` failed: https://***@h/x"
+        );
+        assert_eq!(redact_url_credentials("no url here"), "no url here");
+        assert_eq!(
+            shown_url("https://u:p@host/a.git?private_token=secret"),
+            "https://***@host/a.git?***"
+        );
+        assert_eq!(shown_url("git@host:a/b.git"), "git@host:a/b.git");
+        assert_eq!(redact_url_credentials("https://host/a"), "https://host/a");
+    }
 
     #[test]
     fn names_and_refusals() {

@@ -275,12 +275,15 @@ async fn run_git(
     for (name, value) in env {
         command.env(name, value);
     }
-    let shown = args
-        .iter()
-        .filter(|a| !a.starts_with("--git-dir=") && !a.starts_with("--work-tree="))
-        .copied()
-        .collect::<Vec<_>>()
-        .join(" ");
+    // What errors quote of the command: never a URL's credentials.
+    let shown = proto::names::redact_url_credentials(
+        &args
+            .iter()
+            .filter(|a| !a.starts_with("--git-dir=") && !a.starts_with("--work-tree="))
+            .copied()
+            .collect::<Vec<_>>()
+            .join(" "),
+    );
     let finished = async {
         #[cfg(test)]
         let _clock = HoldTestClock::new();
@@ -305,7 +308,7 @@ async fn run_git(
         };
         return Err(GitError::Failed {
             command: shown,
-            stderr,
+            stderr: proto::names::redact_url_credentials(&stderr),
         });
     }
     Ok(String::from_utf8_lossy(&output.stdout).trim().to_string())
