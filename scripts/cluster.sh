@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Starts a local cluster: one dispatcher on 127.0.0.1:8080 and N workers (default 2), using
-# RabbitMQ and Docker from scripts/services.sh. Logs and the store go to ./cluster/.
+# RabbitMQ and Docker from scripts/services.sh. Logs, the store and the API token (made when
+# FORGEPOOL_API_TOKEN is unset) go to ./cluster/.
 #   scripts/cluster.sh [WORKERS] [SKILLS_DIR] [AGENTS_FILE]
 # Stop it with: pkill -TERM -f 'forgepool (dispatcher|worker)'
 set -euo pipefail
@@ -17,6 +18,9 @@ agents="${3:-examples/agents.toml}"
 scripts/services.sh
 cargo build --release --quiet
 mkdir -p cluster
+# The API wants a token: a page open in a browser could otherwise drive the dispatcher.
+export FORGEPOOL_API_TOKEN="${FORGEPOOL_API_TOKEN:-$(head -c 24 /dev/urandom | od -An -tx1 | tr -d ' \n')}"
+(umask 077 && printf '%s\n' "$FORGEPOOL_API_TOKEN" > cluster/api-token)
 ./target/release/forgepool dispatcher --skills "$skills" --agents "$agents" \
   --database cluster/forgepool.db > cluster/dispatcher.log 2>&1 &
 echo "dispatcher: pid $!, http://127.0.0.1:8080, log cluster/dispatcher.log"
@@ -25,4 +29,5 @@ for i in $(seq 1 "$workers"); do
     --workspace "cluster/workspaces-$i" --agents "$agents" > "cluster/worker-$i.log" 2>&1 &
   echo "worker local-$i: pid $!, metrics http://127.0.0.1:$((9090 + i))/metrics, log cluster/worker-$i.log"
 done
+echo "the API token is in cluster/api-token: export FORGEPOOL_API_TOKEN=\$(cat cluster/api-token)"
 echo "submit with: ./target/release/forgepool submit REQUEST.toml --wait"

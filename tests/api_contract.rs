@@ -81,6 +81,7 @@ async fn every_error_is_problem_details_and_runs_carry_location_and_entity_tags(
     let huge = vec![b'x'; 2 * 1024 * 1024];
     let too_large = cluster
         .request(Method::POST, "/v1/runs")
+        .header("content-type", "application/json")
         .body(huge)
         .send()
         .await

@@ -138,6 +138,7 @@ async fn every_bad_field_gets_a_4xx_that_names_it() {
     let huge = vec![b' '; 1024 * 1024 + 10];
     let response = cluster
         .request(reqwest::Method::POST, "/v1/runs")
+        .header("content-type", "application/json")
         .body(huge)
         .send()
         .await

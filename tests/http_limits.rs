@@ -38,7 +38,7 @@ async fn idle_and_half_open_connections_are_closed_and_the_api_keeps_answering()
         let mut stream = TcpStream::connect(&address).await.unwrap();
         if n % 2 == 1 {
             stream
-                .write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")
+                .write_all(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n")
                 .await
                 .unwrap();
         }
@@ -46,7 +46,7 @@ async fn idle_and_half_open_connections_are_closed_and_the_api_keeps_answering()
     }
     // A kept-alive connection that goes quiet after its first request.
     let mut kept = TcpStream::connect(&address).await.unwrap();
-    kept.write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+    kept.write_all(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
         .await
         .unwrap();
     // Meanwhile the API answers.
@@ -84,7 +84,7 @@ async fn bodies_must_be_small_and_arrive_in_time_and_errors_are_json() {
         stream
             .write_all(
                 format!(
-                    "POST /v1/runs HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {size}\r\n\r\n"
+                    "POST /v1/runs HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: {size}\r\n\r\n"
                 )
                 .as_bytes(),
             )
@@ -104,7 +104,7 @@ async fn bodies_must_be_small_and_arrive_in_time_and_errors_are_json() {
     // A body that never comes: a JSON 408 after the body timeout, and the connection ends.
     let mut slow = TcpStream::connect(&address).await.unwrap();
     slow.write_all(
-        b"POST /v1/runs HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 500\r\n\r\n{\"ticket\":",
+        b"POST /v1/runs HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: 500\r\n\r\n{\"ticket\":",
     )
     .await
     .unwrap();
@@ -205,7 +205,8 @@ async fn slow_readers_of_a_long_history_keep_the_dispatcher_small() {
         let mut stream = TcpStream::connect(&address).await.unwrap();
         stream
             .write_all(
-                format!("GET /v1/runs/{run_id}/events HTTP/1.1\r\nHost: x\r\n\r\n").as_bytes(),
+                format!("GET /v1/runs/{run_id}/events HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+                    .as_bytes(),
             )
             .await
             .unwrap();
@@ -222,5 +223,75 @@ async fn slow_readers_of_a_long_history_keep_the_dispatcher_small() {
         after.saturating_sub(before)
     );
     drop(stalled);
+    cluster.delete_queues().await;
+}
+
+/// Sends one raw request and returns the answer's status and body.
+async fn raw(address: &str, request: String) -> (u16, String) {
+    let mut stream = TcpStream::connect(address).await.unwrap();
+    stream.write_all(request.as_bytes()).await.unwrap();
+    let (answer, _) = read_until_closed(&mut stream, Duration::from_secs(20)).await;
+    let status = answer
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0);
+    (status, answer)
+}
+
+/// What a web page can make a browser send to a dispatcher that runs without a token, sent
+/// as Chromium sends it: a cross-site `text/plain` POST (no preflight needed) creating a run,
+/// a cross-site JSON one, a request through a rebound name (`Host: attacker.example`) reading
+/// runs or cancelling one. Each is refused, and the store shows it: no run made, the queued
+/// run still queued. The dispatcher's own page (same origin) and the CLI still work.
+/// Catches: a browser driving a tokenless dispatcher (SPEC 15), as a page did.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_web_page_cannot_drive_a_dispatcher_without_a_token() {
+    let fixture = Fixture::new(None, &["change"], &["approve"]);
+    // No worker: a run stays queued, so a cancel that got through would show.
+    let cluster = Cluster::start(fixture, 0, 1, None).await;
+    let queued = cluster.submit("PAGE-1").await;
+    let address = cluster.url().trim_start_matches("http://").to_string();
+    let body = cluster
+        .request_body("PAGE-2", serde_json::json!({}))
+        .to_string();
+    let post = |host: &str, extra: &str, content_type: &str| {
+        format!(
+            "POST /v1/runs HTTP/1.1\r\nHost: {host}\r\n{extra}Content-Type: {content_type}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+            body.len()
+        )
+    };
+    let attacker = "Origin: http://attacker.example\r\nSec-Fetch-Site: cross-site\r\n";
+    let cases = [
+        (post(&address, attacker, "text/plain;charset=UTF-8"), 415),
+        (post(&address, attacker, "application/json"), 403),
+        (post("attacker.example:80", "", "application/json"), 403),
+        (
+            format!("GET /v1/runs HTTP/1.1\r\nHost: attacker.example\r\nConnection: close\r\n\r\n"),
+            403,
+        ),
+        (
+            format!("POST /v1/runs/{queued}/cancel HTTP/1.1\r\nHost: attacker.example\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"),
+            403,
+        ),
+        (
+            format!("POST /v1/runs/{queued}/cancel HTTP/1.1\r\nHost: {address}\r\nOrigin: http://attacker.example\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"),
+            403,
+        ),
+    ];
+    for (request, expected) in cases {
+        let (status, answer) = raw(&address, request.clone()).await;
+        assert_eq!(status, expected, "{request}\n{answer}");
+        assert!(answer.contains("application/problem+json"), "{answer}");
+    }
+    assert!(
+        cluster.runs_of_ticket("PAGE-2").await.is_empty(),
+        "a page made a run"
+    );
+    assert_eq!(cluster.run(&queued).await["state"], "queued");
+    // The dispatcher's own page: same origin, JSON.
+    let same = format!("Origin: http://{address}\r\nSec-Fetch-Site: same-origin\r\n");
+    let (status, answer) = raw(&address, post(&address, &same, "application/json")).await;
+    assert_eq!(status, 201, "{answer}");
     cluster.delete_queues().await;
 }

@@ -136,6 +136,7 @@ impl Follow {
         (status = 200, description = "Server-Sent Events: each `event` is an event kind, each `data` an event (JSON), each `id` its position; the stream ends after a terminal state, or once everything stored is sent while the run is paused", content_type = "text/event-stream", body = String),
         (status = 400, description = "the id is not a UUID (`field`: `id`)", content_type = "application/problem+json", body = Problem),
         (status = 401, description = "a token is configured and the request has none, or a wrong one", content_type = "application/problem+json", body = Problem),
+        (status = 403, description = "the dispatcher has no API token and the request is not local: a Host that is not a loopback name, or a cross-site Origin or Sec-Fetch-Site", content_type = "application/problem+json", body = Problem),
         (status = 404, description = "no such run", content_type = "application/problem+json", body = Problem),
         (status = 429, description = "the run already has 16 event streams open", content_type = "application/problem+json", body = Problem),
         (status = 500, description = "the store failed; nothing was changed", content_type = "application/problem+json", body = Problem),

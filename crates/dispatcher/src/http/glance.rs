@@ -26,6 +26,7 @@ use super::runs::record;
     responses(
         (status = 200, description = "the pool as the dispatcher last sampled it (every 5 s)", body = PoolView),
         (status = 401, description = "a token is configured and the request has none, or a wrong one", content_type = "application/problem+json", body = Problem),
+        (status = 403, description = "the dispatcher has no API token and the request is not local: a Host that is not a loopback name, or a cross-site Origin or Sec-Fetch-Site", content_type = "application/problem+json", body = Problem),
     )
 )]
 pub(super) async fn pool(State(dispatcher): State<Arc<Dispatcher>>) -> Json<PoolView> {
@@ -59,6 +60,7 @@ pub const MAX_LOG_LINES: u32 = 2000;
         (status = 200, description = "the timeline; `last_position` is where the event stream continues", body = RunTimeline),
         (status = 400, description = "the id is not a UUID, or `log_lines` is out of range; `field` names it", content_type = "application/problem+json", body = Problem),
         (status = 401, description = "a token is configured and the request has none, or a wrong one", content_type = "application/problem+json", body = Problem),
+        (status = 403, description = "the dispatcher has no API token and the request is not local: a Host that is not a loopback name, or a cross-site Origin or Sec-Fetch-Site", content_type = "application/problem+json", body = Problem),
         (status = 404, description = "no such run", content_type = "application/problem+json", body = Problem),
         (status = 500, description = "the store failed; nothing was changed", content_type = "application/problem+json", body = Problem),
     )
@@ -114,6 +116,7 @@ pub(super) async fn timeline(
         (status = 200, description = "the stage's transcript (the latest, when a resumed run repeated the stage)", body = StageTranscript),
         (status = 400, description = "the id is not a UUID, or `n` is not a number from 1 to 1000; `field` names it", content_type = "application/problem+json", body = Problem),
         (status = 401, description = "a token is configured and the request has none, or a wrong one", content_type = "application/problem+json", body = Problem),
+        (status = 403, description = "the dispatcher has no API token and the request is not local: a Host that is not a loopback name, or a cross-site Origin or Sec-Fetch-Site", content_type = "application/problem+json", body = Problem),
         (status = 404, description = "no such run, no such stage, or a stage without a transcript (a `command` profile, a verification command, or a stage still running)", content_type = "application/problem+json", body = Problem),
         (status = 500, description = "the store failed; nothing was changed", content_type = "application/problem+json", body = Problem),
     )

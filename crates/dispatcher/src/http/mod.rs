@@ -6,6 +6,7 @@
 mod body;
 mod events;
 mod glance;
+mod guard;
 mod health;
 mod openapi;
 mod problem;
@@ -75,6 +76,10 @@ pub fn router(dispatcher: Arc<Dispatcher>) -> Router {
         routes.route("/metrics", get(metrics))
     };
     routes
+        .route_layer(middleware::from_fn_with_state(
+            Arc::clone(&dispatcher),
+            guard::guard,
+        ))
         .route_layer(middleware::from_fn_with_state(
             Arc::clone(&dispatcher),
             count_request,

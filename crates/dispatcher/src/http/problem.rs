@@ -8,7 +8,7 @@ use crate::SubmitError;
 
 /// An API error: its status and the problem document answered.
 #[derive(Debug)]
-pub struct Failure(StatusCode, Box<Problem>);
+pub struct Failure(pub(super) StatusCode, Box<Problem>);
 
 impl Failure {
     pub(super) fn new(

@@ -40,6 +40,8 @@ fn run_location(run_id: Uuid) -> [(header::HeaderName, String); 1] {
          headers(("Location" = String, description = "the first run: /v1/runs/{id}"))),
         (status = 400, description = "the request breaks its documented shape (a brief over 256 KiB too); `field` names the field (or the Idempotency-Key header)", content_type = "application/problem+json", body = Problem),
         (status = 401, description = "a token is configured and the request has none, or a wrong one", content_type = "application/problem+json", body = Problem),
+        (status = 403, description = "the dispatcher has no API token and the request is not local: a Host that is not a loopback name, or a cross-site Origin or Sec-Fetch-Site", content_type = "application/problem+json", body = Problem),
+        (status = 415, description = "a body that is not sent as `Content-Type: application/json`", content_type = "application/problem+json", body = Problem),
         (status = 408, description = "the body did not arrive within 15 s", content_type = "application/problem+json", body = Problem),
         (status = 413, description = "the body is over 1 MiB", content_type = "application/problem+json", body = Problem),
         (status = 422, description = "the request has the documented shape but names what this dispatcher does not have or allow (a skill, an agent profile, a URL scheme, a ref git refuses, a blank brief); `field` names it", content_type = "application/problem+json", body = Problem),
@@ -197,6 +199,7 @@ pub fn view(record: RunRecord) -> RunView {
          headers(("ETag" = String, description = "the run's entity tag"))),
         (status = 400, description = "the id is not a UUID (`field`: `id`)", content_type = "application/problem+json", body = Problem),
         (status = 401, description = "a token is configured and the request has none, or a wrong one", content_type = "application/problem+json", body = Problem),
+        (status = 403, description = "the dispatcher has no API token and the request is not local: a Host that is not a loopback name, or a cross-site Origin or Sec-Fetch-Site", content_type = "application/problem+json", body = Problem),
         (status = 404, description = "no such run", content_type = "application/problem+json", body = Problem),
         (status = 500, description = "the store failed; nothing was changed", content_type = "application/problem+json", body = Problem),
     )
@@ -261,6 +264,7 @@ pub(super) struct ListQuery {
         (status = 200, description = "a page of runs", body = RunList),
         (status = 400, description = "a query parameter breaks its rule; `field` names it", content_type = "application/problem+json", body = Problem),
         (status = 401, description = "a token is configured and the request has none, or a wrong one", content_type = "application/problem+json", body = Problem),
+        (status = 403, description = "the dispatcher has no API token and the request is not local: a Host that is not a loopback name, or a cross-site Origin or Sec-Fetch-Site", content_type = "application/problem+json", body = Problem),
         (status = 500, description = "the store failed; nothing was changed", content_type = "application/problem+json", body = Problem),
     )
 )]
@@ -320,6 +324,8 @@ pub(super) async fn list(
         (status = 202, description = "`done` for a queued or paused run (cancelled now), `requested` for a running one (its worker stops it)", body = CancelAnswer),
         (status = 400, description = "the id is not a UUID (`field`: `id`)", content_type = "application/problem+json", body = Problem),
         (status = 401, description = "a token is configured and the request has none, or a wrong one", content_type = "application/problem+json", body = Problem),
+        (status = 403, description = "the dispatcher has no API token and the request is not local: a Host that is not a loopback name, or a cross-site Origin or Sec-Fetch-Site", content_type = "application/problem+json", body = Problem),
+        (status = 415, description = "a body that is not sent as `Content-Type: application/json`", content_type = "application/problem+json", body = Problem),
         (status = 404, description = "no such run", content_type = "application/problem+json", body = Problem),
         (status = 409, description = "the run already ended", content_type = "application/problem+json", body = Problem),
         (status = 500, description = "the store failed; nothing was changed", content_type = "application/problem+json", body = Problem),
@@ -365,6 +371,8 @@ pub(super) async fn cancel(
         (status = 202, description = "queued again", body = ResumeAnswer),
         (status = 400, description = "the id is not a UUID (`field`: `id`)", content_type = "application/problem+json", body = Problem),
         (status = 401, description = "a token is configured and the request has none, or a wrong one", content_type = "application/problem+json", body = Problem),
+        (status = 403, description = "the dispatcher has no API token and the request is not local: a Host that is not a loopback name, or a cross-site Origin or Sec-Fetch-Site", content_type = "application/problem+json", body = Problem),
+        (status = 415, description = "a body that is not sent as `Content-Type: application/json`", content_type = "application/problem+json", body = Problem),
         (status = 404, description = "no such run", content_type = "application/problem+json", body = Problem),
         (status = 409, description = "the run is not paused (`not_paused`), or has no saved progress (`no_checkpoint`)", content_type = "application/problem+json", body = Problem),
         (status = 500, description = "the store failed; nothing was changed", content_type = "application/problem+json", body = Problem),
