@@ -267,7 +267,7 @@ async fn a_web_page_cannot_drive_a_dispatcher_without_a_token() {
         (post(&address, attacker, "application/json"), 403),
         (post("attacker.example:80", "", "application/json"), 403),
         (
-            format!("GET /v1/runs HTTP/1.1\r\nHost: attacker.example\r\nConnection: close\r\n\r\n"),
+            "GET /v1/runs HTTP/1.1\r\nHost: attacker.example\r\nConnection: close\r\n\r\n".to_string(),
             403,
         ),
         (
