@@ -72,8 +72,7 @@ impl Reader {
         if line.contains("RateLimitError") {
             report.rate_limited(line, super::retry_hint(line));
         }
-        readable.push_str(&super::read::cut(line, 2000));
-        readable.push('\n');
+        super::read::plain(readable, line);
     }
 }
 

@@ -69,8 +69,7 @@ pub(super) struct Reader {
 impl Reader {
     pub(super) fn line(&mut self, line: &str, report: &mut AgentReport, readable: &mut String) {
         let Some(event) = object(line) else {
-            readable.push_str(&super::read::cut(line, 2000));
-            readable.push('\n');
+            super::read::plain(readable, line);
             return;
         };
         match text(&event, "/type") {

@@ -82,6 +82,13 @@ pub(crate) fn compact(value: &Value) -> String {
     }
 }
 
+/// Logs a line that is not one of the CLI's events (its own text, a stray print) as it is,
+/// cut to [`LOG_TEXT`].
+pub(crate) fn plain(readable: &mut String, line: &str) {
+    readable.push_str(&cut(line, LOG_TEXT));
+    readable.push('\n');
+}
+
 /// Adds an assistant message: to the transcript and as log text.
 pub(crate) fn said(report: &mut AgentReport, readable: &mut String, message: &str) {
     let message = message.trim();
