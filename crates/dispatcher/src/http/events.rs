@@ -123,6 +123,20 @@ impl Follow {
     }
 }
 
+/// One Server-Sent Event of a run's stream, as an SSE client parses it (the schema of each
+/// event, as OpenAPI 3.1 tools such as schemathesis read a `text/event-stream` schema).
+#[derive(utoipa::ToSchema)]
+#[allow(dead_code)]
+pub(super) struct StreamedEvent {
+    /// The event's position in the run (the `Last-Event-ID` to continue after it).
+    id: Option<String>,
+    /// The event's kind (`state`, `stage_started`, `log`, `cycle`, `result`, …).
+    event: Option<String>,
+    /// The event itself, as JSON.
+    #[schema(content_media_type = "application/json")]
+    data: String,
+}
+
 #[utoipa::path(
     get,
     path = "/v1/runs/{id}/events",
@@ -133,7 +147,7 @@ impl Follow {
         ("Last-Event-ID" = Option<String>, Header, description = "continue after this event position (the `id` of the last event received)"),
     ),
     responses(
-        (status = 200, description = "Server-Sent Events: each `event` is an event kind, each `data` an event (JSON), each `id` its position; the stream ends after a terminal state, or once everything stored is sent while the run is paused", content_type = "text/event-stream", body = String),
+        (status = 200, description = "Server-Sent Events: each `event` is an event kind, each `data` an event (JSON), each `id` its position; the stream ends after a terminal state, or once everything stored is sent while the run is paused. The schema is one event's, as a client parses it", content_type = "text/event-stream", body = StreamedEvent),
         (status = 400, description = "the id is not a UUID (`field`: `id`)", content_type = "application/problem+json", body = Problem),
         (status = 401, description = "a token is configured and the request has none, or a wrong one", content_type = "application/problem+json", body = Problem),
         (status = 403, description = "the dispatcher has no API token and the request is not local: a Host that is not a loopback name, or a cross-site Origin or Sec-Fetch-Site", content_type = "application/problem+json", body = Problem),
