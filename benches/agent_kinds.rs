@@ -203,7 +203,7 @@ fn image_mb(image: &str) -> u64 {
     String::from_utf8_lossy(&output.stdout)
         .trim()
         .parse::<u64>()
-        .unwrap_or(0)
+        .unwrap_or_else(|_| panic!("the image {image} is missing: scripts/build-agent-images.sh"))
         / 1_000_000
 }
 

@@ -14,16 +14,8 @@ use super::{AgentReport, Invocation, Role};
 const SETTINGS_PATH: &str = "/tmp/home/.aider.model.settings.yml";
 const SETTINGS_VARIABLE: &str = "FORGEPOOL_FILE_AIDER_SETTINGS";
 
-/// The model asked for when the profile names none (through litellm's `openai/` provider).
-const DEFAULT_MODEL: &str = "gpt-4.1";
-
 pub(super) fn invocation(profile: &AgentProfile, role: Role, prompt: &str) -> Invocation {
-    let model = profile.model.as_deref().unwrap_or(DEFAULT_MODEL);
-    let model = if model.contains('/') {
-        model.to_string()
-    } else {
-        format!("openai/{model}")
-    };
+    let model = super::litellm_model(profile);
     let mut command: Vec<String> = vec!["aider".into(), "--model".into(), model.clone()];
     command.extend(
         [

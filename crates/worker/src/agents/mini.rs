@@ -14,15 +14,9 @@ use super::{AgentReport, Invocation, Role};
 
 /// The trajectory's file name in `/forge/output`.
 pub(super) const TRAJECTORY: &str = "trajectory.json";
-const DEFAULT_MODEL: &str = "gpt-4.1";
 
 pub(super) fn invocation(profile: &AgentProfile, role: Role, prompt: &str) -> Invocation {
-    let model = profile.model.as_deref().unwrap_or(DEFAULT_MODEL);
-    let model = if model.contains('/') {
-        model.to_string()
-    } else {
-        format!("openai/{model}")
-    };
+    let model = super::litellm_model(profile);
     // The final reviewer's output folder must hold only its review.json.
     let trajectory = if role == Role::FinalReviewer {
         "/tmp/home/trajectory.json".to_string()

@@ -49,6 +49,21 @@ pub fn output_file(kind: AgentKind) -> Option<&'static str> {
     }
 }
 
+/// The model asked for by the kinds that speak OpenAI's API (opencode, aider,
+/// mini-swe-agent) when the profile names none.
+pub(super) const OPENAI_DEFAULT_MODEL: &str = "gpt-4.1";
+
+/// The profile's model as litellm names it (aider, mini-swe-agent): a name without a
+/// provider goes through litellm's `openai/` provider.
+pub(super) fn litellm_model(profile: &AgentProfile) -> String {
+    let model = profile.model.as_deref().unwrap_or(OPENAI_DEFAULT_MODEL);
+    if model.contains('/') {
+        model.to_string()
+    } else {
+        format!("openai/{model}")
+    }
+}
+
 /// What a stage of an agent kind is for, which decides the CLI's mode.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Role {

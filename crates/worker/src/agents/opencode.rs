@@ -14,11 +14,12 @@ use super::{AgentReport, Invocation, Role};
 
 const PROVIDER: &str = "forgepool";
 const DEFAULT_BASE_URL: &str = "https://api.openai.com/v1";
-/// The model asked for when the profile names none.
-pub(super) const DEFAULT_MODEL: &str = "gpt-4.1";
 
 pub(super) fn invocation(profile: &AgentProfile, role: Role, prompt: &str) -> Invocation {
-    let model = profile.model.as_deref().unwrap_or(DEFAULT_MODEL);
+    let model = profile
+        .model
+        .as_deref()
+        .unwrap_or(super::OPENAI_DEFAULT_MODEL);
     let base_url = profile.base_url.as_deref().unwrap_or(DEFAULT_BASE_URL);
     let permission = if role == Role::Reviewer {
         json!({"edit": "deny", "bash": "allow", "webfetch": "deny"})
