@@ -299,6 +299,10 @@ pub struct DispatcherArgs {
     /// queued again, to continue from its last completed stage.
     #[arg(long = "silent-run-seconds", env = ENV_SILENT_RUN_SECONDS, default_value = "300", value_parser = clap::value_parser!(u64).range(30..))]
     pub silent_run_seconds: u64,
+    /// How long a published job stays valid, in seconds: a copy older than this is
+    /// dead-lettered unread (its run fails with the reason) instead of run.
+    #[arg(long = "job-ttl-seconds", env = "FORGEPOOL_JOB_TTL", default_value = "604800", value_parser = clap::value_parser!(u64).range(60..))]
+    pub job_ttl_seconds: u64,
     /// Whether paused runs resume by themselves when the pause their provider gave
     /// (`pause.json`) ends; `false` leaves them to `forgepool resume`.
     #[arg(long = "auto-resume", env = "FORGEPOOL_AUTO_RESUME", default_value = "true", action = clap::ArgAction::Set)]

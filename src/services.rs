@@ -84,6 +84,7 @@ pub async fn dispatcher(args: DispatcherArgs) -> i32 {
         job_key,
         allowed_schemes: args.stages.schemes(false),
         silent_after: Duration::from_secs(args.silent_run_seconds),
+        job_ttl: Duration::from_secs(args.job_ttl_seconds),
         auto_resume: args.auto_resume,
         shared_store: args.shared_store,
         webhooks,

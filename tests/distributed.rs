@@ -591,7 +591,7 @@ async fn cancelling_a_running_run_stops_its_container() {
 }
 
 /// Catches: a cancel that is lost when no worker hears it (the run is queued, or between
-/// workers): the worker that takes the job later must still be told, and nothing delivered.
+/// workers): the worker that takes the job later learns it from the store and runs nothing.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_cancel_no_worker_heard_still_stops_the_worker_that_takes_the_run() {
     let fixture = Fixture::new(Some(REVIEW), &["sleep", "30"], &["approve"]);
@@ -601,27 +601,25 @@ async fn a_cancel_no_worker_heard_still_stops_the_worker_that_takes_the_run() {
     assert_eq!(status, 202);
     assert_eq!(body["cancel"], "done", "a queued run is cancelled at once");
     assert_eq!(cluster.run(&id).await["state"], "cancelled");
-    // The job is still on the queue; the worker that takes it hears the stored cancel when it
-    // reports the run, and stops (its stage is 30 s long).
+    // The job is still on the queue; the worker that takes it asks the store, which says the
+    // run is cancelled, and drops the job unrun (its stage would be 30 s long).
     cluster.start_worker("late", 1);
     let started = std::time::Instant::now();
-    // The worker's own final events are kept as history (the run was already cancelled).
     while !cluster
-        .event_stream(&id)
-        .await
-        .contains("\"type\":\"result\"")
+        .logs()
+        .contains("the run is cancelled in the dispatcher's store")
     {
         assert!(
             started.elapsed() < Duration::from_secs(25),
-            "the worker did not stop the run\n{}",
+            "the worker did not drop the run\n{}",
             cluster.logs()
         );
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
     let stream = cluster.event_stream(&id).await;
     assert!(
-        !stream.contains("\"outcome\":\"completed\""),
-        "no stage ran to its end: {stream}"
+        !stream.contains("stage_started"),
+        "no stage started: {stream}"
     );
     assert_eq!(
         container_count(&id),
@@ -629,6 +627,7 @@ async fn a_cancel_no_worker_heard_still_stops_the_worker_that_takes_the_run() {
         "no container is left\n{}",
         cluster.logs()
     );
+    assert_eq!(common::cluster::jobs_on_broker(&cluster.prefix), 0);
     let view = cluster.run(&id).await;
     assert_eq!(view["state"], "cancelled", "{view}");
     assert_eq!(
@@ -1302,6 +1301,100 @@ async fn forged_unsigned_and_overreaching_jobs_are_dead_lettered_and_run_nothing
         .await;
     assert_eq!(views[0]["state"], "delivered", "{}", cluster.logs());
     assert!(cluster.fixture.branch_files("forge/forged-1").is_none());
+    cluster.delete_queues().await;
+}
+
+/// A copy of a finished run's signed job, replayed once its done marker is gone, runs nothing:
+/// the store says the run is delivered, so the worker drops the copy unrun. No push, no event,
+/// no change of state. The same copy past its expiry (re-signed here, as only the dispatcher
+/// could) is dead-lettered with the reason, and the run is still delivered.
+/// Catches: a worker whose only guard against a replay is the done marker on the broker (an
+/// hour's TTL, and any broker user may delete it): the copy ran the implementer and the
+/// reviewer again, pushed again and added a second result to the delivered run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_finished_runs_job_replayed_after_its_marker_is_gone_runs_nothing() {
+    use dispatcher::store::RunStore;
+    let fixture = Fixture::new(None, &["change"], &["approve"]);
+    // No worker yet: the job is copied off the queue first, then put back.
+    let mut cluster = Cluster::start(fixture, 0, 1, None).await;
+    let run = cluster.submit("REPLAY-1").await;
+    let (job, signature) = cluster.take_job().await;
+    cluster.publish_copy(&job, &signature).await;
+    cluster.start_worker("w0", 1);
+    let views = cluster
+        .wait_terminal(std::slice::from_ref(&run), Duration::from_secs(90))
+        .await;
+    assert_eq!(views[0]["state"], "delivered", "{}", cluster.logs());
+    let branch = "forge/replay-1";
+    assert_eq!(cluster.pushes(branch), 1);
+    let store = dispatcher::store::SqliteStore::open(&cluster.database).unwrap();
+    let run_id = uuid::Uuid::parse_str(&run).unwrap();
+    let events = store.events(run_id, 0).await.unwrap().len();
+
+    // The replay, once the marker is gone.
+    cluster.delete_queue(&format!("done.{run}")).await;
+    cluster.publish_copy(&job, &signature).await;
+    let started = std::time::Instant::now();
+    // Until the worker dropped it, or it ran (events, a push).
+    while !cluster
+        .logs()
+        .contains("not live in the dispatcher's store")
+        && cluster.pushes(branch) == 1
+        && store.events(run_id, 0).await.unwrap().len() == events
+    {
+        assert!(
+            started.elapsed() < Duration::from_secs(60),
+            "the worker never took the replay: {}",
+            cluster.logs()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(cluster.pushes(branch), 1, "the replay pushed again");
+    assert_eq!(
+        store.events(run_id, 0).await.unwrap().len(),
+        events,
+        "the replay ran: {}",
+        cluster.logs()
+    );
+    assert!(
+        cluster
+            .logs()
+            .contains("the run is delivered in the dispatcher's store"),
+        "{}",
+        cluster.logs()
+    );
+    assert_eq!(common::cluster::jobs_on_broker(&cluster.prefix), 0);
+
+    // The same copy, expired.
+    let mut expired: proto::Job = serde_json::from_slice(&job).unwrap();
+    let publication = expired
+        .publication
+        .as_mut()
+        .expect("a published job has one");
+    publication.expires_at = "2020-01-01T00:00:00Z".into();
+    let expired = serde_json::to_vec(&expired).unwrap();
+    cluster.publish_signed(&expired, None).await;
+    let mut dead = Vec::new();
+    let started = std::time::Instant::now();
+    while dead.is_empty() && started.elapsed() < Duration::from_secs(60) {
+        dead.extend(cluster.dead_letters().await);
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    assert_eq!(dead.len(), 1, "{}", cluster.logs());
+    assert!(dead[0].1.contains("expired at 2020-01-01"), "{}", dead[0].1);
+
+    // Host-side evidence: nothing ran again.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(cluster.pushes(branch), 1, "the replay pushed again");
+    assert_eq!(
+        store.events(run_id, 0).await.unwrap().len(),
+        events,
+        "the replay added events to the finished run"
+    );
+    let view = cluster.run(&run).await;
+    assert_eq!(view["state"], "delivered");
+    assert_eq!(container_count(&run), 0);
     cluster.delete_queues().await;
 }
 

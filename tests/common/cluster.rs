@@ -539,6 +539,64 @@ impl Cluster {
             .await;
     }
 
+    /// Publishes a copy of a signed job: its body and its signature, as taken from the queue.
+    pub async fn publish_copy(&self, payload: &[u8], signature: &str) {
+        self.publish_with("jobs", payload, None, Some(signature.to_string()))
+            .await;
+    }
+
+    /// Takes the first job off the jobs queue, as an attacker with a broker login would copy
+    /// it: its body and its signature header. Waits up to 10 s for one.
+    pub async fn take_job(&self) -> (Vec<u8>, String) {
+        let connection = self.broker().await;
+        let take = async {
+            let channel = connection.create_channel().await.unwrap();
+            for _ in 0..100 {
+                let queue = format!("{}.jobs", self.prefix);
+                let got = channel
+                    .basic_get(queue.into(), BasicGetOptions { no_ack: true })
+                    .await
+                    .unwrap();
+                if let Some(message) = got {
+                    let signature = message
+                        .delivery
+                        .properties
+                        .headers()
+                        .as_ref()
+                        .and_then(|h| h.inner().get(proto::SIGNATURE_HEADER).cloned())
+                        .and_then(|v| match v {
+                            lapin::types::AMQPValue::LongString(s) => Some(s.to_string()),
+                            _ => None,
+                        })
+                        .expect("a job the dispatcher published is signed");
+                    return (message.delivery.data.clone(), signature);
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            panic!("no job reached the jobs queue within 10 s");
+        };
+        let taken = on_broker("take a job", take).await;
+        let _ = on_broker("close a connection", connection.close(200, "bye".into())).await;
+        taken
+    }
+
+    /// Deletes a queue of this cluster (`done.{run}`, …).
+    pub async fn delete_queue(&self, queue: &str) {
+        let connection = self.broker().await;
+        let delete = async {
+            let channel = connection.create_channel().await.unwrap();
+            channel
+                .queue_delete(
+                    format!("{}.{queue}", self.prefix).into(),
+                    QueueDeleteOptions::default(),
+                )
+                .await
+                .unwrap()
+        };
+        on_broker("delete a queue", delete).await;
+        let _ = on_broker("close a connection", connection.close(200, "bye".into())).await;
+    }
+
     /// Publishes to the exchange `{prefix}.{exchange}` (not to a queue by name).
     pub async fn publish_to_exchange(&self, exchange: &str, payload: &[u8]) {
         let exchange = format!("{}.{exchange}", self.prefix);
@@ -716,6 +774,7 @@ pub async fn delete_prefix_queues(prefix: &str) {
         "dead",
         "dispatcher.dead",
         "dispatcher.events",
+        "executions",
     ] {
         let delete = async {
             let channel = connection.create_channel().await?;

@@ -1,4 +1,5 @@
-//! The dispatcher's AMQP wing: its three consumers (events, submissions, dead letters) and
+//! The dispatcher's AMQP wing: its four consumers (events, submissions, dead letters, workers'
+//! questions about executions) and
 //! their handlers. Each handler decides a [`Disposition`]; [`Dispatcher::settle`] carries it
 //! out, in one place.
 
@@ -24,6 +25,8 @@ pub enum Queue {
     Submissions,
     /// The dispatcher's copy of every dead letter.
     DeadLetters,
+    /// Workers' questions: is this execution of a run still live?
+    Executions,
 }
 
 /// One of the dispatcher's consumers.
@@ -39,6 +42,7 @@ impl Consumer {
             Queue::Events => topology.dispatcher_events(),
             Queue::Submissions => topology.submissions(),
             Queue::DeadLetters => topology.dispatcher_dead(),
+            Queue::Executions => topology.executions(),
         }
     }
 }
@@ -49,6 +53,7 @@ impl Consume for Consumer {
             Queue::Events => "forgepool-dispatcher-events",
             Queue::Submissions => "forgepool-dispatcher-submissions",
             Queue::DeadLetters => "forgepool-dispatcher-dead",
+            Queue::Executions => "forgepool-dispatcher-executions",
         }
     }
 
@@ -86,6 +91,13 @@ impl Consume for Consumer {
             Queue::DeadLetters => {
                 let disposition = handle_dead_letter(dispatcher, &delivery).await;
                 dispatcher.settle(&delivery, disposition, &source).await;
+            }
+            Queue::Executions => {
+                // A question is answered or dropped, never retried: its worker asks again.
+                dispatcher
+                    .settle(&delivery, Disposition::Ack, &source)
+                    .await;
+                answer_question(dispatcher, &delivery).await;
             }
         }
     }
@@ -215,6 +227,33 @@ where
                 return None;
             }
         }
+    }
+}
+
+/// Answers a worker's question about an execution (signed, to the question's `reply_to`).
+/// Nothing is answered when the store cannot say: the worker waits, then asks again later.
+async fn answer_question(dispatcher: &Dispatcher, delivery: &Delivery) {
+    let query = match proto::decode_message::<proto::ExecutionQuery>(&delivery.data, 64 * 1024) {
+        Ok(query) => query,
+        Err(reason) => return warn!(%reason, "ignoring a malformed execution question"),
+    };
+    let Some(reply_to) = delivery.properties.reply_to().as_ref() else {
+        return warn!(run_id = %query.run_id, "ignoring an execution question with no reply_to");
+    };
+    let answer = match dispatcher.answer(&query).await {
+        Ok(answer) => answer,
+        Err(error) => {
+            return warn!(%error, run_id = %query.run_id, "cannot answer an execution question yet")
+        }
+    };
+    let payload = serde_json::to_vec(&answer).unwrap_or_default();
+    let signature = proto::ExecutionAnswer::sign(&payload, &dispatcher.job_key);
+    let headers = amqp::signature_headers(signature);
+    let replied = dispatcher
+        .publisher
+        .publish("", reply_to.as_str(), &payload, Some(headers));
+    if let Err(error) = replied.await {
+        warn!(%error, run_id = %query.run_id, "cannot answer an execution question");
     }
 }
 

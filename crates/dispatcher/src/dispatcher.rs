@@ -59,7 +59,18 @@ pub enum ResumeFailure {
     Store(#[from] StoreError),
     /// The job could not be queued; the run stays paused.
     #[error("the resumed job could not be queued ({0}); the run stays paused, try again")]
-    Broker(AmqpError),
+    Broker(PublishError),
+}
+
+/// Why a job could not be published.
+#[derive(Debug, thiserror::Error)]
+pub enum PublishError {
+    /// The run's epoch could not be read.
+    #[error("cannot read the run's epoch from the store: {0}")]
+    Store(#[from] StoreError),
+    /// The broker did not take it.
+    #[error(transparent)]
+    Broker(#[from] AmqpError),
 }
 
 /// How many stored events the live channel of the event streams holds: a stream more than
@@ -82,6 +93,8 @@ pub struct Dispatcher {
     pub(crate) skills_dir: PathBuf,
     pub(crate) agents: AgentBook,
     pub(crate) job_key: proto::JobKey,
+    /// How long a published job stays valid (`FORGEPOOL_JOB_TTL`).
+    pub(crate) job_ttl: Duration,
     pub(crate) allowed_schemes: Vec<String>,
     /// The bearer token, when authentication is on.
     pub api_token: Option<String>,
@@ -164,8 +177,17 @@ impl Dispatcher {
     /// Publishes `job` to the jobs queue. `again` marks a copy that may follow an execution of
     /// the run (a run queued again, a job published late): only such a copy makes the worker
     /// look for progress kept on the broker.
-    pub(crate) async fn publish_job(&self, job: &Job, again: bool) -> Result<(), AmqpError> {
-        let payload = serde_json::to_vec(job).unwrap_or_default();
+    pub(crate) async fn publish_job(&self, job: &Job, again: bool) -> Result<(), PublishError> {
+        // The epoch is read from the store as it stands after the `queued` state that made
+        // this copy: a worker runs the copy only while the store still names that epoch.
+        let epoch = self.epoch(job.run_id).await?;
+        let mut job = job.clone();
+        job.publication = Some(proto::Publication::new(
+            epoch,
+            std::time::SystemTime::now(),
+            self.job_ttl,
+        ));
+        let payload = serde_json::to_vec(&job).unwrap_or_default();
         let carried = amqp::Carried {
             again,
             ..amqp::Carried::default()
@@ -186,6 +208,28 @@ impl Dispatcher {
             warn!(run_id = %job.run_id, %error, "cannot mark the job published; it may be published twice");
         }
         Ok(())
+    }
+
+    /// The run's epoch: how many times the dispatcher queued it again (a resume, a requeue of
+    /// a silent run), counted from its stored `queued` states that no worker published.
+    pub(crate) async fn epoch(&self, run_id: Uuid) -> Result<u32, StoreError> {
+        let states = self
+            .store
+            .events_of_kinds(run_id, &["state"], false, u32::MAX)
+            .await?;
+        Ok(epoch_of(states.iter().map(|(_, event)| event)))
+    }
+
+    /// Answers a worker's question: is this execution of a run still live in the store?
+    pub(crate) async fn answer(
+        &self,
+        query: &proto::ExecutionQuery,
+    ) -> Result<proto::ExecutionAnswer, StoreError> {
+        let stored = match self.store.get_run(query.run_id).await? {
+            None => None,
+            Some(record) => Some((record.state, self.epoch(query.run_id).await?)),
+        };
+        Ok(proto::ExecutionAnswer::to(query, stored))
     }
 
     /// Stores an event of `job`'s run; when it is new, counts it in the metrics and wakes the
@@ -404,5 +448,60 @@ impl Dispatcher {
                 &payload,
             )
             .await
+    }
+}
+
+/// The epoch of a run from its state events: its `queued` states the dispatcher stored (a
+/// worker's events carry their execution; a run waiting for a cap slot is `queued` by its
+/// worker, and that starts no new execution).
+fn epoch_of<'a>(events: impl Iterator<Item = &'a Event>) -> u32 {
+    let queued = events.filter(|event| {
+        event.execution.is_none()
+            && matches!(
+                event.kind,
+                EventKind::State {
+                    state: RunState::Queued,
+                    ..
+                }
+            )
+    });
+    u32::try_from(queued.count()).unwrap_or(u32::MAX)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Catches: an epoch that counts a worker's `queued` (a run waiting for a cap slot), which
+    /// would make the live copy of the job look superseded and drop it unrun.
+    #[test]
+    fn the_epoch_counts_only_the_dispatchers_queued_states() {
+        let run = Uuid::new_v4();
+        let queued = |reason: &str| {
+            Event::new(
+                run,
+                EventKind::State {
+                    state: RunState::Queued,
+                    reason: reason.into(),
+                },
+            )
+        };
+        let running = Event::new(
+            run,
+            EventKind::State {
+                state: RunState::Running,
+                reason: String::new(),
+            },
+        )
+        .by(Uuid::new_v4());
+        let waiting = queued("waits for a cap slot").by(Uuid::new_v4());
+        assert_eq!(epoch_of([&running, &waiting].into_iter()), 0);
+        let resumed = queued("resumed");
+        let requeued = queued("silent");
+        assert_eq!(epoch_of([&running, &waiting, &resumed].into_iter()), 1);
+        assert_eq!(
+            epoch_of([&running, &resumed, &waiting, &requeued].into_iter()),
+            2
+        );
     }
 }

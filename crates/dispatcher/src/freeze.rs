@@ -170,6 +170,7 @@ impl Freezer {
             warnings: warnings.clone(),
             submitted_at: proto::timestamp_now(),
             resume: None,
+            publication: None,
         };
         Ok(Frozen { job, warnings })
     }

@@ -48,6 +48,8 @@ pub struct DispatcherConfig {
     /// How long a running run may go unheard before its job is queued again
     /// (`FORGEPOOL_SILENT_RUN_SECONDS`).
     pub silent_after: Duration,
+    /// How long a published job stays valid (`FORGEPOOL_JOB_TTL`).
+    pub job_ttl: Duration,
     /// Whether paused runs resume by themselves when their profile's pause ends
     /// (`FORGEPOOL_AUTO_RESUME`).
     pub auto_resume: bool,
@@ -128,6 +130,7 @@ pub async fn run(
         skills_dir: config.skills_dir,
         agents: config.agents,
         job_key: config.job_key,
+        job_ttl: config.job_ttl,
         allowed_schemes: config.allowed_schemes,
         api_token: config.api_token,
         events_stored,
@@ -213,7 +216,12 @@ fn start_background(
     shutdown: &CancellationToken,
 ) -> TaskTracker {
     let tasks = TaskTracker::new();
-    for queue in [Queue::Events, Queue::Submissions, Queue::DeadLetters] {
+    for queue in [
+        Queue::Events,
+        Queue::Submissions,
+        Queue::DeadLetters,
+        Queue::Executions,
+    ] {
         tasks.spawn(consume(Arc::clone(dispatcher), queue, shutdown.clone()));
     }
     tasks.spawn(republish(

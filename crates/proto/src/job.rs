@@ -54,6 +54,10 @@ pub struct Job {
     /// The run's spending limit, from the request.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub budget: Option<crate::Budget>,
+    /// Set on each copy the dispatcher publishes (never in the stored frozen job): the run's
+    /// epoch and the copy's expiry, under the job's signature. A worker runs no job without it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub publication: Option<crate::Publication>,
 }
 
 impl Job {
@@ -450,6 +454,7 @@ mod tests {
             warnings: vec![],
             submitted_at: crate::timestamp_now(),
             resume: None,
+            publication: None,
         };
         let text = serde_json::to_string(&job).unwrap();
         assert!(text.contains("\"ANTHROPIC_API_KEY\""));

@@ -11,6 +11,7 @@ pub mod amqp;
 mod api;
 mod checkpoint;
 mod event;
+mod execution;
 mod job;
 pub mod names;
 mod request;
@@ -35,6 +36,9 @@ pub use event::{
     cut_change, latest_checkpoint, resumed_event, CheckResult, CycleOrigin, CycleRecord, Event,
     EventKind, LogStream, RoundRecord, RunResult, Stage, StageOutcome, AUTO_RESUMED_REASON,
     MAX_CHANGE_BYTES, MAX_CHECKPOINT_PATCH_BYTES, RESUMED_REASON,
+};
+pub use execution::{
+    answer_signed_bytes, ExecutionAnswer, ExecutionQuery, Publication, DEFAULT_JOB_TTL,
 };
 pub use job::{
     check_egress_entry, AgentProfile, Job, Network, ReviewConfig, DEFAULT_DISK_BYTES,

@@ -35,6 +35,10 @@ pub const WAIT_QUEUE_TTL_MS: i64 = 3_000;
 /// come back and be settled, short enough that markers do not pile up on the broker.
 pub const DONE_MARKER_TTL_MS: i64 = 3600 * 1000;
 
+/// How long a worker's question to the dispatcher waits in its queue (and the worker for the
+/// answer).
+pub const QUESTION_TTL_MS: i64 = 10_000;
+
 /// The limit on connecting, declaring the topology and starting a consumer.
 pub const SESSION_TIMEOUT: Duration = Duration::from_secs(30);
 

@@ -121,6 +121,12 @@ impl Topology {
         format!("{}.pauses", self.prefix)
     }
 
+    /// Workers' questions to the dispatcher: is this execution of a run still live
+    /// (`crate::ExecutionQuery`)? `{prefix}.executions`, answered through direct reply-to.
+    pub fn executions(&self) -> String {
+        format!("{}.executions", self.prefix)
+    }
+
     /// The exclusive queue that says a worker instance is alive.
     pub fn presence(&self, instance: &str) -> String {
         format!("{}.presence.{instance}", self.prefix)
@@ -158,6 +164,7 @@ impl Topology {
             (self.jobs_wait(), self.wait_arguments()),
             (self.dispatcher_events(), work()),
             (self.pauses(), pause_stream()),
+            (self.executions(), questions()),
         ];
         for (name, arguments) in queues {
             channel
@@ -223,6 +230,17 @@ fn pause_stream() -> FieldTable {
     arguments.insert(
         "x-stream-max-segment-size-bytes".into(),
         AMQPValue::LongLongInt(1_000_000),
+    );
+    arguments
+}
+
+/// The questions queue's arguments: a question unanswered for [`super::QUESTION_TTL_MS`] is
+/// dropped (its worker stopped waiting and asks again later).
+fn questions() -> FieldTable {
+    let mut arguments = FieldTable::default();
+    arguments.insert(
+        "x-message-ttl".into(),
+        AMQPValue::LongLongInt(super::QUESTION_TTL_MS),
     );
     arguments
 }

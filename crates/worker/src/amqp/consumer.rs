@@ -18,6 +18,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{info, info_span, warn, Instrument};
 
+use super::execution::Liveness;
 use super::gate::AmqpGate;
 use super::lease::{Claim, InFlight, Leases, SWEEP_INTERVAL};
 use super::ledger::AmqpLedger;
@@ -334,6 +335,9 @@ impl<R: ContainerRuntime> Jobs<R> {
                 return (Disposition::Requeue, both);
             }
         }
+        if let Some(dropped) = self.unless_live(job, delivery, carried).await {
+            return (dropped, both);
+        }
         if let Some(parked) = self.still_waiting(job, delivery, carried).await {
             return (parked, both);
         }
@@ -374,6 +378,34 @@ impl<R: ContainerRuntime> Jobs<R> {
             );
         }
         (disposition, both)
+    }
+
+    /// The store is the truth: a run that finished, paused or was queued again since this
+    /// copy was published is not executed again, whatever the broker still holds (`Some`:
+    /// acknowledged unrun). Without an answer the copy waits in the wait queue.
+    async fn unless_live(
+        &self,
+        job: &Job,
+        delivery: &Delivery,
+        carried: Carried,
+    ) -> Option<Disposition> {
+        let liveness = match self.leases.channel().await {
+            Ok(channel) => {
+                super::execution::ask(channel, &self.topology, &self.config.job_key, job).await
+            }
+            Err(error) => Liveness::Unknown(error.to_string()),
+        };
+        match liveness {
+            Liveness::Live => None,
+            Liveness::NotLive(reason) => {
+                warn!(%reason, "the job's execution is not live in the dispatcher's store; dropping it unrun");
+                Some(Disposition::Ack)
+            }
+            Liveness::Unknown(reason) => {
+                warn!(%reason, "cannot learn whether the job's execution is live; it waits");
+                Some(self.park(delivery, carried).await)
+            }
+        }
     }
 
     /// A run that waits for a cap slot of one of its profiles takes the slot first; while
@@ -487,6 +519,14 @@ pub fn trusted_job(
     config.job_key.verify(data, signature)?;
     let job = decode_job(data)?;
     check_job(&job, &config.profiles, &config.allowed_schemes)?;
+    let Some(publication) = &job.publication else {
+        return Err(
+            "the job carries no `publication` (its epoch and expiry): it was not published by a dispatcher of this release".into(),
+        );
+    };
+    if let Some(reason) = publication.expired(std::time::SystemTime::now()) {
+        return Err(reason);
+    }
     Ok(job)
 }
 

@@ -303,7 +303,8 @@ impl Leases {
 
     /// A fresh channel, reconnecting (announcing presence, and taking the leases of the runs in
     /// flight again) when the connection was lost.
-    async fn channel(&self) -> Result<Channel, AmqpError> {
+    /// A new channel on the lease connection (connected first if it is not).
+    pub(super) async fn channel(&self) -> Result<Channel, AmqpError> {
         let broker = |operation| move |source| AmqpError::Broker { operation, source };
         let mut slot = self.connection.lock().await;
         if !slot.as_ref().is_some_and(|c| c.status().connected()) {

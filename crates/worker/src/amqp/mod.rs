@@ -3,6 +3,7 @@
 //!
 //! - [`consumer`]: the jobs queue, the checks on every job message, one run's life from its
 //!   delivery to its settlement;
+//! - [`execution`]: whether a job's execution is still live, asked of the dispatcher;
 //! - [`lease`]: leases, done markers, presence, and the sweep of dead workers' containers;
 //! - [`ledger`]: the final review's intent and receipt;
 //! - [`control`]: cancel requests;
@@ -10,6 +11,7 @@
 
 pub mod consumer;
 pub mod control;
+pub mod execution;
 pub mod gate;
 pub mod lease;
 pub mod ledger;
