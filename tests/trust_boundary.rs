@@ -149,6 +149,91 @@ fn a_gitfile_naming_a_host_repository_leaves_it_untouched() {
     }
 }
 
+/// An agent delivers a copy of every object its git folder holds. A blob only another branch
+/// of the repository reaches (a private branch an earlier run on this worker fetched into the
+/// cache) is not among them, read back on the host from the delivered branch; a blob of its own
+/// base is, so the copy did work. Catches: a run's git folder linked from a cache mirror that
+/// holds every object ever fetched for the repository URL (issue 26, item 5).
+#[test]
+fn a_run_cannot_read_objects_only_another_branch_reaches() {
+    let fixture = Fixture::new(None, &["change"], &["approve"]);
+    let work = fixture.dir.path().join("private-seed");
+    let git = |dir: &Path, args: &[&str]| {
+        let output = Command::new("git")
+            .args(["-c", "user.name=t", "-c", "user.email=t@t"])
+            .args(args)
+            .current_dir(dir)
+            .output()
+            .unwrap();
+        assert!(output.status.success(), "git {args:?}: {output:?}");
+        String::from_utf8_lossy(&output.stdout).trim().to_string()
+    };
+    let bare = fixture.bare.to_str().unwrap();
+    git(
+        fixture.dir.path(),
+        &["clone", "--quiet", bare, work.to_str().unwrap()],
+    );
+    git(&work, &["checkout", "--quiet", "-b", "private"]);
+    std::fs::write(work.join("private.txt"), format!("{DECOY}\n")).unwrap();
+    git(&work, &["add", "-A"]);
+    git(&work, &["commit", "--quiet", "-m", "private"]);
+    git(&work, &["push", "--quiet", "origin", "private"]);
+    let secret = git(&work, &["rev-parse", "HEAD:private.txt"]);
+    let readme = git(&work, &["rev-parse", "main:README.md"]);
+    // A run of the private branch fetches it into this worker's cache.
+    let private = fixture.run_request(&format!(
+        "ticket = \"TEST-0\"\nskill = \"implement-task\"\nbrief = \"b\"\n[repository]\nurl = \"file://{bare}\"\nref = \"private\"\n"
+    ));
+    assert_eq!(private.code, 0, "{}", private.printed());
+    rewrite_implementer(&fixture, &["attack", "steal-objects"]);
+    let outcome = fixture.run("");
+    assert_eq!(outcome.code, 0, "{}", outcome.printed());
+    // The delivered copy, read with the host's git.
+    let stolen = fixture.dir.path().join("stolen");
+    std::fs::create_dir_all(&stolen).unwrap();
+    let archive = Command::new("git")
+        .args([
+            "--git-dir",
+            bare,
+            "archive",
+            "--format=tar",
+            BRANCH,
+            "stolen-objects",
+        ])
+        .output()
+        .unwrap();
+    assert!(archive.status.success(), "{archive:?}");
+    let mut tar = Command::new("tar")
+        .args(["-x", "-C", stolen.to_str().unwrap()])
+        .stdin(Stdio::piped())
+        .spawn()
+        .unwrap();
+    std::io::Write::write_all(tar.stdin.as_mut().unwrap(), &archive.stdout).unwrap();
+    assert!(tar.wait().unwrap().success());
+    let probe = fixture.dir.path().join("probe.git");
+    git(
+        fixture.dir.path(),
+        &["init", "--quiet", "--bare", probe.to_str().unwrap()],
+    );
+    let holds = |object: &str| {
+        Command::new("git")
+            .args([
+                "--git-dir",
+                probe.to_str().unwrap(),
+                "cat-file",
+                "-e",
+                object,
+            ])
+            .env("GIT_OBJECT_DIRECTORY", stolen.join("stolen-objects"))
+            .status()
+            .unwrap()
+            .success()
+    };
+    assert!(holds(&readme), "the copy of the objects works");
+    assert!(!holds(&secret), "the agent read the private branch's blob");
+    assert!(!everything(&outcome).contains(DECOY));
+}
+
 #[test]
 fn a_nested_gitfile_is_refused_and_its_repository_stays_untouched() {
     let fixture = Fixture::new(None, &["change"], &["approve"]);

@@ -1,7 +1,12 @@
-//! The repository cache (SPEC 14, `FORGEPOOL_CACHE_DIR`): one bare mirror per repository URL,
-//! so a run fetches only what changed since the last run of its repository, and its git folder
-//! is made from the mirror with hard links instead of a transfer.
+//! The repository cache (SPEC 14, `FORGEPOOL_CACHE_DIR`): one bare mirror per repository URL
+//! and base ref, so a run fetches only what changed since the last run of its ref, and its git
+//! folder is made from the mirror with hard links instead of a transfer.
 //!
+//! - **Only what the base ref reaches.** A mirror holds one ref's objects, never another's:
+//!   a run's git folder is linked from the whole mirror, and the agent can read every object
+//!   in it, so a blob that only another branch reaches (another ticket's private branch) must
+//!   never be there. When the ref was rewritten (the new commit does not descend from the one
+//!   fetched before), the mirror is repacked and pruned down to what the ref reaches now.
 //! - **Fetched at every run's start.** The run's ref is fetched from the remote into the mirror
 //!   (`refs/forgepool/want/{hash of the ref}`) and the run uses the commit that fetch named:
 //!   the mirror is never trusted for content the remote does not have.
@@ -64,9 +69,11 @@ impl RepoCache {
         &self.dir
     }
 
-    /// The mirror of `url`: `{dir}/{first 32 hex digits of its SHA-256}.git`.
-    pub fn mirror_of(&self, url: &str) -> PathBuf {
-        self.dir.join(format!("{}.git", &hash(url)[..32]))
+    /// The mirror of `url` at `reference` (`None`: the remote's default branch):
+    /// `{dir}/{first 32 hex digits of the SHA-256 of both}.git`.
+    pub fn mirror_of(&self, url: &str, reference: Option<&str>) -> PathBuf {
+        let key = format!("{url}\n{}", reference.unwrap_or("HEAD"));
+        self.dir.join(format!("{}.git", &hash(&key)[..32]))
     }
 
     /// Fetches `reference` (the remote's default branch when `None`) of `url` into its mirror,
@@ -75,7 +82,7 @@ impl RepoCache {
         tokio::fs::create_dir_all(&self.dir)
             .await
             .map_err(GitError::Files)?;
-        let mirror = self.mirror_of(url);
+        let mirror = self.mirror_of(url, reference);
         let lock = FileLock::exclusive(&lock_path(&mirror), GIT_TIMEOUT).await?;
         let began = Instant::now();
         let commit = fetch_into(&mirror, url, reference).await?;
@@ -160,7 +167,7 @@ impl RepoCache {
         let _ = tokio::fs::remove_dir_all(&repo.git_dir).await;
         let direct = git::clone_at(url, reference, repo).await?;
         warn!(%error, "the cached mirror failed where the remote did not; it is fetched again next time");
-        let mirror = self.mirror_of(url);
+        let mirror = self.mirror_of(url, reference);
         // Only a mirror no run holds now: waiting long for one in use is not worth it.
         if let Ok(lock) = FileLock::exclusive(&lock_path(&mirror), Duration::from_secs(5)).await {
             remove_mirror(&mirror).await;
@@ -237,6 +244,18 @@ async fn fetch_into(mirror: &Path, url: &str, reference: Option<&str>) -> Result
         }
         _ => vec![source.to_string()],
     };
+    let before = git::git(
+        mirror,
+        &[
+            &git_dir,
+            "rev-parse",
+            "--verify",
+            "--quiet",
+            &format!("{want}^{{commit}}"),
+        ],
+    )
+    .await
+    .ok();
     let mut fetched = Ok(String::new());
     for candidate in candidates {
         let refspec = format!("+{candidate}:{want}");
@@ -287,6 +306,9 @@ async fn fetch_into(mirror: &Path, url: &str, reference: Option<&str>) -> Result
         ],
     )
     .await?;
+    if let Some(before) = before.filter(|before| *before != commit) {
+        prune_if_rewritten(mirror, &before, &commit).await?;
+    }
     // A mirror that lost the commit's tree is caught here rather than in the run's clone.
     git::git(
         mirror,
@@ -294,6 +316,31 @@ async fn fetch_into(mirror: &Path, url: &str, reference: Option<&str>) -> Result
     )
     .await?;
     Ok(commit)
+}
+
+/// Drops from `mirror` every object its ref no longer reaches when the ref moved from `before`
+/// to `now` by a rewrite (a force-push): what a rewrite removed from the branch must not stay
+/// readable by the next run's agent. A fast-forward removes nothing, and costs nothing here.
+async fn prune_if_rewritten(mirror: &Path, before: &str, now: &str) -> Result<(), GitError> {
+    let git_dir = format!("--git-dir={}", mirror.display());
+    let ancestor = git::git(
+        mirror,
+        &[&git_dir, "merge-base", "--is-ancestor", before, now],
+    )
+    .await;
+    if ancestor.is_ok() {
+        return Ok(());
+    }
+    info!("the base ref was rewritten; dropping from the mirror what it no longer reaches");
+    // `-a -d` writes one pack of what the refs reach and deletes the others, unreachable
+    // objects with them; `prune` removes the unreachable loose ones.
+    git::git(
+        mirror,
+        &[&git_dir, "-c", "gc.auto=0", "repack", "-a", "-d", "-q"],
+    )
+    .await?;
+    git::git(mirror, &[&git_dir, "prune", "--expire=now"]).await?;
+    Ok(())
 }
 
 /// Makes the run's git folder from a cache mirror, with no work tree checked out yet: git's
@@ -474,216 +521,4 @@ impl FileLock {
 }
 
 #[cfg(test)]
-pub(super) mod tests {
-    use super::*;
-
-    pub(super) fn sh(dir: &Path, args: &[&str]) -> String {
-        let output = std::process::Command::new("git")
-            .args([
-                "-c",
-                "user.name=t",
-                "-c",
-                "user.email=t@t",
-                "-c",
-                "protocol.file.allow=always",
-            ])
-            .args(args)
-            .current_dir(dir)
-            .output()
-            .expect("git runs");
-        assert!(
-            output.status.success(),
-            "git {args:?}: {}",
-            String::from_utf8_lossy(&output.stderr)
-        );
-        String::from_utf8_lossy(&output.stdout).trim().to_string()
-    }
-
-    /// A bare origin with `main` at a commit of `files` files; returns its `file://` URL.
-    pub(super) fn origin(dir: &Path, name: &str, files: usize) -> (String, PathBuf) {
-        let bare = dir.join(format!("{name}.git"));
-        let seed = dir.join(format!("{name}-seed"));
-        std::fs::create_dir_all(&seed).unwrap();
-        sh(
-            dir,
-            &[
-                "init",
-                "--quiet",
-                "--bare",
-                "--initial-branch=main",
-                bare.to_str().unwrap(),
-            ],
-        );
-        sh(&seed, &["init", "--quiet", "--initial-branch=main"]);
-        for n in 0..files {
-            std::fs::write(
-                seed.join(format!("f{n}.txt")),
-                format!("{name} {n}\n").repeat(200),
-            )
-            .unwrap();
-        }
-        sh(&seed, &["add", "-A"]);
-        sh(&seed, &["commit", "--quiet", "-m", "one"]);
-        sh(
-            &seed,
-            &["push", "--quiet", bare.to_str().unwrap(), "HEAD:main"],
-        );
-        (format!("file://{}", bare.display()), seed)
-    }
-
-    pub(super) fn repo_in(dir: &Path, name: &str) -> Repo {
-        std::fs::create_dir_all(dir.join(name)).unwrap();
-        Repo::new(dir.join(name).join("repo.git"), dir.join(name).join("src"))
-    }
-
-    /// Catches: two runs of one repository that start together and corrupt each other's
-    /// fetch or clone (no lock), or get different commits for the same ref.
-    #[tokio::test]
-    async fn two_runs_of_one_repository_at_once_get_the_same_base() {
-        let dir = tempfile::tempdir().unwrap();
-        let (url, _) = origin(dir.path(), "shop", 20);
-        let cache = RepoCache::new(dir.path().join("cache"), DEFAULT_CACHE_BYTES);
-        let (one, two) = (repo_in(dir.path(), "one"), repo_in(dir.path(), "two"));
-        let (a, b) = tokio::join!(
-            cache.clone_at(&url, Some("main"), &one),
-            cache.clone_at(&url, Some("main"), &two)
-        );
-        let (a, b) = (a.expect("first clone"), b.expect("second clone"));
-        assert_eq!(a, b);
-        assert!(one.work_tree.join("f7.txt").is_file() && two.work_tree.join("f7.txt").is_file());
-        assert!(
-            cache.mirror_of(&url).join("HEAD").is_file(),
-            "the mirror is kept"
-        );
-    }
-
-    /// Catches: a cache that serves what it fetched before instead of what the remote has now
-    /// (a force-pushed ref must give the new commit, and the old one must not come back).
-    #[tokio::test]
-    async fn a_force_pushed_ref_is_fetched_anew() {
-        let dir = tempfile::tempdir().unwrap();
-        let (url, seed) = origin(dir.path(), "shop", 3);
-        let cache = RepoCache::new(dir.path().join("cache"), DEFAULT_CACHE_BYTES);
-        let first = cache
-            .clone_at(&url, Some("main"), &repo_in(dir.path(), "a"))
-            .await
-            .unwrap();
-        std::fs::write(seed.join("f0.txt"), "rewritten\n").unwrap();
-        sh(
-            &seed,
-            &["commit", "--quiet", "--amend", "-a", "-m", "rewritten"],
-        );
-        let bare = url.trim_start_matches("file://");
-        sh(&seed, &["push", "--quiet", "--force", bare, "HEAD:main"]);
-        let now = sh(&seed, &["rev-parse", "HEAD"]);
-        let repo = repo_in(dir.path(), "b");
-        let second = cache.clone_at(&url, Some("main"), &repo).await.unwrap();
-        assert_ne!(first, second);
-        assert_eq!(second, now, "the remote's commit, not the cached one");
-        assert_eq!(
-            std::fs::read_to_string(repo.work_tree.join("f0.txt")).unwrap(),
-            "rewritten\n"
-        );
-    }
-
-    /// Catches: a cache that grows without bound, or evicts the repository just fetched.
-    #[tokio::test]
-    async fn the_least_recently_used_mirror_is_evicted_over_the_limit() {
-        let dir = tempfile::tempdir().unwrap();
-        let (old, _) = origin(dir.path(), "old", 30);
-        let (new, _) = origin(dir.path(), "new", 30);
-        let roomy = RepoCache::new(dir.path().join("cache"), DEFAULT_CACHE_BYTES);
-        roomy
-            .clone_at(&old, None, &repo_in(dir.path(), "a"))
-            .await
-            .unwrap();
-        assert!(roomy.mirror_of(&old).is_dir());
-        // Room for one mirror and a half.
-        let one = size_of(&roomy.mirror_of(&old));
-        let cache = RepoCache::new(dir.path().join("cache"), one * 3 / 2);
-        tokio::time::sleep(Duration::from_millis(20)).await;
-        cache
-            .clone_at(&new, None, &repo_in(dir.path(), "b"))
-            .await
-            .unwrap();
-        assert!(
-            !cache.mirror_of(&old).exists(),
-            "the older mirror was evicted"
-        );
-        assert!(
-            cache.mirror_of(&new).is_dir(),
-            "the one just fetched is kept"
-        );
-    }
-
-    /// Catches: a damaged mirror (a truncated pack) that fails runs, or that is kept and
-    /// fails the next run too.
-    #[tokio::test]
-    async fn a_corrupted_mirror_is_detected_and_rebuilt() {
-        let dir = tempfile::tempdir().unwrap();
-        let (url, _) = origin(dir.path(), "shop", 20);
-        let cache = RepoCache::new(dir.path().join("cache"), DEFAULT_CACHE_BYTES);
-        let first = cache
-            .clone_at(&url, Some("main"), &repo_in(dir.path(), "a"))
-            .await
-            .unwrap();
-        let mirror = cache.mirror_of(&url);
-        sh(&mirror, &["repack", "-a", "-d", "--quiet"]);
-        let pack_dir = mirror.join("objects/pack");
-        for entry in std::fs::read_dir(&pack_dir).unwrap().flatten() {
-            if entry.path().extension().is_some_and(|e| e == "pack") {
-                let file = std::fs::OpenOptions::new()
-                    .write(true)
-                    .open(entry.path())
-                    .unwrap();
-                file.set_len(100).unwrap();
-            }
-        }
-        let repo = repo_in(dir.path(), "b");
-        let second = cache
-            .clone_at(&url, Some("main"), &repo)
-            .await
-            .expect("cloned anyway");
-        assert_eq!(first, second);
-        assert!(repo.work_tree.join("f3.txt").is_file());
-        let third = repo_in(dir.path(), "c");
-        cache
-            .clone_at(&url, Some("main"), &third)
-            .await
-            .expect("the mirror was made again");
-        assert!(third.work_tree.join("f3.txt").is_file());
-        assert_eq!(
-            sh(
-                &mirror,
-                &["rev-parse", "--verify", &format!("{first}^{{tree}}")]
-            )
-            .len(),
-            40
-        );
-    }
-
-    /// Catches: a cached clone whose base, tree or refs differ from a direct clone's (the
-    /// delivered commit and the no-progress guard's tree hashes must not depend on the cache).
-    #[tokio::test]
-    async fn a_cached_clone_is_the_same_as_a_direct_one() {
-        let dir = tempfile::tempdir().unwrap();
-        let (url, _) = origin(dir.path(), "shop", 20);
-        let cache = RepoCache::new(dir.path().join("cache"), DEFAULT_CACHE_BYTES);
-        let (cached, direct) = (repo_in(dir.path(), "a"), repo_in(dir.path(), "b"));
-        let via_cache = cache.clone_at(&url, Some("main"), &cached).await.unwrap();
-        let plain = git::clone_at(&url, Some("main"), &direct).await.unwrap();
-        assert_eq!(via_cache, plain);
-        for repo in [&cached, &direct] {
-            std::fs::write(repo.work_tree.join("new.txt"), "change\n").unwrap();
-        }
-        let (one, two) = (
-            git::snapshot_tree(&cached).await.unwrap(),
-            git::snapshot_tree(&direct).await.unwrap(),
-        );
-        assert_eq!(one, two, "the same tree hash");
-        assert_eq!(
-            cached.git(&["rev-parse", "base"]).await.unwrap(),
-            direct.git(&["rev-parse", "base"]).await.unwrap()
-        );
-    }
-}
+pub(super) mod tests;

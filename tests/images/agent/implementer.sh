@@ -28,6 +28,7 @@
 #     forge-link   /workspace/.forge becomes a symlink to the host folder HOST_PATH
 #     step-link    /workspace/.forge/$FORGE_STEP becomes a symlink to the host folder HOST_PATH
 #     traps        a FIFO and a symlink to the host file HOST_PATH as cycle files
+#     steal-objects  copies every object of its git folder into stolen-objects/ (delivered)
 #     tamper       from round 2 on, rewrites forgepool's review_cycle_1.json to an approval
 #     cycle-secret a cycle file of its own whose feedback holds $AGENT_SECRET
 #     nested-repo  adds a folder whose .git names the host repository HOST_PATH
@@ -234,6 +235,11 @@ touch %s.hook
         ;;
       cycle-secret)
         printf '{"cycle": 1, "verdict": "rejected", "feedback": "the key is %s"}' "${AGENT_SECRET:-unset}" > ".forge/$FORGE_STEP/review_cycle_1.json"
+        ;;
+      steal-objects)
+        # Every object the run's git folder holds, into the change it delivers.
+        if [ -f .git ]; then gitdir="$(sed -n 's/^gitdir: //p' .git)"; else gitdir=.git; fi
+        cp -r "$gitdir/objects" stolen-objects
         ;;
       nested-repo)
         mkdir -p vendor/lib

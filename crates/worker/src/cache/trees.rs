@@ -603,7 +603,7 @@ mod tests {
             drop(tree);
             crate::cache::unlay(&repo.work_tree).await;
         }
-        let trees = trees_dir(&cache.mirror_of(&url));
+        let trees = trees_dir(&cache.mirror_of(&url, Some("main")));
         let kept = checkouts_by_use(&trees);
         assert!(
             held.files.join("f1.txt").is_file(),
@@ -635,7 +635,7 @@ mod tests {
             .await
             .unwrap();
         let held = held.unwrap();
-        let mirror = cache.mirror_of(&url);
+        let mirror = cache.mirror_of(&url, Some("main"));
         let trees = trees_dir(&mirror);
         assert_eq!(recorded_size(&trees), super::super::size_of(&held.files));
         assert!(recorded_size(&trees) > 0);
