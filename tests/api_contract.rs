@@ -277,16 +277,26 @@ fn schemathesis() -> PathBuf {
 /// Catches: the served document and the API disagreeing anywhere schemathesis looks (an
 /// undocumented status or content type, a body that breaks its schema, a schema-valid
 /// request refused as malformed, a schema-breaking one accepted, a method answered that is
-/// not allowed, a 5xx, the token not enforced).
+/// not allowed, a 5xx, the token not enforced), and each event of a finished run's stream
+/// against the stream's schema (an event stream described as `{"type": "string"}`: ST108).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn schemathesis_with_all_checks_finds_no_failure() {
     let st = schemathesis();
     let fixture = Fixture::new(None, &["change"], &["approve"]);
-    let cluster = Cluster::start(fixture, 0, 1, Some(TOKEN)).await;
+    let mut cluster = Cluster::start(fixture, 1, 1, Some(TOKEN)).await;
+    // A run that finished, for its event stream; then no worker runs what schemathesis sends.
+    let finished = cluster.submit("STREAM-1").await;
+    let views = cluster
+        .wait_terminal(std::slice::from_ref(&finished), Duration::from_secs(90))
+        .await;
+    assert_eq!(views[0]["state"], "delivered", "{}", cluster.logs());
+    for worker in &mut cluster.workers {
+        assert_eq!(worker.terminate(Duration::from_secs(30)), Some(0));
+    }
     let url = cluster.url();
     let config = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/schemathesis.toml");
-    // Several seeds: one seed found no failure where others did (an SSE event against the
-    // stream's schema, a path number over its limit).
+    // Several seeds: one seed found no failure where others did (a path number over its
+    // limit, a repeated Idempotency-Key with a schema-breaking request).
     for seed in ["1", "2", "3"] {
         let mut command = Command::new(&st);
         command
@@ -297,6 +307,7 @@ async fn schemathesis_with_all_checks_finds_no_failure() {
             .args(["--header", &format!("Authorization: Bearer {TOKEN}")])
             .args(["--checks", "all", "--max-examples", "100", "--seed", seed])
             .args(["--request-timeout", "20"])
+            .env("FORGEPOOL_FINISHED_RUN", &finished)
             .current_dir(cluster.fixture.dir.path());
         let output = common::output_within(&mut command, Duration::from_secs(900));
         let text = format!(

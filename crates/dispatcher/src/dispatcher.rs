@@ -148,20 +148,24 @@ impl Dispatcher {
         request: RunRequest,
         key: Option<&str>,
     ) -> Result<Submission, SubmitFailure> {
-        if let Some(key) = key {
-            if let Some(first) = self.store.run_of_key(key).await? {
-                return Ok(Submission::Repeat(first));
-            }
-        }
         let freezer = Freezer::from_process_env(&self.skills_dir, self.agents.clone())
             .with_allowed_schemes(self.allowed_schemes.clone());
-        // Freezing reads the skill's files: on a blocking thread, never the runtime's.
+        // Freezing reads the skill's files: on a blocking thread, never the runtime's. It comes
+        // before the key is looked up: a request that is not valid is refused as such, repeated
+        // key or not, and freezing stores nothing.
         let frozen = tokio::task::spawn_blocking(move || freezer.freeze(request))
             .await
             .unwrap_or_else(|panicked| std::panic::resume_unwind(panicked.into_panic()))?;
+        if let Some(key) = key {
+            if let Some(first) = self.store.run_of_key(key).await? {
+                return self.repeat(first, key, &frozen.job).await;
+            }
+        }
         if let Some(first) = self.store.insert_run_once(&frozen.job, key).await? {
             // The same key was submitted at the same moment: the first one won.
-            return Ok(Submission::Repeat(first));
+            return self
+                .repeat(first, key.unwrap_or_default(), &frozen.job)
+                .await;
         }
         info!(run_id = %frozen.job.run_id, ticket = %frozen.job.ticket, "run accepted");
         if !self.topology_ready.load(Ordering::SeqCst) {
@@ -172,6 +176,29 @@ impl Dispatcher {
             warn!(run_id = %frozen.job.run_id, %error, "job stored but not yet published; it will be retried");
         }
         Ok(Submission::New(Box::new(frozen)))
+    }
+
+    /// A submission whose `key` named the run `first`: a repeat when it is the same request,
+    /// refused when the key was used for another (the IETF Idempotency-Key draft's 422).
+    async fn repeat(&self, first: Uuid, key: &str, job: &Job) -> Result<Submission, SubmitFailure> {
+        let record = self.store.get_run(first).await?;
+        let digest = record.and_then(|record| record.job.request_digest);
+        match (digest, &job.request_digest) {
+            (Some(first_digest), Some(digest)) if first_digest != *digest => {
+                let field = if key.starts_with("amqp:") {
+                    "message_id"
+                } else {
+                    "Idempotency-Key"
+                };
+                Err(SubmitFailure::Invalid(SubmitError::Invalid {
+                    field: field.into(),
+                    message: format!(
+                        "was used in the last 24 hours for another request (run {first}); a key names one request: send a new key with a new request"
+                    ),
+                }))
+            }
+            _ => Ok(Submission::Repeat(first)),
+        }
     }
 
     /// Publishes `job` to the jobs queue. `again` marks a copy that may follow an execution of

@@ -90,6 +90,7 @@ impl Freezer {
 
     /// Validates a request and freezes it into a job with a new run id.
     pub fn freeze(&self, request: RunRequest) -> Result<Frozen, SubmitError> {
+        let digest = request_digest(&request);
         let mut warnings = Vec::new();
         if let Some(version) = request.schema_version {
             if version != SCHEMA_VERSION {
@@ -171,6 +172,7 @@ impl Freezer {
             submitted_at: proto::timestamp_now(),
             resume: None,
             publication: None,
+            request_digest: Some(digest),
         };
         Ok(Frozen { job, warnings })
     }
@@ -341,6 +343,14 @@ fn check_commands(commands: &[proto::VerifyCommand]) -> Result<(), SubmitError> 
         }
     }
     Ok(())
+}
+
+/// The SHA-256 (hex) of a request's canonical JSON: its fields in their declared order, so
+/// the same request gives the same digest however its text was laid out.
+pub fn request_digest(request: &RunRequest) -> String {
+    use sha2::Digest;
+    let canonical = serde_json::to_vec(request).unwrap_or_default();
+    hex::encode(sha2::Sha256::digest(&canonical))
 }
 
 #[cfg(test)]

@@ -58,6 +58,10 @@ pub struct Job {
     /// epoch and the copy's expiry, under the job's signature. A worker runs no job without it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub publication: Option<crate::Publication>,
+    /// The SHA-256 of the request the job was frozen from (its canonical JSON), so that a
+    /// submission key repeated with another request is told apart from a true repeat.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub request_digest: Option<String>,
 }
 
 impl Job {
@@ -455,6 +459,7 @@ mod tests {
             submitted_at: crate::timestamp_now(),
             resume: None,
             publication: None,
+            request_digest: None,
         };
         let text = serde_json::to_string(&job).unwrap();
         assert!(text.contains("\"ANTHROPIC_API_KEY\""));

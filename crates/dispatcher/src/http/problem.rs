@@ -142,6 +142,7 @@ fn semantic(field: &str) -> bool {
             | "repository.url"
             | "repository.ref"
             | "brief"
+            | "Idempotency-Key"
     ) || (field.starts_with("commands[") && field.ends_with("].argv"))
 }
 

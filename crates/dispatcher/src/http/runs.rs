@@ -36,7 +36,7 @@ fn run_location(run_id: Uuid) -> [(header::HeaderName, String); 1] {
     responses(
         (status = 201, description = "accepted: the run id and any warnings", body = SubmitResponse,
          headers(("Location" = String, description = "the run: /v1/runs/{id}"))),
-        (status = 200, description = "a repeat of an Idempotency-Key seen in the last 24 hours: the first run, as it stands", body = SubmitResponse,
+        (status = 200, description = "a repeat of an Idempotency-Key seen in the last 24 hours with the same request: the first run, as it stands", body = SubmitResponse,
          headers(("Location" = String, description = "the first run: /v1/runs/{id}"))),
         (status = 400, description = "the request breaks its documented shape (a brief over 256 KiB too); `field` names the field (or the Idempotency-Key header)", content_type = "application/problem+json", body = Problem),
         (status = 401, description = "a token is configured and the request has none, or a wrong one", content_type = "application/problem+json", body = Problem),
@@ -44,7 +44,7 @@ fn run_location(run_id: Uuid) -> [(header::HeaderName, String); 1] {
         (status = 415, description = "a body that is not sent as `Content-Type: application/json`", content_type = "application/problem+json", body = Problem),
         (status = 408, description = "the body did not arrive within 15 s", content_type = "application/problem+json", body = Problem),
         (status = 413, description = "the body is over 1 MiB", content_type = "application/problem+json", body = Problem),
-        (status = 422, description = "the request has the documented shape but names what this dispatcher does not have or allow (a skill, an agent profile, a URL scheme, a ref git refuses, a blank brief); `field` names it", content_type = "application/problem+json", body = Problem),
+        (status = 422, description = "the request has the documented shape but names what this dispatcher does not have or allow (a skill, an agent profile, a URL scheme, a ref git refuses, a blank brief), or an Idempotency-Key used in the last 24 hours for another request; `field` names it", content_type = "application/problem+json", body = Problem),
         (status = 500, description = "the store failed; nothing was changed", content_type = "application/problem+json", body = Problem),
     )
 )]
