@@ -15,8 +15,8 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use proto::EventKind;
 use worker::docker::{DockerRuntime, Identity};
-use worker::ledger::MemoryLedger;
-use worker::sink::ChannelSink;
+use worker::ports::ledger::MemoryLedger;
+use worker::ports::sink::ChannelSink;
 use worker::{Engine, EngineConfig};
 
 const IMAGE: &str = "forgepool-test-agent:dev";

@@ -72,7 +72,7 @@ pub struct StageArgs {
     /// Layered workspaces (overlays of cached checkouts): `auto` (a root worker outside a
     /// container, when overlays mount), `true` or `false`.
     #[arg(long = "overlay-workspaces", env = ENV_OVERLAY_WORKSPACES, default_value = "auto")]
-    pub overlay_workspaces: worker::overlay::Setting,
+    pub overlay_workspaces: worker::workspace::overlay::Setting,
     /// The forges file: credentials (HTTPS tokens, SSH deploy keys, CA files) per repository
     /// host for forgepool's own git; unset, git pushes with no credentials of forgepool's.
     #[arg(long = "forges", env = ENV_FORGES_FILE)]
@@ -98,11 +98,12 @@ impl StageArgs {
     /// forgepool's git, with its ssh configuration under `workspace_root`.
     pub fn install(&self, workspace_root: &std::path::Path) -> Result<(), String> {
         let cache = self.cache(workspace_root);
-        worker::overlay::configure(self.overlay_workspaces, cache.dir())?;
+        worker::workspace::overlay::configure(self.overlay_workspaces, cache.dir())?;
         let Some(path) = &self.forges_file else {
             return Ok(());
         };
-        let mut forges = worker::forges::Forges::load(path, |name| std::env::var(name).ok())?;
+        let mut forges =
+            worker::delivery::forges::Forges::load(path, |name| std::env::var(name).ok())?;
         forges
             .write_ssh_config(&workspace_root.join(".forgepool-ssh"))
             .map_err(|e| {
@@ -112,17 +113,17 @@ impl StageArgs {
                     workspace_root.display()
                 )
             })?;
-        worker::forges::set_forges(forges);
+        worker::delivery::forges::set_forges(forges);
         Ok(())
     }
 
     /// The repository cache for runs under `workspace_root`.
-    pub fn cache(&self, workspace_root: &std::path::Path) -> worker::cache::RepoCache {
+    pub fn cache(&self, workspace_root: &std::path::Path) -> worker::workspace::cache::RepoCache {
         let dir = self
             .cache_dir
             .clone()
             .unwrap_or_else(|| workspace_root.join(".cache"));
-        worker::cache::RepoCache::new(dir, self.cache_max_gib.saturating_mul(1 << 30))
+        worker::workspace::cache::RepoCache::new(dir, self.cache_max_gib.saturating_mul(1 << 30))
     }
 }
 

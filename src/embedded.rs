@@ -8,10 +8,10 @@ use dispatcher::{AgentBook, Freezer};
 use proto::{EventKind, RunState};
 use tokio_util::sync::CancellationToken;
 use worker::docker::{DockerRuntime, Identity};
-use worker::ledger::MemoryLedger;
-use worker::queue::{InMemoryQueue, JobQueue, Settlement};
+use worker::ports::ledger::MemoryLedger;
+use worker::ports::queue::{InMemoryQueue, JobQueue, Settlement};
+use worker::ports::sink::ChannelSink;
 use worker::runtime::ContainerRuntime;
-use worker::sink::ChannelSink;
 use worker::{Engine, EngineConfig, RunControl};
 
 use crate::config::{LocalArgs, RunArgs};
@@ -180,7 +180,7 @@ async fn execute_waiting(store: &Store, job: proto::Job, local: &LocalArgs) -> i
 /// Runs a stored job in this process, recording and printing its events; returns the exit
 /// code of its final state.
 async fn execute(store: &Store, job: proto::Job, local: &LocalArgs) -> i32 {
-    worker::git::set_allowed_schemes(local.stages.schemes(true));
+    worker::workspace::git::set_allowed_schemes(local.stages.schemes(true));
     let run_id = job.run_id;
     let workspace_root = match local.workspace_root() {
         Ok(root) => root,

@@ -212,7 +212,7 @@ fn main() -> ExitCode {
             Command::Cancel { run_id, client } => client::cancel(&client, &run_id).await,
             Command::Prune(args) => services::prune(args).await,
             Command::EgressProxy => {
-                worker::egress::run_from_env(services::shutdown_on_signal()).await
+                worker::runtime::egress::run_from_env(services::shutdown_on_signal()).await
             }
             Command::Completions { shell } => {
                 let mut command = <Cli as clap::CommandFactory>::command();

@@ -133,7 +133,7 @@ pub async fn worker(args: WorkerArgs) -> i32 {
     if let Err(message) = proto::amqp::check_worker_heartbeat(&args.broker.amqp_url) {
         return invalid(message);
     }
-    worker::git::set_allowed_schemes(args.stages.schemes(false));
+    worker::workspace::git::set_allowed_schemes(args.stages.schemes(false));
     let worker_id = args.worker_id.clone().unwrap_or_else(|| {
         std::fs::read_to_string("/proc/sys/kernel/hostname")
             .map(|h| h.trim().to_string())

@@ -870,8 +870,8 @@ async fn a_worker_killed_during_the_final_review_leaves_an_unknown_outcome_not_a
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_final_review_ledger_on_the_broker_keeps_intents_and_receipts() {
     use worker::amqp::AmqpLedger;
-    use worker::final_review::FinalReport;
-    use worker::ledger::{Receipt, ReviewLedger};
+    use worker::ports::ledger::{Receipt, ReviewLedger};
+    use worker::review::final_report::FinalReport;
 
     common::cluster::require_rabbitmq();
     let url = common::cluster::AMQP_URL;

@@ -19,20 +19,20 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn, Instrument};
 use uuid::Uuid;
 
-use crate::collector::{write_atomically, CycleCollector};
-use crate::final_review::FinalReport;
-use crate::gate::{LocalGate, ProfileGate};
-use crate::git;
-use crate::ledger::{Receipt, ReviewLedger};
-use crate::machine::{FailureSignature, Input, Limits, Phase, RoundReason, RunMachine};
-use crate::report::{self, ReportInput};
+use crate::delivery::report::{self, ReportInput};
+use crate::engine::machine::{FailureSignature, Input, Limits, Phase, RoundReason, RunMachine};
+use crate::ports::gate::{LocalGate, ProfileGate};
+use crate::ports::ledger::{Receipt, ReviewLedger};
+use crate::ports::sink::{EventSink, PublishEvent};
+use crate::ports::sink::{Redacting, Stamped};
+use crate::review::collector::{write_atomically, CycleCollector};
+use crate::review::final_report::FinalReport;
+use crate::review::verdict::{self, Verdict};
 use crate::runtime::{
     tail, ContainerRuntime, LogChunk, Mount, RuntimeError, StageExit, StageOutput, StageSpec,
     LABEL_RUN, LABEL_STAGE,
 };
-use crate::sink::{EventSink, PublishEvent};
-use crate::sink::{Redacting, Stamped};
-use crate::verdict::{self, Verdict};
+use crate::workspace::git;
 
 mod agent;
 mod checkpoint;
@@ -44,6 +44,7 @@ mod deliver;
 mod final_review;
 mod gated;
 mod implement;
+pub mod machine;
 mod prompt;
 mod pull;
 mod refusal;
@@ -96,7 +97,7 @@ pub struct EngineConfig {
     pub allow_bridge: bool,
     /// The repository cache runs clone through (`FORGEPOOL_CACHE_DIR`); `None` clones
     /// directly.
-    pub cache: Option<crate::cache::RepoCache>,
+    pub cache: Option<crate::workspace::cache::RepoCache>,
     /// What decides whether an agent stage may start (profile caps and pauses).
     pub gate: Arc<dyn ProfileGate>,
 }
@@ -117,9 +118,9 @@ impl EngineConfig {
             can_chown,
             pids_limit: DEFAULT_PIDS_LIMIT,
             allow_bridge: false,
-            cache: Some(crate::cache::RepoCache::new(
+            cache: Some(crate::workspace::cache::RepoCache::new(
                 workspace_root.join(".cache"),
-                crate::cache::DEFAULT_CACHE_BYTES,
+                crate::workspace::cache::DEFAULT_CACHE_BYTES,
             )),
             gate: Arc::new(LocalGate::default()),
             workspace_root,
@@ -444,7 +445,7 @@ impl<R: ContainerRuntime> Engine<R> {
     async fn start_from(
         &self,
         run: &mut RunContext<'_>,
-        kept: Result<Option<Checkpoint>, crate::ledger::LedgerError>,
+        kept: Result<Option<Checkpoint>, crate::ports::ledger::LedgerError>,
     ) -> Result<(RunMachine, bool), String> {
         // A resumed job's own executions keep progress numbered after its checkpoint; older
         // progress (from before the pause) is not its own.
@@ -559,8 +560,8 @@ impl<R: ContainerRuntime> Engine<R> {
         let repository = &run.job.repository;
         let repo = run.repo.clone();
         // The container made ahead mounts the stages' git folder of a layered work tree.
-        let layered = crate::overlay::enabled() && self.config.cache.is_some();
-        let stage_git = crate::overlay::layer_dir(&repo.work_tree).join("git");
+        let layered = crate::workspace::overlay::enabled() && self.config.cache.is_some();
+        let stage_git = crate::workspace::overlay::layer_dir(&repo.work_tree).join("git");
         if layered {
             tokio::fs::create_dir_all(&stage_git)
                 .await
@@ -571,7 +572,8 @@ impl<R: ContainerRuntime> Engine<R> {
             match &self.config.cache {
                 // Layered workspaces are owned by the stage user from the start.
                 Some(cache) => {
-                    let layered = crate::overlay::enabled().then_some(self.config.stage_user);
+                    let layered =
+                        crate::workspace::overlay::enabled().then_some(self.config.stage_user);
                     cache.clone_layered(url, reference, &repo, layered).await
                 }
                 None => git::clone_at(url, reference, &repo)
@@ -588,7 +590,9 @@ impl<R: ContainerRuntime> Engine<R> {
         (run.base, run.base_tree) = cloned.map_err(|e| e.to_string())?;
         if layered && run.base_tree.is_none() {
             // Checked out after all: the container made ahead would mount the wrong `.git`.
-            let _ = tokio::fs::remove_dir_all(crate::overlay::layer_dir(&repo.work_tree)).await;
+            let _ =
+                tokio::fs::remove_dir_all(crate::workspace::overlay::layer_dir(&repo.work_tree))
+                    .await;
             created = None;
         }
         repo.make_disposable_copy()
@@ -639,7 +643,7 @@ async fn publish<S: EventSink>(
 }
 
 async fn remove_dir(path: &Path) -> std::io::Result<()> {
-    crate::overlay::remove_folder(path).await
+    crate::workspace::overlay::remove_folder(path).await
 }
 
 /// The effective uid and gid of this process.
@@ -659,7 +663,7 @@ fn run_secrets(job: &Job) -> Vec<String> {
     .flatten()
     .flat_map(|profile| profile.env.iter())
     .filter_map(|name| std::env::var(name).ok())
-    .chain(crate::forges::forges().secrets())
+    .chain(crate::delivery::forges::forges().secrets())
     .collect()
 }
 

@@ -1,37 +1,23 @@
 //! The worker: takes jobs, runs their stages in containers, and publishes what happens.
 //!
 //! In the data flow it sits between the jobs queue and the events stream. The [`engine`] drives
-//! the run loop ([`machine`]) through the container runtime seam ([`runtime`], implemented by
-//! [`docker`]), collects cycle files ([`collector`]), reads verdicts ([`verdict`]), delivers
-//! with [`git`], and reports through the event seam ([`sink`]).
+//! the run loop ([`engine::machine`]) through the container runtime seam ([`runtime`],
+//! implemented by [`docker`]) with the agent kinds of [`agents`], works on the run's repository
+//! and its copies ([`workspace`]), reads what reviewers leave ([`review`]), delivers to the
+//! forge ([`delivery`]), and reports through the seams of [`ports`], which the broker wing
+//! ([`amqp`]) implements in a pool.
 
 pub mod agents;
 pub mod amqp;
-pub mod cache;
-pub mod collector;
 pub mod config;
-pub mod confined;
-pub mod copies;
+pub mod delivery;
 pub mod docker;
-pub mod egress;
 pub mod engine;
-#[cfg(test)]
-pub(crate) mod fake;
 pub mod fault;
-pub mod final_review;
-pub mod forges;
-pub mod gate;
-pub mod git;
-pub mod ledger;
-pub mod linkcopy;
-pub mod machine;
-pub mod overlay;
-pub mod pulls;
-pub mod queue;
-pub mod report;
+pub mod ports;
+pub mod review;
 pub mod runtime;
 pub mod service;
-pub mod sink;
-pub mod verdict;
+pub mod workspace;
 
 pub use engine::{Engine, EngineConfig, RunControl};

@@ -19,7 +19,7 @@ use crate::amqp::{
 };
 pub use crate::config::WorkerConfig;
 use crate::engine::Engine;
-use crate::gate::Pauses;
+use crate::ports::gate::Pauses;
 use crate::runtime::ContainerRuntime;
 
 /// A failure that stops the worker.
@@ -56,7 +56,7 @@ pub async fn run<R: ContainerRuntime>(
         Arc::clone(&in_flight),
     ));
     let (gate, pause_book) = gate(&config, &topology, &leases, &publisher, &metrics);
-    let engine = engine.with_gate(Arc::clone(&gate) as Arc<dyn crate::gate::ProfileGate>);
+    let engine = engine.with_gate(Arc::clone(&gate) as Arc<dyn crate::ports::gate::ProfileGate>);
     let jobs = Arc::new(Jobs {
         sink: AmqpSink::new(
             Arc::clone(&publisher),

@@ -6,7 +6,7 @@ fn main() {
     std::os::unix::fs::symlink("/etc/passwd", source.path().join("leak.txt")).expect("a link");
     afl::fuzz!(|data: &[u8]| {
         let text = String::from_utf8_lossy(data);
-        match worker::final_review::check_report(&text, source.path()) {
+        match worker::review::final_report::check_report(&text, source.path()) {
             Ok(report) => {
                 for finding in &report.findings {
                     assert_eq!(

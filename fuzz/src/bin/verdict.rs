@@ -2,7 +2,7 @@
 fn main() {
     afl::fuzz!(|data: &[u8]| {
         let text = String::from_utf8_lossy(data);
-        let verdict = worker::verdict::parse(&text);
+        let verdict = worker::review::verdict::parse(&text);
         assert!(verdict.feedback.len() <= 64 * 1024 + 4);
     });
 }

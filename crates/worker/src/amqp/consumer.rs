@@ -25,7 +25,7 @@ use super::ledger::AmqpLedger;
 use super::sink::{AmqpSink, ObservedSink};
 use crate::config::WorkerConfig;
 use crate::engine::{Engine, Execution, RunControl};
-use crate::gate::Role;
+use crate::ports::gate::Role;
 use crate::runtime::ContainerRuntime;
 
 /// Everything a run needs from the worker: its settings, the engine, and the broker's parts.

@@ -25,7 +25,7 @@ use uuid::Uuid;
 
 use super::lease::Leases;
 use super::ledger::bound;
-use crate::gate::{Admission, GateFuture, Pauses, ProfileGate, Role, Slot, Ticket};
+use crate::ports::gate::{Admission, GateFuture, Pauses, ProfileGate, Role, Slot, Ticket};
 
 /// The largest pause message read from the stream.
 const MAX_PAUSE_BYTES: usize = 4096;

@@ -10,7 +10,7 @@ use proto::amqp::{self, refusal_code, AmqpError, Publisher, Topology};
 use proto::{Checkpoint, JobKey, Progress};
 use tracing::warn;
 
-use crate::ledger::{Entry, LedgerError, Receipt, ReviewLedger};
+use crate::ports::ledger::{Entry, LedgerError, Receipt, ReviewLedger};
 
 /// What a ledger message's signature covers: its queue and its body, so that a message
 /// signed for one run cannot be moved to another's queue.

@@ -11,7 +11,7 @@ use telemetry::Metrics;
 use tracing::warn;
 use uuid::Uuid;
 
-use crate::sink::{EventSink, PublishEvent};
+use crate::ports::sink::{EventSink, PublishEvent};
 
 /// Publishes a run's events to the events exchange with confirms, retrying through a broker
 /// restart for up to the publish deadline.

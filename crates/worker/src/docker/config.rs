@@ -21,7 +21,7 @@ impl DockerRuntime {
         let deadline = unix_now()
             + spec.timeout.as_secs()
             + OVERDUE_GRACE.as_secs()
-            + crate::git::GIT_TIMEOUT.as_secs();
+            + crate::workspace::git::GIT_TIMEOUT.as_secs();
         labels.insert(LABEL_DEADLINE.into(), deadline.to_string());
         let binds = spec
             .mounts

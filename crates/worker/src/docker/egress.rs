@@ -1,5 +1,5 @@
 //! Egress proxies: for `network = "egress"` stages, one proxy container per allowlist on this
-//! process's internal network (see [`crate::egress`] for the proxy itself).
+//! process's internal network (see [`crate::runtime::egress`] for the proxy itself).
 
 use std::time::Instant;
 
@@ -168,8 +168,8 @@ impl DockerRuntime {
             image: Some(self.egress_image.clone()),
             cmd: Some(vec!["egress-proxy".to_string()]),
             env: Some(vec![
-                format!("{}={token}", crate::egress::ENV_TOKEN),
-                format!("{}={}", crate::egress::ENV_ALLOW, hosts.join(",")),
+                format!("{}={token}", crate::runtime::egress::ENV_TOKEN),
+                format!("{}={}", crate::runtime::egress::ENV_ALLOW, hosts.join(",")),
             ]),
             labels: Some(labels),
             user: Some("65534:65534".to_string()),
@@ -335,7 +335,7 @@ impl DockerRuntime {
 fn proxy_url(name: &str, token: &str) -> String {
     format!(
         "http://{}:{token}@{name}:{}",
-        crate::egress::PROXY_USER,
-        crate::egress::PROXY_PORT
+        crate::runtime::egress::PROXY_USER,
+        crate::runtime::egress::PROXY_PORT
     )
 }

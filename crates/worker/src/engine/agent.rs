@@ -84,9 +84,13 @@ fn profile_of(job: &Job, stage: Stage) -> Option<&proto::AgentProfile> {
 /// bounded. `Ok(None)` when there is none.
 async fn read_record(dir: PathBuf, name: &'static str) -> Result<Option<Vec<u8>>, String> {
     tokio::task::spawn_blocking(move || {
-        match crate::confined::read_beneath(&dir, Path::new(name), MAX_AGENT_RECORD_BYTES) {
+        match crate::workspace::confined::read_beneath(
+            &dir,
+            Path::new(name),
+            MAX_AGENT_RECORD_BYTES,
+        ) {
             Ok(bytes) => Ok(Some(bytes)),
-            Err(crate::confined::ReadError::Missing) => Ok(None),
+            Err(crate::workspace::confined::ReadError::Missing) => Ok(None),
             Err(error) => Err(format!("/forge/output/{name} cannot be read: {error}")),
         }
     })

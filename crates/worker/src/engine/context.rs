@@ -14,7 +14,7 @@ pub(super) struct RunContext<'a> {
     pub(super) base: String,
     /// The cached checkout of `base` the work tree and the copies are laid over (SPEC 14),
     /// held for the run; `None` when they are checked out.
-    pub(super) base_tree: Option<crate::cache::BaseTree>,
+    pub(super) base_tree: Option<crate::workspace::cache::BaseTree>,
     pub(super) stage_count: u32,
     pub(super) collector: CycleCollector,
     pub(super) history: Vec<serde_json::Value>,
@@ -42,7 +42,7 @@ pub(super) struct RunContext<'a> {
     /// Why the pull request could not be opened or updated (the branch stays delivered).
     pub(super) pull_request_warning: Option<String>,
     /// The role whose profile's cap the run waits for, once it handed itself back.
-    pub(super) waiting: Option<crate::gate::Role>,
+    pub(super) waiting: Option<crate::ports::gate::Role>,
     /// Fired when the worker drains: the run is handed back before its next stage (the one
     /// running is never stopped for it), unless all that is left is its delivery.
     pub(super) handover: tokio_util::sync::CancellationToken,
@@ -83,8 +83,8 @@ impl<'a> RunContext<'a> {
     /// Whether a drain hands the run back before `phase`: before each stage container, with
     /// its progress kept, so the next execution continues from it. What needs no container
     /// (verifying without commands, delivering) is short: it is done here.
-    pub(super) fn hands_over_before(&self, phase: &crate::machine::Phase) -> bool {
-        use crate::machine::Phase;
+    pub(super) fn hands_over_before(&self, phase: &crate::engine::machine::Phase) -> bool {
+        use crate::engine::machine::Phase;
         let stage_next = match phase {
             Phase::Implement { .. } | Phase::Review { .. } | Phase::FinalReview { .. } => true,
             Phase::Verify { .. } => !self.job.commands.is_empty(),
@@ -218,7 +218,9 @@ impl<'a> RunContext<'a> {
         if self.lay_copy(&commit, dest).await {
             return Ok(commit);
         }
-        match crate::linkcopy::link_copy(&self.repo, &commit, tree, &self.base, dest).await {
+        match crate::workspace::linkcopy::link_copy(&self.repo, &commit, tree, &self.base, dest)
+            .await
+        {
             Ok(true) => return Ok(commit),
             Ok(false) => {}
             // A fallback that works is no warning (the run goes on as fast as without links).

@@ -146,8 +146,8 @@ impl<R: ContainerRuntime> Engine<R> {
         tree: &str,
         stage_dir: &Path,
     ) -> Input {
-        // A layered copy's git folder is beside it (see `crate::overlay`).
-        let located: Vec<String> = crate::overlay::stage_git(copy)
+        // A layered copy's git folder is beside it (see `crate::workspace::overlay`).
+        let located: Vec<String> = crate::workspace::overlay::stage_git(copy)
             .map(|git_dir| {
                 vec![
                     format!("--git-dir={}", git_dir.display()),
@@ -172,7 +172,7 @@ impl<R: ContainerRuntime> Engine<R> {
         let output_dir = stage_dir.join("output");
         let source = copy.to_path_buf();
         let validated = tokio::task::spawn_blocking(move || {
-            crate::final_review::validate(&output_dir, &source)
+            crate::review::final_report::validate(&output_dir, &source)
         })
         .await
         .unwrap_or_else(|e| Err(format!("validation failed: {e}")));

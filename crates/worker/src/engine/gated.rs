@@ -3,7 +3,7 @@
 //! the pause that saves a checkpoint.
 
 use super::*;
-use crate::gate::{Admission, Role};
+use crate::ports::gate::{Admission, Role};
 
 /// How an execution of a run ended, for the worker that settles its job.
 #[derive(Debug)]

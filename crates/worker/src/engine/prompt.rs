@@ -1,6 +1,6 @@
 //! The prompt texts: what each agent is told, in `/forge/input/prompt.md`.
 
-use crate::machine::RoundReason;
+use crate::engine::machine::RoundReason;
 
 /// The implementer's prompt: the skill, the brief, and why this round runs (the reviewer's
 /// feedback or the failed checks).

@@ -1,9 +1,9 @@
 //! After delivery: the delivered branch's pull request, on a forge the forges file knows
-//! (`crate::pulls`). A forge that refuses ends this step only: the run stays delivered, with a
+//! (`crate::delivery::pulls`). A forge that refuses ends this step only: the run stays delivered, with a
 //! warning that says why.
 
 use super::*;
-use crate::pulls::PullRequestSpec;
+use crate::delivery::pulls::PullRequestSpec;
 
 impl<R: ContainerRuntime> Engine<R> {
     /// Opens or updates the pull request of the branch the run delivered.
@@ -17,7 +17,7 @@ impl<R: ContainerRuntime> Engine<R> {
         let job = run.job;
         let (Some((branch, commit, _)), Some(forge)) = (
             run.delivered.clone(),
-            crate::forges::forges().for_url(&job.repository.url),
+            crate::delivery::forges::forges().for_url(&job.repository.url),
         ) else {
             return Ok(());
         };
@@ -41,9 +41,9 @@ impl<R: ContainerRuntime> Engine<R> {
             draft: state == RunState::DeliveredWithWarnings,
             commit: &commit,
             status: reason,
-            link: crate::forges::forges().run_link(&job.run_id.to_string()),
+            link: crate::delivery::forges::forges().run_link(&job.run_id.to_string()),
         };
-        match crate::pulls::open_or_update(forge, &spec).await {
+        match crate::delivery::pulls::open_or_update(forge, &spec).await {
             Ok(Some(pull)) => {
                 info!(url = %pull.url, action = pull.action, "pull request");
                 run.pull_request = Some(pull.url.clone());

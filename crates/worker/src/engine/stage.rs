@@ -333,13 +333,14 @@ impl<R: ContainerRuntime> Engine<R> {
         }
         let (uid, gid) = self.config.stage_user;
         let dir = dir.to_path_buf();
-        let _ = tokio::task::spawn_blocking(move || match crate::overlay::upper_of(&dir) {
-            // A layered folder: only what was written in it can be another's (the cached
-            // checkout below is the stage user's already), so only that is walked.
-            Some(upper) => chown_written(&upper, &dir, uid, gid),
-            None => chown_tree(&dir, uid, gid),
-        })
-        .await;
+        let _ =
+            tokio::task::spawn_blocking(move || match crate::workspace::overlay::upper_of(&dir) {
+                // A layered folder: only what was written in it can be another's (the cached
+                // checkout below is the stage user's already), so only that is walked.
+                Some(upper) => chown_written(&upper, &dir, uid, gid),
+                None => chown_tree(&dir, uid, gid),
+            })
+            .await;
     }
 }
 
@@ -417,13 +418,13 @@ async fn read_outputs(
 ) {
     tokio::task::spawn_blocking(move || {
         let mut notes = Vec::new();
-        let mut read = |name: &str| match crate::confined::read_beneath(
+        let mut read = |name: &str| match crate::workspace::confined::read_beneath(
             &dir,
             Path::new(name),
             MAX_OUTPUT_NOTE_BYTES,
         ) {
             Ok(bytes) => Some(bytes),
-            Err(crate::confined::ReadError::Missing) => None,
+            Err(crate::workspace::confined::ReadError::Missing) => None,
             Err(error) => {
                 notes.push(format!("/forge/output/{name} cannot be read: {error}"));
                 None
@@ -468,7 +469,9 @@ impl DiskWatch {
             .filter(|m| !m.read_only)
             // A layered folder's use is its upper layer: a copied-up file costs its whole
             // size there, and removing a file of the cached checkout frees nothing.
-            .map(|m| crate::overlay::upper_of(&m.source).unwrap_or_else(|| m.source.clone()))
+            .map(|m| {
+                crate::workspace::overlay::upper_of(&m.source).unwrap_or_else(|| m.source.clone())
+            })
             .collect();
         let baseline = Self::measure(folders.clone()).await.unwrap_or(0);
         DiskWatch {
@@ -481,7 +484,8 @@ impl DiskWatch {
     async fn measure(folders: Vec<PathBuf>) -> Option<u64> {
         tokio::task::spawn_blocking(move || {
             folders.iter().try_fold(0u64, |total, folder| {
-                crate::confined::disk_usage(folder, DISK_ENTRIES).map(|used| total + used)
+                crate::workspace::confined::disk_usage(folder, DISK_ENTRIES)
+                    .map(|used| total + used)
             })
         })
         .await
@@ -532,14 +536,14 @@ pub(super) fn agent_mounts(source: &Path, read_only: bool, stage_dir: &Path) -> 
 }
 
 /// The source at `/workspace`, and for a layered source its stages' git folder at
-/// `/workspace/.git` (see [`crate::overlay`]).
+/// `/workspace/.git` (see [`crate::workspace::overlay`]).
 pub(super) fn workspace_mounts(source: &Path, read_only: bool) -> Vec<Mount> {
     let mut mounts = vec![Mount {
         source: source.to_path_buf(),
         target: "/workspace".into(),
         read_only,
     }];
-    if let Some(git) = crate::overlay::stage_git(source) {
+    if let Some(git) = crate::workspace::overlay::stage_git(source) {
         mounts.push(Mount {
             source: git,
             target: "/workspace/.git".into(),

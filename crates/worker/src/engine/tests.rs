@@ -9,10 +9,10 @@ use proto::{Event, EventKind, Job, RunResult, RunState, Stage, StageOutcome};
 use tokio_util::sync::CancellationToken;
 
 use super::{Engine, EngineConfig, Execution, RunControl, EXIT_PAUSED};
-use crate::fake::{Act, FakeRuntime};
-use crate::gate::{Admission, LocalGate, ProfileGate, Role};
-use crate::ledger::{MemoryLedger, ReviewLedger};
-use crate::sink::{EventSink, PublishEvent};
+use crate::ports::gate::{Admission, LocalGate, ProfileGate, Role};
+use crate::ports::ledger::{MemoryLedger, ReviewLedger};
+use crate::ports::sink::{EventSink, PublishEvent};
+use crate::runtime::fake::{Act, FakeRuntime};
 
 const BRANCH: &str = "forge/shop-1";
 

@@ -2,7 +2,13 @@
 //!
 //! Only this module and [`crate::docker`] know about containers. The engine describes a stage
 //! with a [`StageSpec`] and gets back a [`StageOutput`]; the Docker implementation creates,
-//! starts, streams, waits for, kills on timeout and always removes the container.
+//! starts, streams, waits for, kills on timeout and always removes the container. Beside the
+//! seam: the egress proxy a stage with `network = "egress"` goes out through ([`egress`]),
+//! and the scripted runtime of the engine's tests (`fake`).
+
+pub mod egress;
+#[cfg(test)]
+pub(crate) mod fake;
 
 use std::collections::{HashMap, HashSet};
 use std::future::Future;

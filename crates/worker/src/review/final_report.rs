@@ -9,7 +9,7 @@ use std::collections::HashSet;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Component, Path};
 
-use crate::confined::{Confined, ReadError};
+use crate::workspace::confined::{Confined, ReadError};
 
 use serde::Deserialize;
 

@@ -31,7 +31,7 @@ use std::time::{Duration, Instant, SystemTime};
 use sha2::{Digest, Sha256};
 use tracing::{info, warn};
 
-use crate::git::{self, GitError, Repo, GIT_TIMEOUT};
+use crate::workspace::git::{self, GitError, Repo, GIT_TIMEOUT};
 
 mod trees;
 
@@ -181,8 +181,8 @@ impl RepoCache {
 pub async fn unlay(folder: &Path) {
     let folder = folder.to_path_buf();
     let _ = tokio::task::spawn_blocking(move || {
-        crate::overlay::unmount_under(&folder);
-        let _ = std::fs::remove_dir_all(crate::overlay::layer_dir(&folder));
+        crate::workspace::overlay::unmount_under(&folder);
+        let _ = std::fs::remove_dir_all(crate::workspace::overlay::layer_dir(&folder));
     })
     .await;
 }

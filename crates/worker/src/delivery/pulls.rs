@@ -16,7 +16,7 @@ use serde::Deserialize;
 use serde_json::json;
 use tracing::warn;
 
-use crate::forges::{Forge, ForgeKind};
+use crate::delivery::forges::{Forge, ForgeKind};
 
 /// How long one API request may take.
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(20);

@@ -12,7 +12,7 @@
 use std::collections::HashSet;
 use std::path::{Component, Path, PathBuf};
 
-use crate::git::{self, GitError, Repo};
+use crate::workspace::git::{self, GitError, Repo};
 
 /// Makes a reviewer's copy of `commit` (tree `tree`, on `base`) at `dest`: hard links to the
 /// work tree's files, and a git folder with the commit checked out as `forgepool-candidate`

@@ -16,7 +16,7 @@ use std::time::Duration;
 
 use tokio::process::Command;
 
-pub use crate::copies::shareable;
+pub use crate::workspace::copies::shareable;
 
 /// The limit on one git command (clone and push of large repositories included).
 pub const GIT_TIMEOUT: Duration = Duration::from_secs(600);
@@ -117,18 +117,18 @@ impl Repo {
 
     /// Gives the stages a git repository of their own at `{work tree}/.git`: a copy of the git
     /// folder, which forgepool never reads back (git skips `.git` in a work tree). A layered
-    /// work tree gets it beside it ([`crate::overlay::stage_git`]), mounted at `.git` in the
+    /// work tree gets it beside it ([`crate::workspace::overlay::stage_git`]), mounted at `.git` in the
     /// stages (hard links cannot cross into an overlay), and an empty folder to mount it on.
     pub async fn make_disposable_copy(&self) -> Result<(), GitError> {
         let from = self.git_dir.clone();
         let work_tree = self.work_tree.clone();
         tokio::task::spawn_blocking(move || {
-            if crate::overlay::upper_of(&work_tree).is_none() {
+            if crate::workspace::overlay::upper_of(&work_tree).is_none() {
                 return disposable_git(&from, &work_tree.join(".git"), "");
             }
             disposable_git(
                 &from,
-                &crate::overlay::layer_dir(&work_tree).join("git"),
+                &crate::workspace::overlay::layer_dir(&work_tree).join("git"),
                 "",
             )?;
             std::fs::create_dir_all(work_tree.join(".git"))
@@ -146,11 +146,11 @@ impl Repo {
 /// tracking, only the object format kept, then `extra`.
 pub fn disposable_git(from: &Path, to: &Path, extra: &str) -> std::io::Result<()> {
     if std::fs::symlink_metadata(to).is_ok() {
-        crate::copies::remove_any(to)?;
+        crate::workspace::copies::remove_any(to)?;
     }
     let sha256 = std::fs::read_to_string(from.join("config"))
         .is_ok_and(|c| c.contains("objectformat = sha256"));
-    crate::copies::copy_tree(from, to, false)?;
+    crate::workspace::copies::copy_tree(from, to, false)?;
     let config = if sha256 {
         DISPOSABLE_CONFIG.replace("repositoryformatversion = 0", "repositoryformatversion = 1")
             + "[extensions]\n\tobjectformat = sha256\n"
@@ -211,7 +211,7 @@ fn hardening() -> Vec<String> {
         args.push(format!("protocol.{scheme}.allow=always"));
     }
     // After `credential.helper=`: a forge's helper is the only one git asks.
-    args.extend(crate::forges::forges().git_config());
+    args.extend(crate::delivery::forges::forges().git_config());
     args.into_iter()
         .flat_map(|a| ["-c".to_string(), a])
         .collect()
@@ -268,7 +268,7 @@ async fn run_git(
     for name in GIT_ENVIRONMENT
         .iter()
         .copied()
-        .chain(crate::forges::forges().overridden_environment())
+        .chain(crate::delivery::forges::forges().overridden_environment())
     {
         command.env_remove(name);
     }
@@ -302,7 +302,7 @@ async fn run_git(
         let stderr = String::from_utf8_lossy(&output.stderr);
         let stderr = crate::runtime::tail(stderr.trim(), MAX_STDERR);
         // A configured forge that refused forgepool's credentials is named with its setting.
-        let stderr = match crate::forges::forges().explain(stderr) {
+        let stderr = match crate::delivery::forges::forges().explain(stderr) {
             Some(explained) => format!("{explained}: {stderr}"),
             None => stderr.to_string(),
         };

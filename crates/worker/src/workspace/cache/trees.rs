@@ -1,4 +1,4 @@
-//! Cached checkouts: the read-only lower layer of layered workspaces ([`crate::overlay`]).
+//! Cached checkouts: the read-only lower layer of layered workspaces ([`crate::workspace::overlay`]).
 //!
 //! A mirror's checkouts live in `{mirror}.trees/{commit}-{uid}-{gid}/`: `files/`, the commit
 //! checked out and owned by the stage user (so a stage can change a file through the overlay,
@@ -14,7 +14,7 @@
 //! removes its checkouts no run holds.
 
 use super::*;
-use crate::overlay;
+use crate::workspace::overlay;
 
 /// The checkouts kept per repository (the most recently used ones).
 pub const KEPT_TREES: usize = 2;
@@ -510,7 +510,7 @@ mod tests {
         assert!(tree.files.join("f5.txt").is_file() && !tree.files.join("new.txt").exists());
         let built = std::fs::metadata(&tree.files).unwrap().ino();
         drop(tree);
-        crate::cache::unlay(&layered.work_tree).await;
+        crate::workspace::cache::unlay(&layered.work_tree).await;
         let again = repo_in(dir.path(), "c");
         let (_, warm) = cache
             .clone_layered(&url, Some("main"), &again, Some(STAGE_USER))
@@ -521,7 +521,7 @@ mod tests {
             built,
             "reused, not checked out again"
         );
-        crate::cache::unlay(&again.work_tree).await;
+        crate::workspace::cache::unlay(&again.work_tree).await;
     }
 
     /// Catches: a reviewer's or verifier's layered copy that is not exactly the candidate
@@ -571,8 +571,8 @@ mod tests {
             sh(&copy, &[&git_dir, "diff", "--name-only", "base...HEAD"]),
             "deep/er/new.txt\nf3.txt\nf5.txt"
         );
-        crate::cache::unlay(&copy).await;
-        crate::cache::unlay(&repo.work_tree).await;
+        crate::workspace::cache::unlay(&copy).await;
+        crate::workspace::cache::unlay(&repo.work_tree).await;
     }
 
     /// Catches: a checkout removed while a run's overlay still uses it, and checkouts that
@@ -601,7 +601,7 @@ mod tests {
                 .await
                 .unwrap();
             drop(tree);
-            crate::cache::unlay(&repo.work_tree).await;
+            crate::workspace::cache::unlay(&repo.work_tree).await;
         }
         let trees = trees_dir(&cache.mirror_of(&url, Some("main")));
         let kept = checkouts_by_use(&trees);
@@ -614,7 +614,7 @@ mod tests {
             KEPT_TREES + 1,
             "the kept ones and the held one: {kept:?}"
         );
-        crate::cache::unlay(&first_repo.work_tree).await;
+        crate::workspace::cache::unlay(&first_repo.work_tree).await;
         drop(held);
         prune(&trees, KEPT_TREES).await;
         assert_eq!(checkouts_by_use(&trees).len(), KEPT_TREES);
@@ -642,7 +642,7 @@ mod tests {
         remove_mirror(&mirror).await;
         assert!(held.files.join("f1.txt").is_file(), "a held checkout stays");
         assert_eq!(orphans(cache.dir()), vec![trees.clone()]);
-        crate::cache::unlay(&repo.work_tree).await;
+        crate::workspace::cache::unlay(&repo.work_tree).await;
         drop(held);
         cache.evict(Path::new("/nothing")).await;
         assert!(!trees.exists(), "the released orphan is removed");
@@ -676,7 +676,7 @@ mod tests {
                 .await
                 .unwrap();
             let files = tree.unwrap().files.clone();
-            crate::cache::unlay(&first.work_tree).await;
+            crate::workspace::cache::unlay(&first.work_tree).await;
             let original = std::fs::read_to_string(files.join("f1.txt")).unwrap();
             tamper(&files);
             let again = repo_in(dir.path(), "b");
@@ -695,7 +695,7 @@ mod tests {
             );
             assert!(again.work_tree.join("f2.txt").is_file(), "{what}");
             assert!(!again.work_tree.join("extra.txt").exists(), "{what}");
-            crate::cache::unlay(&again.work_tree).await;
+            crate::workspace::cache::unlay(&again.work_tree).await;
         }
     }
 }

@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 
 use proto::{CycleOrigin, CycleRecord};
 
-use crate::confined::{Confined, EntryKind};
+use crate::workspace::confined::{Confined, EntryKind};
 
 /// The largest cycle file read: 1 MiB.
 pub const MAX_CYCLE_FILE_BYTES: u64 = 1024 * 1024;
