@@ -54,6 +54,8 @@ def main():
     files = int(sys.argv[1]) if len(sys.argv) > 1 else 50_000
     rounds = int(sys.argv[2]) if len(sys.argv) > 2 else 5
     work = tempfile.mkdtemp(prefix="forgepool-bigrepo-")
+    if os.environ.get("BENCH_OPEN"):
+        os.chmod(work, 0o755)
     print(f"work folder: {work}", flush=True)
     big, small = os.path.join(work, "big.git"), os.path.join(work, "small.git")
     began = time.time()

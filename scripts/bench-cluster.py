@@ -150,6 +150,38 @@ class Footprint(threading.Thread):
             time.sleep(0.5)
 
 
+class Proportional(threading.Thread):
+    """Samples, five times a second, the proportional set size (PSS: each shared page divided
+    among the processes that map it) of the dispatcher and the first worker from
+    /proc/PID/smaps_rollup. Keeps the largest sum, in MB, and the split of that sample."""
+
+    def __init__(self, pids):
+        super().__init__(daemon=True)
+        self.pids, self.peak, self.split, self.running = pids, 0.0, {}, True
+
+    def run(self):
+        while self.running:
+            try:
+                sample = {pid: smaps_rollup(pid) for pid in self.pids}
+                total = sum(fields.get("Pss", 0) for fields in sample.values()) / 1000
+                if total > self.peak:
+                    self.peak, self.split = total, sample
+            except OSError:
+                pass
+            time.sleep(0.2)
+
+
+def smaps_rollup(pid):
+    """The kB fields of /proc/PID/smaps_rollup."""
+    fields = {}
+    with open(f"/proc/{pid}/smaps_rollup") as f:
+        for line in f:
+            parts = line.split()
+            if len(parts) == 3 and parts[2] == "kB":
+                fields[parts[0].rstrip(":")] = int(parts[1])
+    return fields
+
+
 def percentile(values, p):
     values = sorted(values)
     return values[min(len(values) - 1, int(round((len(values) - 1) * p / 100)))]
@@ -199,6 +231,8 @@ def main():
     footprint = Footprint([dispatcher.pid, workers[0].pid])
     if os.environ.get("BENCH_FOOTPRINT") == "1":
         footprint.start()
+    proportional = Proportional([dispatcher.pid, workers[0].pid])
+    proportional.start()
     base = f"http://{address}"
     submitted = {}
     first = time.time()
@@ -237,6 +271,11 @@ def main():
     footprint.running = False
     if footprint.is_alive():
         footprint.join()
+    proportional.running = False
+    proportional.join()
+    for name, pid in [("dispatcher", dispatcher.pid), ("worker0", workers[0].pid)]:
+        with open(f"/proc/{pid}/smaps") as source, open(os.path.join(work, f"{name}.smaps"), "w") as kept:
+            kept.write(source.read())
     memory = {"dispatcher": peak_rss_mb(dispatcher.pid)}
     for i, worker in enumerate(workers):
         memory[f"worker {i}"] = peak_rss_mb(worker.pid)
@@ -263,6 +302,11 @@ def main():
     together = f"; largest sample of the pages they hold together, each counted once: {footprint.peak:.1f} MB" \
         if footprint.peak else " (BENCH_FOOTPRINT=1 also samples the pages they hold together)"
     print(f"dispatcher + worker 0: summed peak RSS {memory['dispatcher'] + memory['worker 0']:.1f} MB{together}")
+    if proportional.peak:
+        parts = ", ".join(
+            f"{name} {fields.get('Pss', 0) / 1000:.1f} (anonymous {fields.get('Pss_Anon', 0) / 1000:.1f}, file {fields.get('Pss_File', 0) / 1000:.1f})"
+            for name, fields in zip(["dispatcher", "worker 0"], proportional.split.values()))
+        print(f"dispatcher + worker 0: peak summed PSS {proportional.peak:.1f} MB ({parts}); smaps kept in {work}")
 
 
 if __name__ == "__main__":

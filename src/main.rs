@@ -94,6 +94,10 @@ enum Command {
     /// The egress proxy of `network = "egress"` stages; workers start it in its own container.
     #[command(hide = true)]
     EgressProxy,
+    /// Brings the run store named by FORGEPOOL_DATABASE_URL up to this release's schema, then
+    /// exits; `forgepool dispatcher` runs it as a short-lived child.
+    #[command(hide = true)]
+    MigrateStore,
     /// Cancel a run.
     Cancel {
         /// The run id.
@@ -211,6 +215,7 @@ fn main() -> ExitCode {
             }
             Command::Cancel { run_id, client } => client::cancel(&client, &run_id).await,
             Command::Prune(args) => services::prune(args).await,
+            Command::MigrateStore => services::migrate_store().await,
             Command::EgressProxy => {
                 worker::runtime::egress::run_from_env(services::shutdown_on_signal()).await
             }

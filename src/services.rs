@@ -18,6 +18,61 @@ use crate::config::{
 /// Exit code for invalid configuration.
 const EXIT_INVALID: i32 = 2;
 
+/// How long the store's migrations may take in their child (an index on a big store takes a
+/// while; PostgreSQL that is still starting is waited for 30 s within it).
+const MIGRATION_LIMIT: Duration = Duration::from_secs(15 * 60);
+
+/// Runs `forgepool migrate-store` as a child, with the store's URL in its environment (never
+/// on its command line, where the process list would show a password), and waits for it.
+async fn migrate_in_child(url: &str) -> Result<(), String> {
+    let binary = std::env::current_exe().map_err(|error| {
+        format!("cannot find forgepool's own binary to migrate the store: {error}")
+    })?;
+    let child = tokio::process::Command::new(binary)
+        .arg("migrate-store")
+        .env(crate::config::ENV_DATABASE_URL, url)
+        // Its error is its message; its log would only repeat it.
+        .env("FORGEPOOL_LOG", "off")
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .map_err(|error| format!("cannot start the store's migrations: {error}"))?;
+    let output = tokio::time::timeout(MIGRATION_LIMIT, child.wait_with_output())
+        .await
+        .map_err(|_| {
+            format!("the run store's migrations did not finish within {MIGRATION_LIMIT:?}")
+        })?
+        .map_err(|error| format!("the store's migrations: {error}"))?;
+    if output.status.success() {
+        return Ok(());
+    }
+    let said = String::from_utf8_lossy(&output.stderr);
+    let said = said.trim().trim_start_matches("error: ");
+    Err(if said.is_empty() {
+        format!("the run store's migrations failed ({})", output.status)
+    } else {
+        said.to_string()
+    })
+}
+
+/// `forgepool migrate-store`: brings the store named by FORGEPOOL_DATABASE_URL up to this
+/// release's schema.
+pub async fn migrate_store() -> i32 {
+    let Ok(url) = std::env::var(crate::config::ENV_DATABASE_URL) else {
+        eprintln!("error: {} is not set", crate::config::ENV_DATABASE_URL);
+        return EXIT_INVALID;
+    };
+    match dispatcher::store::Store::open(&url).await {
+        Ok(_) => 0,
+        Err(error) => {
+            eprintln!("error: {error}");
+            1
+        }
+    }
+}
+
 /// Runs the dispatcher until SIGTERM or Ctrl-C.
 pub async fn dispatcher(args: DispatcherArgs) -> i32 {
     let invalid = |message: String| {
@@ -74,10 +129,17 @@ pub async fn dispatcher(args: DispatcherArgs) -> i32 {
             Err(message) => return invalid(message),
         },
     };
+    // The migrations run in a short-lived child: the regex engine refinery brings along (a
+    // 512 KiB automaton and its Unicode tables) never lives in the dispatcher.
+    if let Err(message) = migrate_in_child(&args.database).await {
+        eprintln!("error: {message}");
+        return 1;
+    }
     let config = DispatcherConfig {
         amqp_url: args.broker.amqp_url,
         prefix: args.broker.prefix,
         database_url: args.database,
+        schema: dispatcher::store::Schema::Migrated,
         skills_dir: args.skills,
         agents,
         api_token: args.api_token,

@@ -373,3 +373,60 @@ async fn a_terminal_shows_the_stage_and_the_queue_position() {
         .wait_terminal(&[first.clone(), second.clone()], LIMIT)
         .await;
 }
+
+/// The dispatcher migrates its store in a short-lived child (so refinery's regex engine never
+/// lives in the dispatcher); a store that cannot be opened still fails the dispatcher at once
+/// with the store's own message, and a password in a PostgreSQL URL is shown nowhere.
+/// Catches: a child whose failure is lost (the dispatcher starting on a store with no
+/// tables) or whose message is replaced by a bare exit status.
+#[test]
+fn a_store_that_cannot_be_migrated_stops_the_dispatcher_with_its_reason() {
+    let dir = tempfile::tempdir().unwrap();
+    let skills = dir.path().join("skills");
+    std::fs::create_dir_all(&skills).unwrap();
+    let agents = dir.path().join("agents.toml");
+    std::fs::write(&agents, "").unwrap();
+    let database = dir.path().join("no-such-folder/runs.db");
+    let started = std::time::Instant::now();
+    let (code, stdout, stderr) = forgepool(
+        "http://127.0.0.1:9",
+        &[
+            "dispatcher",
+            "--listen",
+            "127.0.0.1:0",
+            "--skills",
+            skills.to_str().unwrap(),
+            "--agents",
+            agents.to_str().unwrap(),
+            "--database",
+            database.to_str().unwrap(),
+        ],
+        &[("FORGEPOOL_JOB_KEY", "cli-test-job-key-0123456789")],
+    );
+    assert_eq!(code, 1, "{stdout}{stderr}");
+    assert!(stderr.contains("no-such-folder/runs.db"), "{stderr}");
+    assert!(!stdout.contains("dispatcher listening"), "{stdout}");
+    assert!(started.elapsed() < Duration::from_secs(60));
+    let (code, _, stderr) = forgepool(
+        "http://127.0.0.1:9",
+        &[
+            "dispatcher",
+            "--listen",
+            "127.0.0.1:0",
+            "--skills",
+            skills.to_str().unwrap(),
+            "--agents",
+            agents.to_str().unwrap(),
+        ],
+        &[
+            ("FORGEPOOL_JOB_KEY", "cli-test-job-key-0123456789"),
+            (
+                "FORGEPOOL_DATABASE_URL",
+                "postgres://forgepool:hunter2-secret@127.0.0.1:5432/forgepool",
+            ),
+        ],
+    );
+    assert_eq!(code, 1, "{stderr}");
+    assert!(stderr.contains("127.0.0.1:5432"), "{stderr}");
+    assert!(!stderr.contains("hunter2-secret"), "{stderr}");
+}

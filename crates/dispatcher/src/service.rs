@@ -35,6 +35,8 @@ pub struct DispatcherConfig {
     pub prefix: String,
     /// The run store: a SQLite path or `sqlite://` URL, or a `postgres://` URL.
     pub database_url: String,
+    /// Whether the store's migrations run in this process or already ran in another.
+    pub schema: crate::store::Schema,
     /// The skills directory, read at each submission.
     pub skills_dir: PathBuf,
     /// The agent profiles, loaded at start.
@@ -116,7 +118,7 @@ pub async fn run(
     shutdown: CancellationToken,
     ready: impl FnOnce(std::net::SocketAddr),
 ) -> Result<(), DispatcherError> {
-    let store = Store::open(&config.database_url).await?;
+    let store = Store::open_with(&config.database_url, config.schema).await?;
     let config_silent_after = config.silent_after;
     info!(store = store.kind(), "run store open");
     let topology = Topology::new(&config.prefix);

@@ -364,14 +364,29 @@ pub enum Store {
     Postgres(PostgresStore),
 }
 
+/// Whether opening a store brings its schema up to this release's.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Schema {
+    /// Run the migrations in this process (refinery, and the regex engine it brings along).
+    Migrate,
+    /// They already ran, in a short-lived process of their own (`forgepool dispatcher` runs
+    /// them in a child, so the regex engine's tables never live in the long-lived process).
+    Migrated,
+}
+
 impl Store {
     /// Opens the store `url` names, creating its tables when needed.
     pub async fn open(url: &str) -> Result<Store, StoreError> {
+        Store::open_with(url, Schema::Migrate).await
+    }
+
+    /// Opens the store `url` names; `schema` says whether its migrations run here.
+    pub async fn open_with(url: &str, schema: Schema) -> Result<Store, StoreError> {
         if is_postgres_url(url) {
-            return Ok(Store::Postgres(PostgresStore::open(url).await?));
+            return Ok(Store::Postgres(PostgresStore::open(url, schema).await?));
         }
         let url = url.to_string();
-        tokio::task::spawn_blocking(move || SqliteStore::open(&url))
+        tokio::task::spawn_blocking(move || SqliteStore::open_with(&url, schema))
             .await
             .map_err(|e| StoreError::Task(e.to_string()))?
             .map(Store::Sqlite)

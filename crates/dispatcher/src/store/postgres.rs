@@ -57,7 +57,7 @@ impl std::fmt::Debug for PostgresStore {
 impl PostgresStore {
     /// Connects to `url` and creates the tables when needed. A database that is still starting
     /// is waited for up to 30 s.
-    pub async fn open(url: &str) -> Result<PostgresStore, StoreError> {
+    pub async fn open(url: &str, schema: super::Schema) -> Result<PostgresStore, StoreError> {
         let target = proto::amqp::redact_url(url);
         let failed = |reason: String| StoreError::Open {
             target: target.clone(),
@@ -98,7 +98,11 @@ impl PostgresStore {
         };
         let started = std::time::Instant::now();
         loop {
-            match store.create_schema().await {
+            let ready = match schema {
+                super::Schema::Migrate => store.create_schema().await,
+                super::Schema::Migrated => store.client().await.map(drop),
+            };
+            match ready {
                 Ok(()) => return Ok(store),
                 Err(error)
                     if started.elapsed() < OPEN_PATIENCE && super::tls::worth_waiting(&error) =>

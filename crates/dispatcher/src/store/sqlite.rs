@@ -21,14 +21,22 @@ pub struct SqliteStore {
 impl SqliteStore {
     /// Opens (creating if needed) the store at a path or `sqlite://` URL.
     pub fn open(url: &str) -> Result<SqliteStore, StoreError> {
+        SqliteStore::open_with(url, super::Schema::Migrate)
+    }
+
+    /// Opens the store at a path or `sqlite://` URL; `schema` says whether its migrations
+    /// run here.
+    pub fn open_with(url: &str, schema: super::Schema) -> Result<SqliteStore, StoreError> {
         let path = sqlite_path(url);
         let open = || -> Result<Connection, String> {
             let mut connection = Connection::open(&path).map_err(|e| e.to_string())?;
             set_up(&mut connection).map_err(|e| e.to_string())?;
-            migrations::migrations::runner()
-                .run(&mut connection)
-                .map_err(|e| format!("migrating the schema: {e}"))?;
-            add_late_columns(&connection).map_err(|e| e.to_string())?;
+            if schema == super::Schema::Migrate {
+                migrations::migrations::runner()
+                    .run(&mut connection)
+                    .map_err(|e| format!("migrating the schema: {e}"))?;
+                add_late_columns(&connection).map_err(|e| e.to_string())?;
+            }
             Ok(connection)
         };
         let connection = open().map_err(|reason| StoreError::Open {

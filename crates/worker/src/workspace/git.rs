@@ -40,11 +40,23 @@ pub fn allowed_schemes() -> Vec<String> {
         .unwrap_or_else(proto::names::default_allowed_schemes)
 }
 
+/// What to do about git that could not be started: a missing program is installed; a folder
+/// the user git runs as cannot reach is another matter, said by the error itself.
+fn spawn_hint(error: &std::io::Error) -> &'static str {
+    match error.kind() {
+        std::io::ErrorKind::NotFound => "; install git on the worker",
+        std::io::ErrorKind::PermissionDenied => {
+            " (the user git runs as cannot reach its folder or the program)"
+        }
+        _ => "",
+    }
+}
+
 /// A failed git command.
 #[derive(Debug, thiserror::Error)]
 pub enum GitError {
-    /// git could not be started.
-    #[error("cannot run git: {0}; install git on the worker")]
+    /// git could not be started (or its input or output failed).
+    #[error("cannot run git: {0}{hint}", hint = spawn_hint(.0))]
     Spawn(std::io::Error),
     /// A file or folder of the run's repository could not be made or read.
     #[error("cannot prepare the repository's files: {0}")]
