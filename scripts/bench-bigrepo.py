@@ -13,6 +13,12 @@ of `forgepool run` (needs GNU time, Debian's `time` package).
 
 Run: scripts/services.sh && scripts/build-images.sh && cargo build --release &&
      python3 scripts/bench-bigrepo.py [FILES [ROUNDS]]
+
+The work folder is mkdtemp's, which only root may open, so the stage user cannot reach the
+repository cache and cached checkouts are made by the worker and handed over (the slower
+path). BENCH_OPEN=1 opens it (0755), as a worker's workspace folder usually is, to measure the
+faster path. BENCH_SHOW=DIR keeps each run's log in DIR (with
+FORGEPOOL_LOG=info,forgepool_worker::workspace::git=debug, every git command and its seconds).
 """
 import os
 import shutil
@@ -87,7 +93,10 @@ def main():
                 ended = time.time() - started
         code = process.wait()
         if os.environ.get("BENCH_SHOW"):
-            print("".join(l for l in process.stderr.read().splitlines(True) if "cache" in l or "stage" in l)[-3000:])
+            # A folder: each run's whole log is kept there (`FORGEPOOL_LOG` chooses what it holds).
+            os.makedirs(os.environ["BENCH_SHOW"], exist_ok=True)
+            with open(os.path.join(os.environ["BENCH_SHOW"], f"run{counter[0]}.log"), "w") as kept:
+                kept.write(process.stderr.read())
         wall = time.time() - started
         if code != 0 or ended is None:
             print("".join(lines[-20:]), process.stderr.read()[-2000:])

@@ -306,10 +306,13 @@ async fn run_git(
         }
         child.wait_with_output().await
     };
+    let began = std::time::Instant::now();
     let output = tokio::time::timeout(GIT_TIMEOUT, finished)
         .await
         .map_err(|_| GitError::Timeout(shown.clone()))?
         .map_err(GitError::Spawn)?;
+    // Where a run's seconds go, git command by git command (`FORGEPOOL_LOG=forgepool_worker::workspace::git=debug`).
+    tracing::debug!(command = %shown, seconds = began.elapsed().as_secs_f64(), "git");
     if !output.status.success() {
         let stderr = String::from_utf8_lossy(&output.stderr);
         let stderr = crate::runtime::tail(stderr.trim(), MAX_STDERR);

@@ -107,7 +107,9 @@ impl BaseTree {
         self.mount(dest).await?;
         let layer = overlay::layer_dir(dest);
         let index = layer.join("index");
-        copy_dated(&self.index, &index).await?;
+        tokio::fs::copy(&self.index, &index)
+            .await
+            .map_err(GitError::Files)?;
         let (git_dir, work_tree) = (
             format!("--git-dir={}", repo.git_dir.display()),
             format!("--work-tree={}", dest.display()),
@@ -267,17 +269,12 @@ async fn check_out(
     // Files checked out as the worker and then given to the stage user changed owner and
     // inode change time after the index recorded them: without a refresh every path of every
     // later copy reads as changed (`read-tree -m` refused them as "not uptodate").
-    // Dated ahead first: nothing writes these files after the checkout, so git's racy-entry
-    // rule (an entry as new as its index is hashed again) would only re-hash, for nothing,
-    // the files written in the checkout's last second (0.5 s of a 0.6 s refresh measured on
-    // 50,000 files). Then the refresh compares stat data only.
-    date_ahead(&index).await?;
     let entries = tokio::fs::metadata(&index).await.map_or(0, |m| m.len());
     if entries >= SMALL_INDEX_BYTES || !as_owner {
         refresh(place, &git_dir, &work_tree, &env, user).await?;
-        // Read in place by `intact` at every later use: dated ahead so it re-hashes nothing.
-        date_ahead(&index).await?;
     }
+    // Read in place by `intact` at every later use: dated ahead so it re-hashes nothing.
+    date_ahead(&index).await?;
     // Its size is recorded once, so eviction never walks 50,000 files to weigh it.
     let (measured, record) = (files.clone(), size_file(dir));
     let bytes = tokio::task::spawn_blocking(move || super::size_of(&measured))
@@ -338,24 +335,6 @@ async fn refresh(
     let refresh = [git_dir, work_tree, "update-index", "-q", "--refresh"];
     git_by(place, &refresh, env, user).await?;
     Ok(())
-}
-
-/// Copies the cached checkout's index for a copy forgepool lays itself, keeping its date: the
-/// base files are the cache's, which nothing writes, so none of its entries is racily clean
-/// (a fresh worker's copy, made in the second the checkout ended, re-hashed a third of a
-/// 50,000-file tree for the reviewer's copy). The run's own index is a copy dated when made:
-/// there, the rule catches a stage that changes a file in the second it was recorded.
-async fn copy_dated(from: &Path, to: &Path) -> Result<(), GitError> {
-    let (from, to) = (from.to_path_buf(), to.to_path_buf());
-    let copied = tokio::task::spawn_blocking(move || {
-        std::fs::copy(&from, &to)?;
-        let modified = std::fs::metadata(&from)?.modified()?;
-        std::fs::File::options()
-            .write(true)
-            .open(&to)?
-            .set_modified(modified)
-    });
-    blocking(copied.await)
 }
 
 /// Dates the index file `index` two seconds ahead (see [`refresh`]).
