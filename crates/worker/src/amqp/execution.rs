@@ -20,6 +20,9 @@ const REPLY_TO: &str = "amq.rabbitmq.reply-to";
 /// its queue.
 const ANSWER_WAIT: Duration = Duration::from_millis(amqp::QUESTION_TTL_MS as u64);
 
+/// How long closing the question's channel may take.
+const CLOSE_WAIT: Duration = Duration::from_secs(5);
+
 /// What the store says of a job's execution.
 #[derive(Debug)]
 pub enum Liveness {
@@ -43,8 +46,9 @@ pub async fn ask(channel: Channel, topology: &Topology, key: &JobKey, job: &Job)
         nonce: uuid::Uuid::new_v4(),
     };
     let asked = tokio::time::timeout(ANSWER_WAIT, exchange(&channel, topology, key, &query)).await;
-    // Closing the channel ends the reply consumer; a late answer has nowhere to go.
-    let _ = channel.close(200, "answered".into()).await;
+    // Closing the channel ends the reply consumer; a late answer has nowhere to go. A broker
+    // that stopped answering is not waited for: the connection's own failure ends it.
+    let _ = tokio::time::timeout(CLOSE_WAIT, channel.close(200, "answered".into())).await;
     match asked {
         Ok(Ok(answer)) if answer.live => Liveness::Live,
         Ok(Ok(answer)) => Liveness::NotLive(answer.reason),
