@@ -387,45 +387,33 @@ fn a_store_that_cannot_be_migrated_stops_the_dispatcher_with_its_reason() {
     let agents = dir.path().join("agents.toml");
     std::fs::write(&agents, "").unwrap();
     let database = dir.path().join("no-such-folder/runs.db");
+    let dispatcher = |database: &str| {
+        let (skills, agents) = (skills.to_str().unwrap(), agents.to_str().unwrap());
+        forgepool(
+            "http://127.0.0.1:9",
+            &[
+                "dispatcher",
+                "--listen",
+                "127.0.0.1:0",
+                "--skills",
+                skills,
+                "--agents",
+                agents,
+            ],
+            &[
+                ("FORGEPOOL_JOB_KEY", "cli-test-job-key-0123456789"),
+                ("FORGEPOOL_DATABASE_URL", database),
+            ],
+        )
+    };
     let started = std::time::Instant::now();
-    let (code, stdout, stderr) = forgepool(
-        "http://127.0.0.1:9",
-        &[
-            "dispatcher",
-            "--listen",
-            "127.0.0.1:0",
-            "--skills",
-            skills.to_str().unwrap(),
-            "--agents",
-            agents.to_str().unwrap(),
-            "--database",
-            database.to_str().unwrap(),
-        ],
-        &[("FORGEPOOL_JOB_KEY", "cli-test-job-key-0123456789")],
-    );
+    let (code, stdout, stderr) = dispatcher(database.to_str().unwrap());
     assert_eq!(code, 1, "{stdout}{stderr}");
     assert!(stderr.contains("no-such-folder/runs.db"), "{stderr}");
     assert!(!stdout.contains("dispatcher listening"), "{stdout}");
     assert!(started.elapsed() < Duration::from_secs(60));
-    let (code, _, stderr) = forgepool(
-        "http://127.0.0.1:9",
-        &[
-            "dispatcher",
-            "--listen",
-            "127.0.0.1:0",
-            "--skills",
-            skills.to_str().unwrap(),
-            "--agents",
-            agents.to_str().unwrap(),
-        ],
-        &[
-            ("FORGEPOOL_JOB_KEY", "cli-test-job-key-0123456789"),
-            (
-                "FORGEPOOL_DATABASE_URL",
-                "postgres://forgepool:hunter2-secret@127.0.0.1:5432/forgepool",
-            ),
-        ],
-    );
+    let (code, _, stderr) =
+        dispatcher("postgres://forgepool:hunter2-secret@127.0.0.1:5432/forgepool");
     assert_eq!(code, 1, "{stderr}");
     assert!(stderr.contains("127.0.0.1:5432"), "{stderr}");
     assert!(!stderr.contains("hunter2-secret"), "{stderr}");
