@@ -375,10 +375,11 @@ async fn a_terminal_shows_the_stage_and_the_queue_position() {
 }
 
 /// The dispatcher migrates its store in a short-lived child (so refinery's regex engine never
-/// lives in the dispatcher); a store that cannot be opened still fails the dispatcher at once
-/// with the store's own message, and a password in a PostgreSQL URL is shown nowhere.
-/// Catches: a child whose failure is lost (the dispatcher starting on a store with no
-/// tables) or whose message is replaced by a bare exit status.
+/// lives in the dispatcher). A store the migrations refuse (its history names a V1 that is not
+/// this release's) stops the dispatcher at once with refinery's reason; a store that cannot be
+/// opened too, and a password in a PostgreSQL URL is shown nowhere.
+/// Catches: a child whose failure is lost (the dispatcher, which no longer migrates, starting
+/// on a store whose schema it does not know) or whose message is replaced by a bare status.
 #[test]
 fn a_store_that_cannot_be_migrated_stops_the_dispatcher_with_its_reason() {
     let dir = tempfile::tempdir().unwrap();
@@ -406,6 +407,20 @@ fn a_store_that_cannot_be_migrated_stops_the_dispatcher_with_its_reason() {
             ],
         )
     };
+    // Opens fine, but the migrations refuse it: only the child can tell.
+    let diverged = dir.path().join("diverged.db");
+    rusqlite::Connection::open(&diverged)
+        .unwrap()
+        .execute_batch(
+            "CREATE TABLE refinery_schema_history (version INT4 PRIMARY KEY, name VARCHAR(255), \
+             applied_on VARCHAR(255), checksum VARCHAR(255)); \
+             INSERT INTO refinery_schema_history VALUES (1, 'another', '2020-01-01T00:00:00Z', '1');",
+        )
+        .unwrap();
+    let (code, stdout, stderr) = dispatcher(diverged.to_str().unwrap());
+    assert_eq!(code, 1, "{stdout}{stderr}");
+    assert!(stderr.contains("migrating the schema"), "{stderr}");
+    assert!(!stdout.contains("dispatcher listening"), "{stdout}");
     let started = std::time::Instant::now();
     let (code, stdout, stderr) = dispatcher(database.to_str().unwrap());
     assert_eq!(code, 1, "{stdout}{stderr}");

@@ -15,9 +15,6 @@ use uuid::Uuid;
 
 use crate::{JobKey, RunState};
 
-/// How long a published job stays valid by default: a week (`FORGEPOOL_JOB_TTL`, seconds).
-pub const DEFAULT_JOB_TTL: Duration = Duration::from_secs(7 * 24 * 3600);
-
 /// What one publication of a job adds to the frozen job, under its signature.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]

@@ -37,9 +37,7 @@ pub use event::{
     EventKind, LogStream, RoundRecord, RunResult, Stage, StageOutcome, AUTO_RESUMED_REASON,
     MAX_CHANGE_BYTES, MAX_CHECKPOINT_PATCH_BYTES, RESUMED_REASON,
 };
-pub use execution::{
-    answer_signed_bytes, ExecutionAnswer, ExecutionQuery, Publication, DEFAULT_JOB_TTL,
-};
+pub use execution::{answer_signed_bytes, ExecutionAnswer, ExecutionQuery, Publication};
 pub use job::{
     check_egress_entry, AgentProfile, Job, Network, ReviewConfig, DEFAULT_DISK_BYTES,
     MAX_PAUSE_SECONDS,
