@@ -146,6 +146,7 @@ fn spec(name: String) -> StageSpec {
         mounts: vec![],
         network: proto::Network::None,
         egress: vec![],
+        gateway: false,
         memory_bytes: 128 << 20,
         cpus: 0.5,
         pids_limit: 512,

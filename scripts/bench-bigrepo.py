@@ -14,10 +14,9 @@ of `forgepool run` (needs GNU time, Debian's `time` package).
 Run: scripts/services.sh && scripts/build-images.sh && cargo build --release &&
      python3 scripts/bench-bigrepo.py [FILES [ROUNDS]]
 
-The work folder is mkdtemp's, which only root may open, so the stage user cannot reach the
-repository cache and cached checkouts are made by the worker and handed over (the slower
-path). BENCH_OPEN=1 opens it (0755), as a worker's workspace folder usually is, to measure the
-faster path. BENCH_SHOW=DIR keeps each run's log in DIR (with
+The work folder is mkdtemp's, which only root may open, as a worker's is by default: git
+still checks the cached checkout out as the stage user (through `setpriv`, with
+CAP_DAC_READ_SEARCH alone). BENCH_OPEN=1 opens it (0755) to compare. BENCH_SHOW=DIR keeps each run's log in DIR (with
 FORGEPOOL_LOG=info,forgepool_worker::workspace::git=debug, every git command and its seconds).
 """
 import os

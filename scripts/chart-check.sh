@@ -48,6 +48,11 @@ for values in helm/ci/*.yaml; do
 done
 "$tools/venv/bin/python" helm/ci/validate.py "$kube_version" "$out"/*.yaml
 
+# Model providers' keys reach the workers only (SPEC 16): the dispatcher never gets them.
+keys_in() { "$helm" template forgepool "$chart" -f helm/ci/all-on.yaml --show-only "templates/$1.yaml" | grep -c 'name: provider-keys' || true; }
+[ "$(keys_in worker)" = 1 ] || { echo "the workers do not get the provider keys' Secret" >&2; exit 1; }
+[ "$(keys_in dispatcher)" = 0 ] || { echo "the dispatcher gets the provider keys' Secret" >&2; exit 1; }
+
 # The alerts the chart ships pass promtool (Debian's `prometheus` package, which
 # scripts/services.sh installs).
 promtool check rules "$chart/prometheus/rules.yaml"
@@ -68,6 +73,10 @@ echo "generated secrets: stable across renders with a seed, kept on uninstall"
 # KEDA reads the broker the release uses: the external broker's vhost and management URL.
 keda="$("$helm" template forgepool "$chart" -f helm/ci/external-keda.yaml --show-only templates/keda.yaml)"
 grep -q 'vhostName: "agents"' <<<"$keda" || { echo "KEDA does not read the external broker's vhost" >&2; exit 1; }
+# A broker URL listing a cluster's nodes: the vhost is the first node's.
+keda="$("$helm" template forgepool "$chart" -f helm/ci/external-keda.yaml --show-only templates/keda.yaml \
+  --set 'rabbitmq.externalUrl=amqps://fp:pw@rabbit-0:5671/agents\,rabbit-1:5671\,rabbit-2:5671')"
+grep -q 'vhostName: "agents"' <<<"$keda" || { echo "KEDA misreads the vhost of a broker list" >&2; exit 1; }
 # A worker's grace covers the longest stage of its profiles.
 grace="$("$helm" template forgepool "$chart" --show-only templates/worker.yaml | grep -A1 'FORGEPOOL_DRAIN_SECONDS' | grep -o '"[0-9]*"')"
 [ "$grace" = '"1860"' ] || { echo "the default drain time is $grace, not the longest profile timeout (1800) plus 60" >&2; exit 1; }

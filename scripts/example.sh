@@ -4,8 +4,10 @@
 # The run shows a rejection, the fix, and an approval, then delivers the branch forge/shop-42.
 #
 # `scripts/example.sh --agent claude-code` runs the same ticket with the real Claude Code CLI
-# (its image from scripts/build-agent-images.sh) as implementer and reviewer, against a local
-# fake model server that plays the model's part (examples/fake_model.rs): no key, no internet.
+# (its image from scripts/build-agent-images.sh) as implementer and reviewer, through
+# forgepool's model gateway to a local fake model server that plays the model's part
+# (examples/fake_model.rs, the `anthropic` provider of a providers file): no key, no internet.
+# The key forgepool holds never enters a stage: the stages get a token of their own.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 agent=""
@@ -24,8 +26,8 @@ agents=examples/agents.toml
 work="$(mktemp -d /tmp/forgepool-example.XXXXXX)"
 if [ -n "$agent" ]; then
   scripts/build-agent-images.sh "$agent"
-  # The egress proxy's image (the stage reaches only the fake model, through it).
-  docker image inspect forgepool:dev >/dev/null 2>&1 || scripts/build-forgepool-image.sh
+  # The gateway relay's image (the stage reaches only the gateway, through it).
+  built="$(scripts/build-forgepool-image.sh 2>&1)" || { echo "$built" >&2; exit 1; }
   cargo build --release --quiet --example fake_model
   ./target/release/examples/fake_model "$work/model.port" "Output exactly one" \
     "[Tests] reserve() now rejects negative quantities but no test exercises it. Add a test under tests/ that expects ValueError." \
@@ -35,14 +37,15 @@ if [ -n "$agent" ]; then
   trap 'kill "$model" 2>/dev/null || true' EXIT
   for _ in $(seq 50); do [ -s "$work/model.port" ] && break; sleep 0.1; done
   [ -s "$work/model.port" ] || { echo "the fake model server did not start" >&2; exit 1; }
-  # Stage containers reach the host at the default bridge's gateway.
-  gateway="$(ip -4 -o addr show docker0 | awk '{print $4}' | cut -d/ -f1 | head -1)"
-  sed "s|MODEL_HOST|$gateway:$(cat "$work/model.port")|g" examples/agent/agents.toml > "$work/agents.toml"
-  agents="$work/agents.toml"
+  # The gateway (in forgepool's process) forwards the `anthropic` provider to the fake.
+  printf '[[provider]]\nname = "anthropic"\napi = "anthropic-messages"\nbase_url = "http://127.0.0.1:%s"\nkey_env = "ANTHROPIC_API_KEY"\n' \
+    "$(cat "$work/model.port")" > "$work/providers.toml"
+  export FORGEPOOL_PROVIDERS_FILE="$work/providers.toml"
+  agents=examples/agent/agents.toml
   # What Claude does, tool by tool, under each stage.
   export FORGEPOOL_SHOW_LOGS=true
-  # The fake model takes any key; Claude Code needs one to start.
-  export ANTHROPIC_API_KEY=example-key-for-the-fake-model
+  # The fake model takes any key; the gateway needs one to forward. It stays in forgepool.
+  export ANTHROPIC_API_KEY="${ANTHROPIC_API_KEY:-example-key-for-the-fake-model}"
   echo "== $agent against the fake model server on port $(cat "$work/model.port")"
 fi
 git init --quiet --bare --initial-branch=main "$work/shop.git"

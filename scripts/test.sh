@@ -7,6 +7,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 scripts/services.sh
+# Three more RabbitMQ nodes in one cluster, for the broker-failover test (tests/brokers.rs).
+scripts/rabbit-cluster.sh up
 scripts/build-images.sh
 # The real agent CLIs' images (tests/agents.rs); an image already built at its pinned version is kept.
 scripts/build-agent-images.sh

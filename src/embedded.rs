@@ -182,15 +182,11 @@ async fn execute_waiting(store: &Store, job: proto::Job, local: &LocalArgs) -> i
 async fn execute(store: &Store, job: proto::Job, local: &LocalArgs) -> i32 {
     worker::workspace::git::set_allowed_schemes(local.stages.schemes(true));
     let run_id = job.run_id;
-    let workspace_root = match local.workspace_root() {
-        Ok(root) => root,
-        Err(message) => {
-            eprintln!("error: {message}");
-            return EXIT_INVALID;
-        }
-    };
-    let webhooks = match load_delivery_settings(local, &workspace_root) {
-        Ok(webhooks) => webhooks,
+    let settings = local
+        .workspace_root()
+        .and_then(|root| Ok((load_delivery_settings(local, &root)?, root)));
+    let (webhooks, workspace_root) = match settings {
+        Ok(settings) => settings,
         Err(message) => {
             eprintln!("error: {message}");
             return EXIT_INVALID;
@@ -201,31 +197,29 @@ async fn execute(store: &Store, job: proto::Job, local: &LocalArgs) -> i32 {
     // that an earlier, killed run left behind (and never those of a live one).
     let identity = Identity::for_worker("embedded");
     let runtime = match DockerRuntime::connect(identity).await {
-        Ok(runtime) => Arc::new(runtime.with_egress_image(local.stages.egress_image.clone())),
-        Err(error) => {
-            let reason = error.to_string();
-            let failed = proto::Event::new(
-                run_id,
-                EventKind::State {
-                    state: RunState::Failed,
-                    reason: reason.clone(),
-                },
-            );
-            let _ = store.record_event(&failed).await;
-            eprintln!("error: {reason}");
-            println!("Run failed: {reason}");
-            return EXIT_FAILED;
-        }
+        Ok(runtime) => runtime.with_egress_image(local.stages.egress_image.clone()),
+        Err(error) => return fail_run(store, run_id, error.to_string()).await,
     };
     if let Err(error) = runtime.remove_orphans().await {
         tracing::warn!(%error, "orphan cleanup failed");
     }
+    // One process is the whole pool: the job's profiles' daily budgets are allotted here.
+    let allotter = worker::model_gateway::local_allotter(&job);
+    let (runtime, model_gateway) =
+        match worker::model_gateway::with_gateway(runtime, &workspace_root, None, allotter) {
+            Ok(wired) => wired,
+            Err(message) => {
+                eprintln!("error: {message}");
+                return EXIT_INVALID;
+            }
+        };
     let engine = Engine::new(
         Arc::clone(&runtime),
         EngineConfig {
             poll_interval: local.poll_interval,
             allow_bridge: local.stages.allow_bridge,
             cache: Some(local.stages.cache(&workspace_root)),
+            gateway: Some(Arc::clone(&model_gateway.gateway)),
             ..EngineConfig::for_process(workspace_root)
         },
     );
@@ -276,6 +270,22 @@ async fn execute(store: &Store, job: proto::Job, local: &LocalArgs) -> i32 {
             EXIT_FAILED
         }
     }
+}
+
+/// Fails a run that could not start, in the store and on the terminal.
+async fn fail_run(store: &Store, run_id: uuid::Uuid, reason: String) -> i32 {
+    let state = RunState::Failed;
+    let failed = proto::Event::new(
+        run_id,
+        EventKind::State {
+            state,
+            reason: reason.clone(),
+        },
+    );
+    let _ = store.record_event(&failed).await;
+    eprintln!("error: {reason}");
+    println!("Run failed: {reason}");
+    EXIT_FAILED
 }
 
 /// Gives forgepool's git the forges file, and loads the webhooks file, if either is given.

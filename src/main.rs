@@ -94,6 +94,10 @@ enum Command {
     /// The egress proxy of `network = "egress"` stages; workers start it in its own container.
     #[command(hide = true)]
     EgressProxy,
+    /// The relay between stage containers and the worker's model gateway; workers start it in
+    /// its own container.
+    #[command(hide = true)]
+    GatewayRelay,
     /// Brings the run store named by FORGEPOOL_DATABASE_URL up to this release's schema, then
     /// exits; `forgepool dispatcher` runs it as a short-lived child.
     #[command(hide = true)]
@@ -218,6 +222,9 @@ fn main() -> ExitCode {
             Command::MigrateStore => services::migrate_store().await,
             Command::EgressProxy => {
                 worker::runtime::egress::run_from_env(services::shutdown_on_signal()).await
+            }
+            Command::GatewayRelay => {
+                worker::model_gateway::relay_from_env(services::shutdown_on_signal()).await
             }
             Command::Completions { shell } => {
                 let mut command = <Cli as clap::CommandFactory>::command();

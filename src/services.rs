@@ -171,6 +171,13 @@ pub async fn dispatcher(args: DispatcherArgs) -> i32 {
     }
 }
 
+/// The host's name, the default worker id.
+fn host_name() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|h| h.trim().to_string())
+        .unwrap_or_else(|_| "worker".into())
+}
+
 /// Runs a worker until SIGTERM or Ctrl-C, then drains.
 pub async fn worker(args: WorkerArgs) -> i32 {
     let invalid = |message: String| {
@@ -196,18 +203,14 @@ pub async fn worker(args: WorkerArgs) -> i32 {
         return invalid(message);
     }
     worker::workspace::git::set_allowed_schemes(args.stages.schemes(false));
-    let worker_id = args.worker_id.clone().unwrap_or_else(|| {
-        std::fs::read_to_string("/proc/sys/kernel/hostname")
-            .map(|h| h.trim().to_string())
-            .unwrap_or_else(|_| "worker".into())
-    });
+    let worker_id = args.worker_id.clone().unwrap_or_else(host_name);
     let metrics = match tokio::net::TcpListener::bind(args.metrics_addr).await {
         Ok(listener) => listener,
         Err(error) => {
+            let addr = args.metrics_addr;
             return invalid(format!(
-                "FORGEPOOL_METRICS_ADDR ({}): cannot listen: {error}",
-                args.metrics_addr
-            ))
+                "FORGEPOOL_METRICS_ADDR ({addr}): cannot listen: {error}"
+            ));
         }
     };
     let runtime = match DockerRuntime::connect(
@@ -215,18 +218,31 @@ pub async fn worker(args: WorkerArgs) -> i32 {
     )
     .await
     {
-        Ok(runtime) => Arc::new(runtime.with_egress_image(args.stages.egress_image.clone())),
+        Ok(runtime) => runtime.with_egress_image(args.stages.egress_image.clone()),
         Err(error) => {
             eprintln!("error: {error}");
             return 1;
         }
     };
+    let metrics_registry = Arc::new(telemetry::Metrics::new(telemetry::Role::Worker));
+    let metered = Some(Arc::clone(&metrics_registry));
+    let allotter = Arc::new(worker::amqp::allotment::AmqpAllotter::new(
+        &args.broker.amqp_url,
+        &args.broker.prefix,
+        job_key.clone(),
+    ));
+    let (runtime, model_gateway) =
+        match worker::model_gateway::with_gateway(runtime, &workspace_root, metered, allotter) {
+            Ok(wired) => wired,
+            Err(message) => return invalid(message),
+        };
     let engine = Engine::new(
         Arc::clone(&runtime),
         EngineConfig {
             poll_interval: args.poll_interval,
             allow_bridge: args.stages.allow_bridge,
             cache: Some(args.stages.cache(&workspace_root)),
+            gateway: Some(Arc::clone(&model_gateway.gateway)),
             ..EngineConfig::for_process(workspace_root)
         },
     );
@@ -236,7 +252,6 @@ pub async fn worker(args: WorkerArgs) -> i32 {
         .unwrap_or_default();
     println!("worker {worker_id} listening on {address}");
     let shutdown = shutdown_on_signal();
-    let metrics_registry = Arc::new(telemetry::Metrics::new(telemetry::Role::Worker));
     let health_task = serve_health(metrics, Arc::clone(&metrics_registry), shutdown.clone());
     let config = WorkerConfig {
         amqp_url: args.broker.amqp_url,

@@ -9,7 +9,9 @@ mod common;
 
 use std::time::Duration;
 
-use common::kinds::{fixture, key, key_variable, profile, require_images, review, CONTENT, FILE};
+use common::kinds::{
+    fixture, key, key_variable, profile, providers, require_images, review, CONTENT, FILE,
+};
 use common::model::{
     FakeModel, Script, FEEDBACK, FINAL_REVIEW_MARK, FINAL_SUMMARY, INPUT_TOKENS, OUTPUT_TOKENS,
     REVIEWER_MARK,
@@ -141,6 +143,12 @@ async fn delivers_with(kind: AgentKind) {
         !logs.contains("{\"type\":"),
         "the CLI's raw JSON reached the log\n{logs}"
     );
+    // The gateway's count (the run's usage) and the CLI's own agree within 1 % for every
+    // stage: a disagreement would be noted in the stage's log.
+    assert!(
+        !logs.contains("the model gateway metered"),
+        "the CLI's usage and the gateway's disagree\n{logs}"
+    );
     if !matches!(kind, AgentKind::Aider | AgentKind::MiniSweAgent) {
         // The JSON streams become readable lines, tool by tool (aider and mini-swe-agent
         // print text for people, which is logged as it is).
@@ -151,29 +159,19 @@ async fn delivers_with(kind: AgentKind) {
     drop(fixture);
 }
 
-/// Whether a kind's CLI passes on the reset time the provider named.
-#[derive(Clone, Copy, PartialEq, Debug)]
-enum Reset {
-    /// The CLI prints the provider's `retry-after` (or its message's "try again in 2s").
-    Named,
-    /// The CLI prints only "429" (Codex): the stage pauses for the profile's
-    /// `pause_seconds`.
-    Unnamed,
-}
-
 /// The `pause_seconds` the rate-limit tests give their profiles, far from the provider's 2 s
 /// and from the default 300 s, so that the test tells which one paused the stage.
 const PROFILE_PAUSE: u64 = 12;
 
-/// Every request is refused with a 429 until the CLI gives up: the stage ends paused (not
-/// failed, not completed) until the reset the provider named, or for the profile's
-/// `pause_seconds` when the CLI keeps the reset to itself; `forgepool run` waits the pause
-/// out and resumes the run by itself; the resumed run delivers, and the paused round was
-/// not spent.
+/// The first requests are refused with a 429 and `retry-after: 2`: the model gateway halts
+/// the stage at the first, which ends paused (not failed, not completed) until the reset the
+/// provider named (not the profile's `pause_seconds`), whatever the CLI would have done;
+/// `forgepool run` waits each pause out and resumes the run by itself; the resumed run
+/// delivers, and the paused rounds were not spent.
 /// Catches: a rate limit read as a failure (Claude, Codex, opencode and mini-swe-agent exit
 /// 1), as a success (aider exits 0), Gemini's exit 173 taken for a crash, a pause without
-/// the provider's reset time (or without the profile's), and a pause nobody resumes.
-async fn pauses_on_a_rate_limit_with(kind: AgentKind, refused: usize, reset: Reset) {
+/// the provider's reset time, a CLI left retrying into more 429s, and a pause nobody resumes.
+async fn pauses_on_a_rate_limit_with(kind: AgentKind, refused: usize) {
     let model = FakeModel::start(script(refused)).await;
     let fixture = fixture(kind, &model);
     let agents = std::fs::read_to_string(&fixture.agents).unwrap();
@@ -196,7 +194,7 @@ async fn pauses_on_a_rate_limit_with(kind: AgentKind, refused: usize, reset: Res
         outcome.printed(),
         requests.iter().map(|r| &r.answer).collect::<Vec<_>>()
     );
-    let paused = outcome.events.iter().find(|e| {
+    let paused = outcome.events.iter().any(|e| {
         matches!(
             &e.kind,
             EventKind::StageFinished {
@@ -206,25 +204,25 @@ async fn pauses_on_a_rate_limit_with(kind: AgentKind, refused: usize, reset: Res
             }
         )
     });
-    let paused = paused.unwrap_or_else(|| panic!("the implement stage never paused\n{context}"));
+    assert!(paused, "the implement stage never paused\n{context}");
     let resume_at = outcome.events.iter().find_map(|e| match &e.kind {
         EventKind::Checkpoint { checkpoint } => checkpoint.resume_at.clone(),
         _ => None,
     });
     let resume_at = resume_at.expect("the pause names its end");
-    let paused_at = humantime::parse_rfc3339_weak(&paused.time).unwrap();
+    // The fake says `retry-after: 2`; the gateway reads it from the answer (the time is kept
+    // to the second, so the wait from the 429 is 1 to 2 s).
+    let first_refusal = requests
+        .iter()
+        .find(|r| r.answer == "429")
+        .expect("a 429 was answered")
+        .at;
     let until = humantime::parse_rfc3339_weak(&resume_at).unwrap();
-    let wait = until.duration_since(paused_at).unwrap_or_default();
-    // The fake says `retry-after: 2`; Claude Code passes on the delay of its last retry,
-    // which it may lengthen with its own backoff.
-    let (least, most) = match reset {
-        Reset::Named => (1.0, 8.0),
-        Reset::Unnamed => (PROFILE_PAUSE as f64 - 0.5, PROFILE_PAUSE as f64 + 1.5),
-    };
+    let wait = until.duration_since(first_refusal).unwrap_or_default();
     let seconds = wait.as_secs_f64();
     assert!(
-        (least..=most).contains(&seconds),
-        "the pause lasts {least}-{most} s ({reset:?}), not {wait:?}\n{context}"
+        (0.9..=2.1).contains(&seconds),
+        "the pause lasts the provider's 2 s (not the profile's {PROFILE_PAUSE} s), not {wait:?}\n{context}"
     );
     assert!(
         outcome.stdout.contains("resuming then in this process"),
@@ -338,7 +336,7 @@ async fn claude_code_delivers_a_reviewed_change() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn claude_code_pauses_on_a_rate_limit_and_resumes() {
-    pauses_on_a_rate_limit_with(AgentKind::ClaudeCode, 3, Reset::Named).await;
+    pauses_on_a_rate_limit_with(AgentKind::ClaudeCode, 2).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -348,7 +346,7 @@ async fn codex_delivers_a_reviewed_change() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn codex_pauses_on_a_rate_limit_and_resumes() {
-    pauses_on_a_rate_limit_with(AgentKind::Codex, 2, Reset::Unnamed).await;
+    pauses_on_a_rate_limit_with(AgentKind::Codex, 2).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -358,7 +356,7 @@ async fn gemini_cli_delivers_a_reviewed_change() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn gemini_cli_pauses_on_a_rate_limit_and_resumes() {
-    pauses_on_a_rate_limit_with(AgentKind::GeminiCli, 2, Reset::Named).await;
+    pauses_on_a_rate_limit_with(AgentKind::GeminiCli, 2).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -368,7 +366,7 @@ async fn opencode_delivers_a_reviewed_change() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn opencode_pauses_on_a_rate_limit_and_resumes() {
-    pauses_on_a_rate_limit_with(AgentKind::Opencode, 9, Reset::Named).await;
+    pauses_on_a_rate_limit_with(AgentKind::Opencode, 2).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -378,7 +376,7 @@ async fn aider_delivers_a_reviewed_change() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn aider_pauses_on_a_rate_limit_and_resumes() {
-    pauses_on_a_rate_limit_with(AgentKind::Aider, 9, Reset::Named).await;
+    pauses_on_a_rate_limit_with(AgentKind::Aider, 2).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -388,7 +386,7 @@ async fn mini_swe_agent_delivers_a_reviewed_change() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn mini_swe_agent_pauses_on_a_rate_limit_and_resumes() {
-    pauses_on_a_rate_limit_with(AgentKind::MiniSweAgent, 2, Reset::Named).await;
+    pauses_on_a_rate_limit_with(AgentKind::MiniSweAgent, 2).await;
 }
 
 /// The token of the pool test's dispatcher.
@@ -410,6 +408,7 @@ async fn claude_code_and_codex_run_in_the_pool_with_their_transcripts_shown() {
     require_images(AgentKind::ClaudeCode);
     require_images(AgentKind::Codex);
     let fixture = Fixture::new(Some(&review()), &["change"], &["approve"]);
+    std::fs::write(fixture.providers_file(), providers(&[&claude, &codex])).unwrap();
     std::fs::write(
         &fixture.agents,
         format!(
@@ -421,9 +420,13 @@ async fn claude_code_and_codex_run_in_the_pool_with_their_transcripts_shown() {
         ),
     )
     .unwrap();
-    let keys = [AgentKind::ClaudeCode, AgentKind::Codex]
+    let mut keys = [AgentKind::ClaudeCode, AgentKind::Codex]
         .map(|kind| (key_variable(kind).to_string(), key(kind)))
         .to_vec();
+    keys.push((
+        "FORGEPOOL_PROVIDERS_FILE".to_string(),
+        fixture.providers_file().display().to_string(),
+    ));
     let options = common::cluster::Options {
         env: keys,
         ..Default::default()
@@ -516,4 +519,61 @@ async fn claude_code_and_codex_run_in_the_pool_with_their_transcripts_shown() {
     for run in [&by_claude, &by_codex] {
         assert_eq!(common::cluster::container_count(run), 0);
     }
+}
+
+/// A run whose budget is 100 tokens: the first call is admitted (nothing was spent), the
+/// provider answers with more than the budget, and the CLI's next call is refused by the
+/// gateway before it reaches the provider; the stage ends "budget exhausted" and the run
+/// fails with that reason, its usage what the one answer stated.
+/// Catches: a budget checked after the fact or not at all, a refusal the CLI retries into,
+/// a stage that goes on after its budget is spent.
+async fn stops_at_its_budget_with(kind: AgentKind) {
+    let model = FakeModel::start(script(0)).await;
+    let fixture = fixture(kind, &model);
+    let key = key(kind);
+    let (fixture, outcome) = tokio::task::spawn_blocking(move || {
+        let env = [(key_variable(kind), key.as_str())];
+        let outcome = fixture.run_with("budget = { max_tokens = 100 }", &env);
+        (fixture, outcome)
+    })
+    .await
+    .unwrap();
+    let context = outcome.printed();
+    let requests = model.requests();
+    assert_eq!(outcome.code, 1, "{context}");
+    assert!(outcome.stdout.contains("budget exhausted"), "{context}");
+    assert!(outcome.stdout.contains("budget.max_tokens"), "{context}");
+    assert_eq!(
+        requests.len(),
+        1,
+        "only the first call reached the provider: {:?}",
+        requests.iter().map(|r| &r.answer).collect::<Vec<_>>()
+    );
+    let usage = outcome
+        .record()
+        .result
+        .as_ref()
+        .and_then(|r| r.usage.clone())
+        .expect("the failed run keeps its usage");
+    assert_eq!(
+        (
+            usage.input_tokens + usage.cache_read_tokens,
+            usage.output_tokens
+        ),
+        (INPUT_TOKENS, OUTPUT_TOKENS),
+        "{context}"
+    );
+    model.stop();
+    outcome.assert_no_containers_left();
+    drop(fixture);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn claude_code_stops_at_its_budget() {
+    stops_at_its_budget_with(AgentKind::ClaudeCode).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn codex_stops_at_its_budget() {
+    stops_at_its_budget_with(AgentKind::Codex).await;
 }

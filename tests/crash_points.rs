@@ -261,4 +261,67 @@ mod crash {
         wait_no_containers(&cluster, &id).await;
         cluster.delete_queues().await;
     }
+
+    /// Catches: worker deaths counted against the broker's delivery limit, a guard against
+    /// messages no consumer can settle (issue 27: five workers SIGKILLed in turn while each
+    /// ran the implementer failed the run "delivery_limit"); a run executed twice at the end
+    /// (its branch pushed twice, counted by the origin's hook); and a stage that did not start
+    /// again after each death (each execution's `stage_started` is counted).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_run_whose_first_five_workers_die_mid_stage_is_delivered() {
+        let fixture = Fixture::new(Some(REVIEW), &["sleep-from", "1", "60"], &["approve"]);
+        let agents = std::fs::read_to_string(&fixture.agents).unwrap().replacen(
+            "env = [\"AGENT_SECRET\"]",
+            "env = [\"AGENT_SECRET\", \"SLEEP_DONE\"]",
+            1,
+        );
+        std::fs::write(&fixture.agents, agents).unwrap();
+        let mut cluster = Cluster::start(fixture, 0, 1, None).await;
+        let id = cluster.submit("DIE-1").await;
+        for n in 0..5 {
+            let worker = cluster.start_worker(&format!("w{n}"), 1);
+            // This worker's execution has started the implementer (it sleeps): kill it there.
+            let started = Instant::now();
+            loop {
+                let stream = cluster
+                    .event_stream_until(&id, Duration::from_millis(500))
+                    .await;
+                if stage_runs(&stream, "implement") > n {
+                    break;
+                }
+                assert!(
+                    started.elapsed() < Duration::from_secs(90),
+                    "execution {n} did not start the implementer\n{}",
+                    cluster.logs()
+                );
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+            cluster.workers[worker].kill();
+        }
+        cluster.start_worker_with("last", 1, &[("SLEEP_DONE", "yes")]);
+        let views = cluster
+            .wait_terminal(std::slice::from_ref(&id), Duration::from_secs(180))
+            .await;
+        assert_eq!(
+            views[0]["state"],
+            "delivered",
+            "{}\n{}",
+            views[0]["states"],
+            cluster.logs()
+        );
+        wait_settled(&cluster).await;
+        assert_eq!(cluster.pushes("forge/die-1"), 1, "delivered once");
+        let stream = cluster.event_stream(&id).await;
+        assert_eq!(
+            stage_runs(&stream, "implement"),
+            6,
+            "one implementer per execution: five killed, one finished"
+        );
+        assert!(
+            cluster.dead_letters().await.is_empty(),
+            "the job was not dead-lettered"
+        );
+        wait_no_containers(&cluster, &id).await;
+        cluster.delete_queues().await;
+    }
 }

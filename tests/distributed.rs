@@ -1075,6 +1075,13 @@ async fn a_run_submitted_before_rabbitmq_is_reachable_is_delivered_once_it_is() 
         }
     };
     assert_eq!(run(http.clone()).await["state"], "queued");
+    // The first failed attempt is logged once it has failed (a loaded machine takes a moment).
+    let deadline = std::time::Instant::now() + Duration::from_secs(15);
+    while !logged().contains("cannot set up RabbitMQ yet; retrying")
+        && std::time::Instant::now() < deadline
+    {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
     assert!(
         logged().contains("cannot set up RabbitMQ yet; retrying"),
         "the retries are logged: {}",
@@ -1333,6 +1340,40 @@ async fn forged_unsigned_and_overreaching_jobs_are_dead_lettered_and_run_nothing
         .await;
     assert_eq!(views[0]["state"], "delivered", "{}", cluster.logs());
     assert!(cluster.fixture.branch_files("forge/forged-1").is_none());
+    cluster.delete_queues().await;
+}
+
+/// Catches: lost executions the store never counts (a job that kills every worker it reaches
+/// circulates until a worker's own backstop), a limit the dispatcher does not apply, and a run
+/// failed by the count that still executes (a container, a push). The copy below says what a
+/// job's tenth loss makes it say; the dispatcher's store, not the broker, fails the run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_whose_execution_was_lost_ten_times_is_failed_by_the_store() {
+    let fixture = Fixture::new(None, &["change"], &["approve"]);
+    // No worker yet: the job is taken off the queue and put back as a copy lost ten times.
+    let mut cluster = Cluster::start(fixture, 0, 1, None).await;
+    let run = cluster.submit("LOST-10").await;
+    let (job, signature) = cluster.take_job().await;
+    cluster
+        .publish_lost_copy(&job, &signature, proto::MAX_LOST_EXECUTIONS)
+        .await;
+    cluster.start_worker("w0", 1);
+    let views = cluster
+        .wait_terminal(std::slice::from_ref(&run), Duration::from_secs(90))
+        .await;
+    assert_eq!(views[0]["state"], "failed", "{}", cluster.logs());
+    let reason = views[0]["states"].to_string();
+    assert!(
+        reason.contains("the run's execution was lost 10 times"),
+        "{reason}"
+    );
+    assert_eq!(cluster.pushes("forge/lost-10"), 0, "nothing delivered");
+    assert_eq!(container_count(&run), 0, "no stage ran");
+    assert!(
+        cluster.dead_letters().await.is_empty(),
+        "failed by the store, not dead-lettered"
+    );
+    assert_eq!(common::cluster::jobs_on_broker(&cluster.prefix), 0);
     cluster.delete_queues().await;
 }
 

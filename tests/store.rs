@@ -514,7 +514,7 @@ async fn a_sqlite_store_of_the_previous_release_is_migrated() {
         .unwrap()
         .collect::<Result<_, _>>()
         .unwrap();
-    assert_eq!(versions, [1, 2, 3]);
+    assert_eq!(versions, [1, 2, 3, 4, 5]);
     let index: i64 = connection
         .query_row(
             "SELECT COUNT(*) FROM sqlite_master WHERE type = 'index' AND name IN ('runs_by_state_and_change', 'events_by_run_and_kind', 'runs_by_skill')",
@@ -556,7 +556,7 @@ async fn a_postgres_store_of_the_previous_release_is_migrated() {
         .iter()
         .map(|row| row.get(0))
         .collect();
-    assert_eq!(versions, [1, 2, 3]);
+    assert_eq!(versions, [1, 2, 3, 4, 5]);
     let index = client
         .query_one(
             "SELECT COUNT(*) FROM pg_indexes WHERE indexname IN ('runs_by_state_and_change', 'events_by_run_and_kind', 'runs_by_skill')",
@@ -805,5 +805,143 @@ async fn the_sqlite_store_serves_the_run_view() {
 async fn the_postgres_store_serves_the_run_view() {
     let database = TestDatabase::create().await;
     run_view_contract(&database.url).await;
+    database.drop_database().await;
+}
+
+/// A profile's daily allotments, held by both backends: 64 gateways asking at once (each for
+/// 30 tokens on a day of 1,600) are granted at most the day's budget and one request; hand-backs
+/// free budget again; another day, and another profile, start from nothing; the refusal names
+/// the setting; the total survives reopening the store.
+/// Catches: a read-then-write without a lock (racing grants pass the limit), hand-backs lost,
+/// days or profiles sharing a total, allotments kept in memory only.
+async fn allotment_contract(url: &str) {
+    use dispatcher::store::Allot;
+    use proto::allotment::Spend;
+    let tokens = |n: u64| Spend {
+        tokens: n,
+        cost_usd: 0.0,
+    };
+    let allot = |profile: &str, day: &str, want: u64, returned: u64| Allot {
+        profile: profile.into(),
+        day: day.into(),
+        limits: proto::Budget {
+            max_cost_usd: None,
+            max_tokens: Some(1600),
+        },
+        want: tokens(want),
+        returned: tokens(returned),
+    };
+    let store = std::sync::Arc::new(Store::open(url).await.unwrap());
+    let asks = (0..64).map(|_| {
+        let store = std::sync::Arc::clone(&store);
+        let allot = allot("claude", "2026-12-06", 30, 0);
+        tokio::spawn(async move { store.allot(allot).await.unwrap() })
+    });
+    let answers = futures_util::future::join_all(asks).await;
+    let granted: u64 = answers
+        .iter()
+        .filter_map(|a| a.as_ref().unwrap().as_ref().ok())
+        .map(|g| g.tokens)
+        .sum();
+    let refusals: Vec<String> = answers
+        .into_iter()
+        .filter_map(|a| a.unwrap().err())
+        .collect();
+    assert!((1600..=1630).contains(&granted), "{url}: granted {granted}");
+    assert!(!refusals.is_empty(), "{url}");
+    assert!(
+        refusals[0].contains("agents.claude.daily_budget.max_tokens"),
+        "{url}: {}",
+        refusals[0]
+    );
+    drop(store);
+    let store = Store::open(url).await.unwrap();
+    // Nothing more today, until a gateway hands back what it did not spend.
+    assert!(store
+        .allot(allot("claude", "2026-12-06", 1, 0))
+        .await
+        .unwrap()
+        .is_err());
+    let after_return = store
+        .allot(allot("claude", "2026-12-06", 50, 500))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(after_return.tokens, 100, "{url}: a sixteenth of the day");
+    // Another day, another profile: each starts at nothing.
+    for (profile, day) in [("claude", "2026-12-07"), ("codex", "2026-12-06")] {
+        let first = store
+            .allot(allot(profile, day, 30, 0))
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(first.tokens, 100, "{url}: {profile} on {day}");
+    }
+}
+
+#[tokio::test]
+async fn the_sqlite_store_keeps_daily_allotments() {
+    let dir = tempfile::tempdir().unwrap();
+    let url = format!("sqlite://{}", dir.path().join("runs.db").display());
+    allotment_contract(&url).await;
+}
+
+#[tokio::test]
+async fn the_postgres_store_keeps_daily_allotments() {
+    let database = TestDatabase::create().await;
+    allotment_contract(&database.url).await;
+    database.drop_database().await;
+}
+
+/// Lost executions: the highest count reported is kept (a late, lower report does not lower
+/// it), per run, across reopening the store; a run the store does not hold counts nothing.
+/// Catches: a count overwritten by an older copy's (the limit never reached), runs sharing a
+/// count, a count kept in memory only.
+async fn lost_executions_contract(url: &str) {
+    let (first, second) = (
+        job("LOST-1", "2026-12-06T10:00:00Z"),
+        job("LOST-2", "2026-12-06T10:00:01Z"),
+    );
+    {
+        let store = Store::open(url).await.unwrap();
+        store.insert_run(&first).await.unwrap();
+        store.insert_run(&second).await.unwrap();
+        assert_eq!(store.record_lost(first.run_id, 3).await.unwrap(), 3);
+        assert_eq!(
+            store.record_lost(first.run_id, 2).await.unwrap(),
+            3,
+            "{url}"
+        );
+        assert_eq!(
+            store.record_lost(first.run_id, 7).await.unwrap(),
+            7,
+            "{url}"
+        );
+        assert_eq!(store.record_lost(Uuid::new_v4(), 4).await.unwrap(), 0);
+    }
+    let store = Store::open(url).await.unwrap();
+    assert_eq!(
+        store.record_lost(first.run_id, 1).await.unwrap(),
+        7,
+        "{url}"
+    );
+    assert_eq!(
+        store.record_lost(second.run_id, 1).await.unwrap(),
+        1,
+        "{url}"
+    );
+}
+
+#[tokio::test]
+async fn the_sqlite_store_keeps_lost_executions() {
+    let dir = tempfile::tempdir().unwrap();
+    let url = format!("sqlite://{}", dir.path().join("runs.db").display());
+    lost_executions_contract(&url).await;
+}
+
+#[tokio::test]
+async fn the_postgres_store_keeps_lost_executions() {
+    let database = TestDatabase::create().await;
+    lost_executions_contract(&database.url).await;
     database.drop_database().await;
 }

@@ -364,7 +364,7 @@ fn print_run(view: &RunView) {
         println!("  usage: {}", progress::printable(&usage.summary()));
     }
     if let Some(budget) = &view.budget {
-        println!("  budget: ${:.2}", budget.max_cost_usd);
+        println!("  budget: {budget}");
     }
     if let Some(result) = &view.result {
         if let (Some(branch), Some(commit)) = (&result.branch, &result.commit) {

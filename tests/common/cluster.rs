@@ -545,6 +545,18 @@ impl Cluster {
             .await;
     }
 
+    /// Publishes a copy of a signed job that says its execution was lost `lost` times before
+    /// (the count a worker's copy carries, `x-forgepool-lost`).
+    pub async fn publish_lost_copy(&self, payload: &[u8], signature: &str, lost: u32) {
+        let queue = format!("{}.jobs", self.prefix);
+        let headers = [
+            (proto::SIGNATURE_HEADER, signature.to_string()),
+            ("x-forgepool-lost", lost.to_string()),
+        ];
+        self.publish_to("", &queue, payload, None, &headers, None)
+            .await;
+    }
+
     /// Takes the first job off the jobs queue, as an attacker with a broker login would copy
     /// it: its body and its signature header. Waits up to 10 s for one.
     pub async fn take_job(&self) -> (Vec<u8>, String) {
@@ -600,14 +612,14 @@ impl Cluster {
     /// Publishes to the exchange `{prefix}.{exchange}` (not to a queue by name).
     pub async fn publish_to_exchange(&self, exchange: &str, payload: &[u8]) {
         let exchange = format!("{}.{exchange}", self.prefix);
-        self.publish_to(&exchange, "", payload, None, None, None)
+        self.publish_to(&exchange, "", payload, None, &[], None)
             .await;
     }
 
     /// Publishes a run request to the submit exchange with a `message_id`.
     pub async fn submit_message(&self, payload: &[u8], message_id: &str) {
         let exchange = format!("{}.submit", self.prefix);
-        self.publish_to(&exchange, "", payload, None, None, Some(message_id))
+        self.publish_to(&exchange, "", payload, None, &[], Some(message_id))
             .await;
     }
 
@@ -619,7 +631,11 @@ impl Cluster {
         signature: Option<String>,
     ) {
         let queue = format!("{}.{queue}", self.prefix);
-        self.publish_to("", &queue, payload, reply_to, signature, None)
+        let headers: Vec<(&str, String)> = signature
+            .map(|signature| (proto::SIGNATURE_HEADER, signature))
+            .into_iter()
+            .collect();
+        self.publish_to("", &queue, payload, reply_to, &headers, None)
             .await;
     }
 
@@ -630,7 +646,7 @@ impl Cluster {
         routing_key: &str,
         payload: &[u8],
         reply_to: Option<&str>,
-        signature: Option<String>,
+        headers: &[(&str, String)],
         message_id: Option<&str>,
     ) {
         let connection = self.broker().await;
@@ -648,13 +664,15 @@ impl Cluster {
             if let Some(message_id) = message_id {
                 properties = properties.with_message_id(message_id.into());
             }
-            if let Some(signature) = signature {
-                let mut headers = lapin::types::FieldTable::default();
-                headers.insert(
-                    proto::SIGNATURE_HEADER.into(),
-                    lapin::types::AMQPValue::LongString(signature.into()),
-                );
-                properties = properties.with_headers(headers);
+            if !headers.is_empty() {
+                let mut table = lapin::types::FieldTable::default();
+                for (name, value) in headers {
+                    table.insert(
+                        (*name).into(),
+                        lapin::types::AMQPValue::LongString(value.as_str().into()),
+                    );
+                }
+                properties = properties.with_headers(table);
             }
             channel
                 .basic_publish(
@@ -770,11 +788,12 @@ pub async fn delete_prefix_queues(prefix: &str) {
     for queue in [
         "submissions",
         "jobs",
-        "jobs.wait",
+        "jobs.waiting",
         "dead",
         "dispatcher.dead",
         "dispatcher.events",
-        "executions",
+        "execution-questions",
+        "allotments",
     ] {
         let delete = async {
             let channel = connection.create_channel().await?;
@@ -906,7 +925,7 @@ pub fn jobs_on_broker(prefix: &str) -> usize {
         output.status.success(),
         "rabbitmqctl list_queues failed; start RabbitMQ with scripts/services.sh"
     );
-    let jobs = [format!("{prefix}.jobs"), format!("{prefix}.jobs.wait")];
+    let jobs = [format!("{prefix}.jobs"), format!("{prefix}.jobs.waiting")];
     String::from_utf8_lossy(&output.stdout)
         .lines()
         .filter_map(|line| line.split_once('\t'))

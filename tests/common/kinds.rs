@@ -49,15 +49,48 @@ pub fn review() -> String {
     )
 }
 
-/// A profile `name` of `kind` against the fake model: its endpoint, its key's variable, and
-/// `network = "egress"` allowing only the fake.
+/// The API a kind's CLI speaks, as a providers file names it.
+pub fn api(kind: AgentKind) -> &'static str {
+    match kind {
+        AgentKind::ClaudeCode => "anthropic-messages",
+        AgentKind::Codex => "openai-responses",
+        AgentKind::GeminiCli => "gemini",
+        _ => "openai-chat",
+    }
+}
+
+/// The provider a kind's profile names for a fake model.
+pub fn provider(kind: AgentKind, model: &FakeModel) -> String {
+    format!("fake{}-{}", model.port, api(kind))
+}
+
+/// A providers file (SPEC 16) with, for each fake model, one provider per API at its
+/// loopback address, its key read from the variable the kind's CLI would have used.
+pub fn providers(models: &[&FakeModel]) -> String {
+    let mut text = String::new();
+    for model in models {
+        for (api, key) in [
+            ("anthropic-messages", "ANTHROPIC_API_KEY"),
+            ("openai-responses", "OPENAI_API_KEY"),
+            ("openai-chat", "OPENAI_API_KEY"),
+            ("gemini", "GEMINI_API_KEY"),
+        ] {
+            text.push_str(&format!(
+                "[[provider]]\nname = \"fake{}-{api}\"\napi = \"{api}\"\nbase_url = \"http://127.0.0.1:{}\"\nkey_env = \"{key}\"\n\n",
+                model.port, model.port
+            ));
+        }
+    }
+    text
+}
+
+/// A profile `name` of `kind` against the fake model, through the worker's model gateway:
+/// its provider, no key and no network of its own.
 pub fn profile(kind: AgentKind, name: &str, model: &FakeModel) -> String {
-    let host = format!("{}:{}", super::bridge_gateway(), model.port);
     format!(
-        "[agents.{name}]\nkind = \"{}\"\nmodel = \"fake-model\"\nbase_url = \"http://{host}{}\"\nenv = [\"{}\"]\nnetwork = \"egress\"\negress = [\"{host}\"]\nmemory = \"2g\"\ncpus = 1.0\ntimeout_seconds = 300\n",
+        "[agents.{name}]\nkind = \"{}\"\nmodel = \"fake-model\"\nprovider = \"{}\"\nmemory = \"2g\"\ncpus = 1.0\ntimeout_seconds = 300\n",
         kind.as_str(),
-        if matches!(kind, AgentKind::ClaudeCode | AgentKind::GeminiCli) { "" } else { "/v1" },
-        key_variable(kind),
+        provider(kind, model),
     )
 }
 
@@ -65,6 +98,7 @@ pub fn profile(kind: AgentKind, name: &str, model: &FakeModel) -> String {
 pub fn fixture(kind: AgentKind, model: &FakeModel) -> Fixture {
     require_images(kind);
     let fixture = Fixture::new(Some(&review()), &["change"], &["approve"]);
+    std::fs::write(fixture.providers_file(), providers(&[model])).unwrap();
     std::fs::write(
         &fixture.agents,
         format!(

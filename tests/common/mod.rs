@@ -254,7 +254,15 @@ impl Fixture {
             .env("AGENT_SECRET", "sk-test-0123456789abcdef")
             .env_remove("AUTO_REVIEW_MAX_RETRIES")
             .env_remove("FORGE_REPAIR_ATTEMPTS");
+        if self.providers_file().exists() {
+            command.env("FORGEPOOL_PROVIDERS_FILE", self.providers_file());
+        }
         command
+    }
+
+    /// The fixture's providers file (SPEC 16): `forgepool run` is given it when it exists.
+    pub fn providers_file(&self) -> PathBuf {
+        self.dir.path().join("providers.toml")
     }
 
     /// Like [`Fixture::run`], with `env` added to forgepool's environment.

@@ -3,6 +3,7 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
+use gateway::{Api, Providers};
 use proto::{AgentKind, AgentProfile, Network};
 use serde::Deserialize;
 
@@ -78,6 +79,8 @@ struct ProfileEntry {
     #[serde(default)]
     provider: Option<String>,
     #[serde(default)]
+    daily_budget: Option<proto::Budget>,
+    #[serde(default)]
     command: Vec<String>,
     #[serde(default)]
     env: Vec<String>,
@@ -95,17 +98,31 @@ struct ProfileEntry {
 }
 
 impl AgentBook {
-    /// Loads and checks an agents file.
+    /// Loads and checks an agents file against the providers this process knows (built-in,
+    /// and `FORGEPOOL_PROVIDERS_FILE`'s).
     pub fn load(path: &Path) -> Result<AgentBook, AgentsError> {
         let text = std::fs::read_to_string(path).map_err(|source| AgentsError::Read {
             path: path.to_path_buf(),
             source,
         })?;
-        AgentBook::parse(&text, path)
+        let providers = Providers::from_environment().map_err(|message| AgentsError::Parse {
+            path: path.to_path_buf(),
+            message,
+        })?;
+        AgentBook::parse_with(&text, path, &providers)
     }
 
-    /// Parses the agents file text; `path` names it in errors.
+    /// Parses the agents file text against the built-in providers; `path` names it in errors.
     pub fn parse(text: &str, path: &Path) -> Result<AgentBook, AgentsError> {
+        AgentBook::parse_with(text, path, &Providers::builtin())
+    }
+
+    /// Parses the agents file text against `providers`; `path` names it in errors.
+    pub fn parse_with(
+        text: &str,
+        path: &Path,
+        providers: &Providers,
+    ) -> Result<AgentBook, AgentsError> {
         let fail = |message: String| AgentsError::Parse {
             path: path.to_path_buf(),
             message,
@@ -114,7 +131,7 @@ impl AgentBook {
             toml::from_str(text).map_err(|e| fail(e.to_string().trim_end().to_string()))?;
         let mut profiles = BTreeMap::new();
         for (name, entry) in file.agents {
-            let profile = check_profile(&name, entry).map_err(&fail)?;
+            let profile = check_profile(&name, entry, providers).map_err(&fail)?;
             profiles.insert(name, profile);
         }
         for (role, choice) in [
@@ -197,10 +214,16 @@ fn check_network(name: &str, entry: &ProfileEntry) -> Result<Network, String> {
     Ok(network)
 }
 
-fn check_profile(name: &str, entry: ProfileEntry) -> Result<AgentProfile, String> {
+fn check_profile(
+    name: &str,
+    entry: ProfileEntry,
+    providers: &Providers,
+) -> Result<AgentProfile, String> {
     let key = |k: &str| format!("agents.{name}.{k}");
     let max_concurrent = check_pool_keys(name, entry.max_concurrent)?;
     let (kind, image) = check_kind(name, &entry)?;
+    check_provider(name, kind, &entry, providers)?;
+    check_daily_budget(name, &entry)?;
     if image.trim().is_empty() {
         return Err(format!("{} must name a container image", key("image")));
     }
@@ -260,6 +283,8 @@ fn check_profile(name: &str, entry: ProfileEntry) -> Result<AgentProfile, String
         kind,
         model: entry.model,
         base_url: entry.base_url,
+        provider: entry.provider,
+        daily_budget: entry.daily_budget,
         args: entry.args,
         pause_seconds: entry.pause_seconds,
         env: entry.env,
@@ -272,6 +297,28 @@ fn check_profile(name: &str, entry: ProfileEntry) -> Result<AgentProfile, String
         disk_bytes,
         egress: entry.egress,
     })
+}
+
+/// The profile's `daily_budget`: limits that read, on a profile whose calls go through the
+/// gateway (the only place spending is seen).
+fn check_daily_budget(name: &str, entry: &ProfileEntry) -> Result<(), String> {
+    let Some(budget) = &entry.daily_budget else {
+        return Ok(());
+    };
+    let key = format!("agents.{name}.daily_budget");
+    if entry.provider.is_none() {
+        return Err(format!(
+            "{key} needs `provider`: a daily budget is enforced by the worker's model gateway, which only a profile with a provider goes through"
+        ));
+    }
+    if budget.max_cost_usd.is_none() && budget.max_tokens.is_none() {
+        return Err(format!(
+            "{key} must set max_cost_usd (US dollars) or max_tokens (tokens), or both"
+        ));
+    }
+    budget
+        .check()
+        .map_err(|reason| format!("{key}: {}", reason.trim_start_matches("budget.")))
 }
 
 /// The profile's agent kind and its image (the kind's pinned one when it names none), and
@@ -289,12 +336,6 @@ fn check_kind(name: &str, entry: &ProfileEntry) -> Result<(AgentKind, String), S
             )
         })?,
     };
-    if entry.provider.is_some() {
-        return Err(format!(
-            "{} needs the model gateway (SPEC 16), which this version does not have yet; reach the provider with network = \"egress\" and its host in egress (see docs/AGENTS.md)",
-            key("provider")
-        ));
-    }
     if kind.is_command() {
         for (field, set) in [
             ("model", entry.model.is_some()),
@@ -349,6 +390,54 @@ fn check_kind(name: &str, entry: &ProfileEntry) -> Result<(AgentKind, String), S
     Ok((kind, image))
 }
 
+/// The profile's `provider` (SPEC 16): one the providers know, speaking its kind's API, and
+/// never beside a `base_url`; and its `env`, which may never pass a provider's key: keys stay
+/// in the worker, behind the model gateway.
+fn check_provider(
+    name: &str,
+    kind: AgentKind,
+    entry: &ProfileEntry,
+    providers: &Providers,
+) -> Result<(), String> {
+    let key = |k: &str| format!("agents.{name}.{k}");
+    if let Some(variable) = entry.env.iter().find(|v| providers.is_key_variable(v)) {
+        return Err(format!(
+            "{} passes {variable}, a model provider's key, into the stage, where the agent could read, print or spend it: set {} instead (SPEC 16); the worker's gateway holds the key and the stage gets a token of its own",
+            key("env"),
+            key("provider")
+        ));
+    }
+    let Some(wanted) = &entry.provider else {
+        return Ok(());
+    };
+    let provider = providers.get(wanted).ok_or_else(|| {
+        format!(
+            "{} is {wanted:?}; the providers are {} (add one in the file FORGEPOOL_PROVIDERS_FILE names)",
+            key("provider"),
+            providers.names().join(", ")
+        )
+    })?;
+    if let Some(api) = Api::of_kind(kind) {
+        if api != provider.api {
+            return Err(format!(
+                "{} is `{wanted}`, which speaks {}; a {} profile's CLI speaks {}: name a provider of that API",
+                key("provider"),
+                provider.api.as_str(),
+                kind.as_str(),
+                api.as_str()
+            ));
+        }
+    }
+    if entry.base_url.is_some() {
+        return Err(format!(
+            "{} and {} exclude each other: with a provider, the stage's base URL is the worker's gateway",
+            key("base_url"),
+            key("provider")
+        ));
+    }
+    Ok(())
+}
+
 /// The profile's name (it names queues on the broker) and its `max_concurrent`.
 fn check_pool_keys(name: &str, max_concurrent: Option<i64>) -> Result<Option<u32>, String> {
     if !proto::names::is_profile_name(name) {
@@ -385,23 +474,42 @@ mod tests {
 
     const SPEC_EXAMPLE: &str = r#"
         [agents.claude]
-        image = "registry.example.com/agents/claude-code:1.2"
-        command = ["claude", "-p", "--output-format", "text"]
-        env = ["ANTHROPIC_API_KEY"]
-        network = "bridge"
+        kind = "claude-code"
+        provider = "anthropic"
         memory = "4g"
         cpus = 2.0
         timeout_seconds = 1800
+
+        [agents.linter]
+        image = "registry.example.com/agents/lint-bot:1.2"
+        command = ["lint-bot", "--fix"]
+        env = ["LINT_BOT_TOKEN"]
+        network = "egress"
+        egress = ["api.lint-bot.example:443"]
     "#;
 
     #[test]
     fn spec_example_loads() {
         let book = AgentBook::parse(SPEC_EXAMPLE, Path::new("agents.toml")).unwrap();
         let claude = book.get("claude").unwrap();
-        assert_eq!(claude.network, Network::Bridge);
+        assert_eq!(claude.network, Network::None);
         assert_eq!(claude.memory_bytes, 4 << 30);
-        assert_eq!(claude.env, ["ANTHROPIC_API_KEY"]);
-        assert_eq!(book.default_for("implementer"), Some("claude"));
+        assert_eq!(claude.provider.as_deref(), Some("anthropic"));
+        assert!(claude.env.is_empty());
+        let linter = book.get("linter").unwrap();
+        assert_eq!(linter.env, ["LINT_BOT_TOKEN"]);
+        assert_eq!(linter.network, Network::Egress);
+    }
+
+    /// Catches: a daily budget dropped on the way into the frozen profile (the gateways would
+    /// never ask for allotments).
+    #[test]
+    fn a_daily_budget_reaches_the_profile() {
+        let text = "[agents.c]\nkind = \"claude-code\"\nprovider = \"anthropic\"\ndaily_budget = { max_cost_usd = 250.0, max_tokens = 9000000 }\n";
+        let book = AgentBook::parse(text, Path::new("agents.toml")).unwrap();
+        let budget = book.get("c").unwrap().daily_budget.clone().unwrap();
+        assert_eq!(budget.max_cost_usd, Some(250.0));
+        assert_eq!(budget.max_tokens, Some(9_000_000));
     }
 
     #[test]
@@ -452,6 +560,18 @@ mod tests {
             ),
             ("[agents.a]\n", "image"),
             (
+                "[agents.a]\nimage = \"x\"\ndaily_budget = { max_tokens = 5 }\n",
+                "agents.a.daily_budget needs `provider`",
+            ),
+            (
+                "[agents.a]\nkind = \"codex\"\nprovider = \"openai\"\ndaily_budget = {}\n",
+                "agents.a.daily_budget must set max_cost_usd",
+            ),
+            (
+                "[agents.a]\nkind = \"codex\"\nprovider = \"openai\"\ndaily_budget = { max_cost_usd = -1.0 }\n",
+                "agents.a.daily_budget: max_cost_usd must be a positive amount",
+            ),
+            (
                 "[agents.a]\nkind = \"claude\"\n",
                 "agents.a.kind is \"claude\"; forgepool knows command, claude-code, codex",
             ),
@@ -464,8 +584,24 @@ mod tests {
                 "agents.a.model applies to agent kinds only",
             ),
             (
-                "[agents.a]\nkind = \"claude-code\"\nprovider = \"anthropic\"\n",
-                "agents.a.provider needs the model gateway",
+                "[agents.a]\nkind = \"claude-code\"\nprovider = \"nobody\"\n",
+                "agents.a.provider is \"nobody\"; the providers are anthropic, openai, openai-chat, gemini",
+            ),
+            (
+                "[agents.a]\nkind = \"claude-code\"\nprovider = \"openai\"\n",
+                "a claude-code profile's CLI speaks anthropic-messages",
+            ),
+            (
+                "[agents.a]\nkind = \"claude-code\"\nprovider = \"anthropic\"\nbase_url = \"http://h\"\n",
+                "agents.a.base_url and agents.a.provider exclude each other",
+            ),
+            (
+                "[agents.a]\nkind = \"claude-code\"\nenv = [\"ANTHROPIC_API_KEY\"]\n",
+                "agents.a.env passes ANTHROPIC_API_KEY, a model provider's key",
+            ),
+            (
+                "[agents.a]\nimage = \"x\"\nenv = [\"GEMINI_API_KEY\"]\n",
+                "set agents.a.provider instead",
             ),
             (
                 "[agents.a]\nkind = \"aider\"\nbase_url = \"http://user:pw@host/v1\"\n",

@@ -1,5 +1,5 @@
-//! The dispatcher's AMQP wing: its four consumers (events, submissions, dead letters, workers'
-//! questions about executions) and
+//! The dispatcher's AMQP wing: its five consumers (events, submissions, dead letters, workers'
+//! questions about executions, gateways' questions about daily budgets) and
 //! their handlers. Each handler decides a [`Disposition`]; [`Dispatcher::settle`] carries it
 //! out, in one place.
 
@@ -27,6 +27,8 @@ pub enum Queue {
     DeadLetters,
     /// Workers' questions: is this execution of a run still live?
     Executions,
+    /// Gateways' questions: a share of a profile's daily budget.
+    Allotments,
 }
 
 /// One of the dispatcher's consumers.
@@ -43,6 +45,7 @@ impl Consumer {
             Queue::Submissions => topology.submissions(),
             Queue::DeadLetters => topology.dispatcher_dead(),
             Queue::Executions => topology.executions(),
+            Queue::Allotments => topology.allotments(),
         }
     }
 }
@@ -54,6 +57,7 @@ impl Consume for Consumer {
             Queue::Submissions => "forgepool-dispatcher-submissions",
             Queue::DeadLetters => "forgepool-dispatcher-dead",
             Queue::Executions => "forgepool-dispatcher-executions",
+            Queue::Allotments => "forgepool-dispatcher-allotments",
         }
     }
 
@@ -98,6 +102,13 @@ impl Consume for Consumer {
                     .settle(&delivery, Disposition::Ack, &source)
                     .await;
                 answer_question(dispatcher, &delivery).await;
+            }
+            Queue::Allotments => {
+                // Answered or dropped, like a question: the gateway asks again.
+                dispatcher
+                    .settle(&delivery, Disposition::Ack, &source)
+                    .await;
+                crate::allotments::answer_allotment(dispatcher, &delivery).await;
             }
         }
     }

@@ -247,16 +247,41 @@ impl Dispatcher {
         Ok(epoch_of(states.iter().map(|(_, event)| event)))
     }
 
-    /// Answers a worker's question: is this execution of a run still live in the store?
+    /// Answers a worker's question: is this execution of a run still live in the store? The
+    /// lost executions it reports are kept; at [`proto::MAX_LOST_EXECUTIONS`] the run fails
+    /// with that reason, and the answer says so.
     pub(crate) async fn answer(
         &self,
         query: &proto::ExecutionQuery,
     ) -> Result<proto::ExecutionAnswer, StoreError> {
-        let stored = match self.store.get_run(query.run_id).await? {
-            None => None,
-            Some(record) => Some((record.state, self.epoch(query.run_id).await?)),
+        let Some(mut record) = self.store.get_run(query.run_id).await? else {
+            return Ok(proto::ExecutionAnswer::to(query, None));
         };
-        Ok(proto::ExecutionAnswer::to(query, stored))
+        if query.lost > 0 && !record.state.is_terminal() {
+            let lost = self.store.record_lost(query.run_id, query.lost).await?;
+            if lost >= proto::MAX_LOST_EXECUTIONS {
+                let reason = format!(
+                    "the run's execution was lost {lost} times (its worker died, or lost the \
+                     broker, while running it; the limit is {}): the ticket can be submitted again",
+                    proto::MAX_LOST_EXECUTIONS
+                );
+                warn!(run_id = %query.run_id, %reason, "failing a run whose workers keep dying");
+                let event = Event::new(
+                    query.run_id,
+                    EventKind::State {
+                        state: RunState::Failed,
+                        reason,
+                    },
+                );
+                self.store_event(&record.job, &event).await?;
+                record.state = RunState::Failed;
+            }
+        }
+        let epoch = self.epoch(query.run_id).await?;
+        Ok(proto::ExecutionAnswer::to(
+            query,
+            Some((record.state, epoch)),
+        ))
     }
 
     /// Stores an event of `job`'s run; when it is new, counts it in the metrics and wakes the

@@ -113,11 +113,15 @@ impl Freezer {
         check_commands(&request.commands)?;
         let repair_budget = self.repair_budget(request.repair_attempts, &mut warnings)?;
         if let Some(budget) = &request.budget {
-            budget.check().map_err(|message| SubmitError::Invalid {
-                field: "budget.max_cost_usd".into(),
-                message: message
-                    .trim_start_matches("budget.max_cost_usd ")
-                    .to_string(),
+            budget.check().map_err(|message| {
+                let field = ["budget.max_cost_usd", "budget.max_tokens"]
+                    .into_iter()
+                    .find(|field| message.starts_with(field))
+                    .unwrap_or("budget");
+                SubmitError::Invalid {
+                    field: field.into(),
+                    message: message.trim_start_matches(field).trim_start().to_string(),
+                }
             })?;
         }
 
@@ -506,13 +510,18 @@ mod tests {
             ("repair_attempts", Box::new(|r| r.repair_attempts = Some(4))),
             (
                 "budget.max_cost_usd",
-                Box::new(|r| r.budget = Some(proto::Budget { max_cost_usd: 0.0 })),
+                Box::new(|r| r.budget = Some(proto::Budget::dollars(0.0))),
             ),
             (
                 "budget.max_cost_usd",
+                Box::new(|r| r.budget = Some(proto::Budget::dollars(f64::NAN))),
+            ),
+            (
+                "budget.max_tokens",
                 Box::new(|r| {
                     r.budget = Some(proto::Budget {
-                        max_cost_usd: f64::NAN,
+                        max_cost_usd: None,
+                        max_tokens: Some(0),
                     })
                 }),
             ),

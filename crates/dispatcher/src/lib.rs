@@ -5,6 +5,7 @@
 //! publishes about it, and watchers read both back.
 
 pub mod agents;
+mod allotments;
 pub mod amqp;
 pub mod dispatcher;
 pub mod freeze;

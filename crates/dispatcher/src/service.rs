@@ -223,6 +223,7 @@ fn start_background(
         Queue::Submissions,
         Queue::DeadLetters,
         Queue::Executions,
+        Queue::Allotments,
     ] {
         tasks.spawn(consume(Arc::clone(dispatcher), queue, shutdown.clone()));
     }

@@ -4,7 +4,7 @@
 //! run's **epoch** (how many times the dispatcher queued the run: a submission is epoch 0,
 //! each resume or requeue adds one) and an **expiry**. Before it executes a job, a worker asks
 //! the dispatcher whether that epoch is still the run's live one ([`ExecutionQuery`] on the
-//! `{prefix}.executions` queue); the dispatcher answers from its store, signed with the job key
+//! `{prefix}.execution-questions` queue); the dispatcher answers from its store, signed with the job key
 //! ([`ExecutionAnswer`]). A finished run is never live again, so a copied job replayed after
 //! its done marker expired runs nothing; a job past its expiry is dead-lettered unread.
 
@@ -64,6 +64,21 @@ pub struct ExecutionQuery {
     /// Drawn by the worker for this question; the answer repeats it, so an answer to another
     /// question (replayed by whoever can publish to the reply queue) is refused.
     pub nonce: Uuid,
+    /// How many times an execution of the run was lost before this copy (its worker died, or
+    /// lost the broker, while it held the job): the store keeps the highest count it was told,
+    /// and fails the run at [`MAX_LOST_EXECUTIONS`]. Left out when 0.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub lost: u32,
+}
+
+/// How many times a run's execution may be lost before the dispatcher fails the run with that
+/// reason: a job that kills every worker it reaches must stop somewhere, and ten deaths in a
+/// row are no longer bad luck. It has nothing to do with the broker's delivery limit, a guard
+/// against messages no consumer can settle.
+pub const MAX_LOST_EXECUTIONS: u32 = 10;
+
+fn is_zero(n: &u32) -> bool {
+    *n == 0
 }
 
 /// The dispatcher's answer, signed with the job key over [`answer_signed_bytes`].
@@ -155,7 +170,21 @@ mod tests {
             run_id: Uuid::new_v4(),
             epoch,
             nonce: Uuid::new_v4(),
+            lost: 0,
         }
+    }
+
+    /// Catches: a question that an earlier dispatcher (`deny_unknown_fields`) would refuse
+    /// when nothing was lost, and a count lost on the way.
+    #[test]
+    fn a_lost_count_is_sent_only_when_there_is_one() {
+        let mut q = query(1);
+        let text = serde_json::to_string(&q).unwrap();
+        assert!(!text.contains("lost"), "{text}");
+        q.lost = 3;
+        let again: ExecutionQuery =
+            serde_json::from_str(&serde_json::to_string(&q).unwrap()).unwrap();
+        assert_eq!(again.lost, 3);
     }
 
     #[test]

@@ -136,6 +136,14 @@ pub struct AgentProfile {
     /// public address when absent.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub base_url: Option<String>,
+    /// The model provider whose traffic goes through the worker's model gateway (SPEC 16): the
+    /// stage gets the gateway's address and a stage token, never the provider's key.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub provider: Option<String>,
+    /// With a `provider`: the most the profile may spend in a UTC day across the pool, checked
+    /// by the gateways against the dispatcher's allotments (`crate::allotment`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub daily_budget: Option<crate::Budget>,
     /// For an agent kind: extra arguments added to the CLI's command line.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub args: Vec<String>,
@@ -422,6 +430,8 @@ mod tests {
             kind: AgentKind::Command,
             model: None,
             base_url: None,
+            provider: None,
+            daily_budget: None,
             args: vec![],
             pause_seconds: None,
         }

@@ -6,6 +6,7 @@
 //! [`SCHEMA_VERSION`] so that a reader can refuse what it does not understand.
 
 mod agent;
+pub mod allotment;
 #[cfg(feature = "amqp")]
 pub mod amqp;
 mod api;
@@ -37,7 +38,9 @@ pub use event::{
     EventKind, LogStream, RoundRecord, RunResult, Stage, StageOutcome, AUTO_RESUMED_REASON,
     MAX_CHANGE_BYTES, MAX_CHECKPOINT_PATCH_BYTES, RESUMED_REASON,
 };
-pub use execution::{answer_signed_bytes, ExecutionAnswer, ExecutionQuery, Publication};
+pub use execution::{
+    answer_signed_bytes, ExecutionAnswer, ExecutionQuery, Publication, MAX_LOST_EXECUTIONS,
+};
 pub use job::{
     check_egress_entry, AgentProfile, Job, Network, ReviewConfig, DEFAULT_DISK_BYTES,
     MAX_PAUSE_SECONDS,

@@ -105,7 +105,7 @@ pub struct Assurance {
 
 /// Integers as JSON Schema counts them: `600` and `600.0` are the same integer, so a request
 /// a schema validator accepts is never refused by the parser for its number's spelling.
-mod integral {
+pub(crate) mod integral {
     use serde::de::{Deserializer, Error, Visitor};
 
     struct Integral;
@@ -197,10 +197,13 @@ mod tests {
     fn integral_numbers_are_integers_whatever_their_spelling() {
         let text = r#"{"ticket": "A-1", "skill": "s", "brief": "b", "repository": {"url": "u"},
                        "commands": [{"argv": ["x"], "timeout": 600.0}], "repair_attempts": 2.0,
-                       "schema_version": null}"#;
+                       "schema_version": null, "budget": {"max_tokens": 14029.0}}"#;
         let request: RunRequest = serde_json::from_str(text).unwrap();
         assert_eq!(request.commands[0].timeout, 600);
         assert_eq!(request.repair_attempts, Some(2));
+        // schemathesis's ST202 in CI: `budget.max_tokens: 14029.0` refused.
+        assert_eq!(request.budget.unwrap().max_tokens, Some(14029));
+        assert!(serde_json::from_str::<crate::Budget>(r#"{"max_tokens": 1.5}"#).is_err());
         assert_eq!(request.schema_version, None);
         for bad in [
             r#""timeout": 1.5"#,

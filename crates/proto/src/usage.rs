@@ -136,27 +136,59 @@ impl UsageTotals {
     }
 }
 
-/// A run's spending limit, from the request.
+/// A run's spending limits, from the request; a limit not set limits nothing.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields)]
 pub struct Budget {
-    /// Once the run's reported cost exceeds this, no further stage starts and the run ends
-    /// `failed`.
+    /// The most US dollars the run may spend. A profile with a `provider` is held to it by
+    /// the worker's model gateway before each call (SPEC 16); for other profiles, once the
+    /// cost their stages report exceeds it, no further stage starts and the run ends `failed`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     #[cfg_attr(feature = "openapi", schema(exclusive_minimum = 0.0))]
-    pub max_cost_usd: f64,
+    pub max_cost_usd: Option<f64>,
+    /// The most tokens (input, output and cache together) the run's calls through the model
+    /// gateway may use; a stage whose call would go past it ends with "budget exhausted".
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(deserialize_with = "crate::request::integral::option")]
+    #[cfg_attr(feature = "openapi", schema(minimum = 1))]
+    pub max_tokens: Option<u64>,
+}
+
+impl std::fmt::Display for Budget {
+    /// `$5.00`, `200000 tokens`, or both.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match (self.max_cost_usd, self.max_tokens) {
+            (Some(cost), Some(tokens)) => write!(f, "${cost:.2} and {tokens} tokens"),
+            (Some(cost), None) => write!(f, "${cost:.2}"),
+            (None, Some(tokens)) => write!(f, "{tokens} tokens"),
+            (None, None) => write!(f, "no limit"),
+        }
+    }
 }
 
 impl Budget {
-    /// Refuses a limit that is not a positive, finite amount.
+    /// A budget of `max_cost_usd` dollars.
+    pub fn dollars(max_cost_usd: f64) -> Budget {
+        Budget {
+            max_cost_usd: Some(max_cost_usd),
+            max_tokens: None,
+        }
+    }
+
+    /// Refuses a limit that is not a positive, finite amount; the error names the field. A
+    /// budget that sets neither limit limits nothing (as the API's schema allows `{}`).
     pub fn check(&self) -> Result<(), String> {
-        if self.max_cost_usd.is_finite() && self.max_cost_usd > 0.0 {
-            Ok(())
-        } else {
-            Err(format!(
-                "budget.max_cost_usd must be a positive amount in US dollars, got {}",
-                self.max_cost_usd
-            ))
+        if let Some(cost) = self.max_cost_usd {
+            if !(cost.is_finite() && cost > 0.0) {
+                return Err(format!(
+                    "budget.max_cost_usd must be a positive amount in US dollars, got {cost}"
+                ));
+            }
+        }
+        match self.max_tokens {
+            Some(0) => Err("budget.max_tokens must be a positive number of tokens, got 0".into()),
+            _ => Ok(()),
         }
     }
 }

@@ -67,7 +67,17 @@ pub struct Metrics {
     agent_cost: prometheus::CounterVec,
     profile_paused: IntGaugeVec,
     runs_waiting: IntGaugeVec,
+    model_requests: IntCounterVec,
+    model_tokens: IntCounterVec,
+    model_cost: prometheus::CounterVec,
+    model_latency: HistogramVec,
 }
+
+/// The buckets of the gateway's request durations: a refusal in microseconds to a long
+/// streamed answer.
+pub const MODEL_BUCKETS: [f64; 12] = [
+    0.001, 0.005, 0.025, 0.1, 0.5, 1.0, 2.5, 5.0, 15.0, 30.0, 60.0, 300.0,
+];
 
 fn counter(registry: &Registry, name: &str, help: &str, labels: &[&str]) -> IntCounterVec {
     let metric = IntCounterVec::new(Opts::new(name, help), labels).expect("a valid counter");
@@ -267,6 +277,38 @@ impl Metrics {
                 "Runs waiting for a cap slot of an agent profile (max_concurrent), by profile (dispatcher).",
                 &["profile"],
             ),
+            model_requests: counter(
+                r,
+                "forgepool_model_requests_total",
+                "Requests through the worker's model gateway, by profile, provider, model (a model of the provider's price table, or other) and HTTP status.",
+                &["profile", "provider", "model", "code"],
+            ),
+            model_tokens: counter(
+                r,
+                "forgepool_model_tokens_total",
+                "Tokens the model gateway metered on the wire, by profile, model and kind (input, output, cache_read, cache_write).",
+                &["profile", "model", "kind"],
+            ),
+            model_cost: {
+                let metric = prometheus::CounterVec::new(
+                    Opts::new(
+                        "forgepool_model_cost_usd_total",
+                        "What the model gateway's metered tokens cost at the providers' prices, in US dollars.",
+                    ),
+                    &["profile", "model"],
+                )
+                .expect("a valid counter");
+                r.register(Box::new(metric.clone()))
+                    .expect("a unique counter");
+                metric
+            },
+            model_latency: histogram(
+                r,
+                "forgepool_model_request_duration_seconds",
+                "Time from a request reaching the model gateway to the end of its answer, by profile and provider.",
+                &["profile", "provider"],
+                &MODEL_BUCKETS,
+            ),
             registry,
         };
         metrics.register_plain_metrics();
@@ -455,6 +497,40 @@ impl Metrics {
         self.agent_cost
             .with_label_values(&[name])
             .inc_by(usage.cost_usd);
+    }
+
+    /// Counts one request through the model gateway and its duration; `model` is already a
+    /// bounded label.
+    pub fn model_request(
+        &self,
+        profile: &str,
+        provider: &str,
+        model: &str,
+        code: u16,
+        seconds: f64,
+    ) {
+        self.model_requests
+            .with_label_values(&[profile, provider, model, &code.to_string()])
+            .inc();
+        self.model_latency
+            .with_label_values(&[profile, provider])
+            .observe(seconds);
+    }
+
+    /// Adds the tokens and cost the gateway metered for one answer.
+    pub fn model_usage(&self, profile: &str, model: &str, tokens: [(&str, u64); 4], cost: f64) {
+        for (kind, count) in tokens {
+            if count > 0 {
+                self.model_tokens
+                    .with_label_values(&[profile, model, kind])
+                    .inc_by(count);
+            }
+        }
+        if cost > 0.0 {
+            self.model_cost
+                .with_label_values(&[profile, model])
+                .inc_by(cost);
+        }
     }
 
     /// Sets `forgepool_profile_paused{profile}`: 1 while paused, 0 after.

@@ -45,6 +45,8 @@ mod final_review;
 mod gated;
 mod implement;
 pub mod machine;
+mod model;
+mod outputs;
 mod prompt;
 mod pull;
 mod refusal;
@@ -100,6 +102,9 @@ pub struct EngineConfig {
     pub cache: Option<crate::workspace::cache::RepoCache>,
     /// What decides whether an agent stage may start (profile caps and pauses).
     pub gate: Arc<dyn ProfileGate>,
+    /// The worker's model gateway, which stages of a profile with a `provider` reach their
+    /// model through; without it such a stage fails saying so.
+    pub gateway: Option<Arc<gateway::Gateway>>,
 }
 
 impl EngineConfig {
@@ -123,6 +128,7 @@ impl EngineConfig {
                 crate::workspace::cache::DEFAULT_CACHE_BYTES,
             )),
             gate: Arc::new(LocalGate::default()),
+            gateway: None,
             workspace_root,
         }
     }
@@ -614,6 +620,10 @@ impl<R: ContainerRuntime> Engine<R> {
         &self,
         run: &mut RunContext<'_>,
     ) -> Option<Ahead<R::Created>> {
+        // A stage token lives from its stage's start: a gateway profile's stage is made then.
+        if run.job.implementer.provider.is_some() {
+            return None;
+        }
         let prepared = self
             .implement_spec(run, 1, &RoundReason::Initial, 0)
             .await

@@ -14,6 +14,7 @@ pub mod delivery;
 pub mod docker;
 pub mod engine;
 pub mod fault;
+pub mod model_gateway;
 pub mod ports;
 pub mod review;
 pub mod runtime;

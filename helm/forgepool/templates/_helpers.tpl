@@ -48,12 +48,12 @@ profiles' longest timeout_seconds (1800 for a profile without one) plus 60 s. */
 {{- end -}}
 {{- end -}}
 
-{{/* The vhost KEDA reads: rabbitmq.vhost, else the path of the external broker URL, else "/". */}}
+{{/* The vhost KEDA reads: rabbitmq.vhost, else the path of the external broker URL (its first node's, when it lists several), else "/". */}}
 {{- define "forgepool.vhost" -}}
 {{- if .Values.rabbitmq.vhost -}}
 {{ .Values.rabbitmq.vhost }}
 {{- else if and (eq .Values.rabbitmq.mode "external") .Values.rabbitmq.externalUrl -}}
-{{- $path := (urlParse .Values.rabbitmq.externalUrl).path | trimPrefix "/" -}}
+{{- $path := (urlParse (splitList "," .Values.rabbitmq.externalUrl | first)).path | trimPrefix "/" -}}
 {{ $path | default "/" }}
 {{- else -}}
 /

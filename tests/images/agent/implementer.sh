@@ -18,6 +18,10 @@
 #               /forge/output/pause.json with the seconds left and exits 75; then like change
 #   sleep-from N S  like change, but from round N on it first sleeps S seconds unless
 #               $SLEEP_DONE is set (a test drains its workers meanwhile)
+#   model-call HOST:PORT SECONDS  a profile with a provider: calls the model through the
+#               gateway with its stage token (the answer goes to model-answer.txt), keeps the
+#               token in token.txt, tries HOST:PORT (the provider itself) directly
+#               (direct.txt), then waits SECONDS for the test to look inside the container
 #   attack KIND HOST_PATH [HOST_PATH2]
 #               changes the source like `change`, then tries to reach the worker's host
 #               (the tests look for the evidence there; nothing must appear):
@@ -139,6 +143,21 @@ case "$mode" in
     for i in 1 2 3 4; do head -c 5000000 /dev/zero > "hog-$i.bin"; done
     sleep 5
     echo "round $FORGE_ROUND" >> feature.txt
+    ;;
+  model-call)
+    body='{"model":"fake-model","max_tokens":16,"stream":true,"messages":[{"role":"user","content":"say hi"}]}'
+    timeout 20 wget -q -O model-answer.txt --header "x-api-key: $ANTHROPIC_API_KEY" \
+      --header "anthropic-version: 2023-06-01" --header "content-type: application/json" \
+      --post-data "$body" "$ANTHROPIC_BASE_URL/v1/messages" 2>model-error.txt || true
+    echo "$FORGE_MODEL_TOKEN" > token.txt
+    if timeout 5 wget -q -O - "http://$2/v1/messages" >/dev/null 2>&1 \
+      || echo probe | nc -w 3 "${2%:*}" "${2#*:}" >/dev/null 2>&1; then
+      echo "direct: reached" > direct.txt
+    else
+      echo "direct: refused" > direct.txt
+    fi
+    echo "round $FORGE_ROUND" >> feature.txt
+    sleep "${3:-1}"
     ;;
   egress-probe)
     gw="$2"; allowed="$3"; decoy="$4"

@@ -11,6 +11,8 @@
 #   flood-forever  prints short lines until it is stopped
 #   hostile URL  REJECTED on cycle 1 with feedback that would run script and load URL if a
 #             page ever took it as markup (the web view must show it as text), APPROVED after
+#   replay-token  a profile with a provider: calls the gateway with the implementer's token
+#             (token.txt in the change), prints what the gateway answered, then APPROVED
 #   leak      puts $AGENT_SECRET in its verdicts: REJECTED on cycle 1, APPROVED after (it must
 #             come back redacted everywhere)
 set -eu
@@ -25,6 +27,14 @@ case "$mode" in
     fi
     ;;
   approve) echo "All criteria pass. APPROVED" ;;
+  replay-token)
+    body='{"model":"fake-model","max_tokens":16,"messages":[{"role":"user","content":"hi"}]}'
+    answer="$(timeout 20 wget -S -O - --header "x-api-key: $(cat /workspace/token.txt)" \
+      --header "content-type: application/json" --post-data "$body" \
+      "$ANTHROPIC_BASE_URL/v1/messages" 2>&1 || true)"
+    echo "replayed token: $(echo "$answer" | grep -o 'HTTP/1.1 [0-9]*' | head -1)"
+    echo "APPROVED"
+    ;;
   reject) printf 'REJECTED\nCycle %s: error handling still missing\n' "$FORGE_CYCLE" ;;
   nomarker) echo "I looked at the change and have thoughts, but no verdict." ;;
   sleep) sleep "${2:-30}"; echo "APPROVED" ;;

@@ -9,6 +9,7 @@
 
 use std::future::Future;
 
+use proto::allotment::Spend;
 use proto::{CycleRecord, Event, Job, RunResult, RunState, RunSummary};
 use uuid::Uuid;
 
@@ -295,6 +296,42 @@ pub trait RunStore: Send + Sync + 'static {
         newest: bool,
         limit: u32,
     ) -> impl Future<Output = Result<Vec<(i64, Event)>, StoreError>> + Send;
+    /// In one transaction: takes `allot.returned` back from what `allot.profile` was allotted
+    /// on `allot.day`, then allots what [`proto::allotment::grant`] gives for `allot.want`
+    /// (nothing, and why, once the day's limit is reached).
+    fn allot(
+        &self,
+        allot: Allot,
+    ) -> impl Future<Output = Result<Result<Spend, String>, StoreError>> + Send;
+    /// Keeps the highest count of lost executions reported for `run_id` and returns it (0
+    /// for a run the store does not hold).
+    fn record_lost(
+        &self,
+        run_id: Uuid,
+        lost: u32,
+    ) -> impl Future<Output = Result<u32, StoreError>> + Send;
+}
+
+/// One allotment of a profile's daily budget (see [`RunStore::allot`]).
+#[derive(Debug, Clone)]
+pub struct Allot {
+    /// The profile.
+    pub profile: String,
+    /// The dispatcher's UTC day.
+    pub day: String,
+    /// The profile's daily limits.
+    pub limits: proto::Budget,
+    /// What a gateway needs.
+    pub want: Spend,
+    /// What it hands back.
+    pub returned: Spend,
+}
+
+impl Allot {
+    /// The new total and the grant, from the total allotted so far.
+    pub(crate) fn apply(&self, total: Spend) -> (Spend, Result<Spend, String>) {
+        proto::allotment::allot(&self.profile, &self.limits, total, self.want, self.returned)
+    }
 }
 
 /// The event kinds a run page's timeline is made of: everything but the log, the
@@ -493,6 +530,12 @@ impl RunStore for Store {
         limit: u32,
     ) -> Result<Vec<(i64, Event)>, StoreError> {
         delegate!(self, s => s.events_of_kinds(run_id, kinds, newest, limit).await)
+    }
+    async fn allot(&self, allot: Allot) -> Result<Result<Spend, String>, StoreError> {
+        delegate!(self, s => s.allot(allot).await)
+    }
+    async fn record_lost(&self, run_id: Uuid, lost: u32) -> Result<u32, StoreError> {
+        delegate!(self, s => s.record_lost(run_id, lost).await)
     }
 }
 

@@ -9,9 +9,9 @@
 use std::future::Future;
 use std::time::Duration;
 
-use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod, Runtime};
+use deadpool_postgres::{Pool, Runtime};
+use proto::allotment::Spend;
 use proto::{Event, EventKind, Job, RunState, RunSummary};
-use tokio_postgres::NoTls;
 use uuid::Uuid;
 
 use super::{
@@ -36,6 +36,8 @@ const OPEN_PATIENCE: Duration = Duration::from_secs(30);
 mod migrations {
     refinery::embed_migrations!("migrations/postgres");
 }
+mod counts;
+
 /// How long the migrations of one start may take (an index on a big table takes a while).
 const MIGRATION_TIMEOUT: Duration = Duration::from_secs(600);
 
@@ -63,27 +65,7 @@ impl PostgresStore {
             target: target.clone(),
             reason,
         };
-        let (url, tls) = super::tls::split(url).map_err(&failed)?;
-        let mut config: tokio_postgres::Config = url
-            .parse()
-            .map_err(|e: tokio_postgres::Error| failed(format!("not a PostgreSQL URL: {e}")))?;
-        let manager_config = || ManagerConfig {
-            recycling_method: RecyclingMethod::Fast,
-        };
-        let manager = match super::tls::connector(&tls).map_err(&failed)? {
-            None => {
-                config.ssl_mode(tokio_postgres::config::SslMode::Disable);
-                Manager::from_config(config, NoTls, manager_config())
-            }
-            Some(connect) => {
-                config.ssl_mode(if tls.mode == super::tls::SslMode::Prefer {
-                    tokio_postgres::config::SslMode::Prefer
-                } else {
-                    tokio_postgres::config::SslMode::Require
-                });
-                Manager::from_config(config, connect, manager_config())
-            }
-        };
+        let manager = super::tls::manager(url).map_err(&failed)?;
         let pool = Pool::builder(manager)
             .max_size(POOL_SIZE)
             .runtime(Runtime::Tokio1)
@@ -677,5 +659,13 @@ impl RunStore for PostgresStore {
             &[&run_id.to_string(), &after, &i64::from(limit)],
         )
         .await
+    }
+
+    async fn allot(&self, allot: super::Allot) -> Result<Result<Spend, String>, StoreError> {
+        counts::allot(self, allot).await
+    }
+
+    async fn record_lost(&self, run_id: Uuid, lost: u32) -> Result<u32, StoreError> {
+        counts::record_lost(self, run_id, lost).await
     }
 }

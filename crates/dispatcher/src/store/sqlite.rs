@@ -3,6 +3,7 @@
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
+use proto::allotment::Spend;
 use proto::{Event, EventKind, Job, RunState, RunSummary};
 use rusqlite::{params, Connection, OptionalExtension};
 use uuid::Uuid;
@@ -562,6 +563,49 @@ impl RunStore for SqliteStore {
             rows.into_iter()
                 .map(|(position, body)| Ok((position, serde_json::from_str(&body)?)))
                 .collect()
+        })
+        .await
+    }
+
+    async fn allot(&self, allot: super::Allot) -> Result<Result<Spend, String>, StoreError> {
+        self.with(move |c| {
+            let tx = c.transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)?;
+            let total = tx
+                .query_row(
+                    "SELECT tokens, cost_usd FROM daily_allotments WHERE profile = ?1 AND day = ?2",
+                    params![allot.profile, allot.day],
+                    |r| {
+                        Ok(Spend {
+                            tokens: r.get::<_, i64>(0)?.max(0) as u64,
+                            cost_usd: r.get(1)?,
+                        })
+                    },
+                )
+                .optional()?
+                .unwrap_or_default();
+            let (total, granted) = allot.apply(total);
+            tx.execute(
+                "INSERT INTO daily_allotments (profile, day, tokens, cost_usd) VALUES (?1, ?2, ?3, ?4)
+                 ON CONFLICT (profile, day) DO UPDATE SET tokens = excluded.tokens, cost_usd = excluded.cost_usd",
+                params![allot.profile, allot.day, total.tokens.min(i64::MAX as u64) as i64, total.cost_usd],
+            )?;
+            tx.commit()?;
+            Ok(granted)
+        })
+        .await
+    }
+
+    async fn record_lost(&self, run_id: Uuid, lost: u32) -> Result<u32, StoreError> {
+        self.with(move |c| {
+            let kept = c
+                .query_row(
+                    "UPDATE runs SET lost_executions = MAX(lost_executions, ?2) WHERE run_id = ?1
+                     RETURNING lost_executions",
+                    params![run_id.to_string(), i64::from(lost)],
+                    |r| r.get::<_, i64>(0),
+                )
+                .optional()?;
+            Ok(kept.map_or(0, |n| u32::try_from(n).unwrap_or(u32::MAX)))
         })
         .await
     }

@@ -221,6 +221,34 @@ pub(super) fn worth_waiting(error: &super::StoreError) -> bool {
     }
 }
 
+/// The connection manager for `url`: its TLS parameters (`sslmode`, `sslrootcert`) taken out
+/// and applied, or `NoTls` when it asks for none.
+pub fn manager(url: &str) -> Result<deadpool_postgres::Manager, String> {
+    use deadpool_postgres::{Manager, ManagerConfig, RecyclingMethod};
+    let (url, tls) = split(url)?;
+    let mut config: tokio_postgres::Config = url
+        .parse()
+        .map_err(|e: tokio_postgres::Error| format!("not a PostgreSQL URL: {e}"))?;
+    let manager_config = || ManagerConfig {
+        recycling_method: RecyclingMethod::Fast,
+    };
+    let manager = match connector(&tls)? {
+        None => {
+            config.ssl_mode(tokio_postgres::config::SslMode::Disable);
+            Manager::from_config(config, tokio_postgres::NoTls, manager_config())
+        }
+        Some(connect) => {
+            config.ssl_mode(if tls.mode == SslMode::Prefer {
+                tokio_postgres::config::SslMode::Prefer
+            } else {
+                tokio_postgres::config::SslMode::Require
+            });
+            Manager::from_config(config, connect, manager_config())
+        }
+    };
+    Ok(manager)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

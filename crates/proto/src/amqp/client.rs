@@ -2,36 +2,16 @@
 
 use std::time::Duration;
 
-use deadpool_lapin::lapin;
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions, QueueDeclareOptions};
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
-use lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
+use lapin::{BasicProperties, Channel, Connection};
 use tokio::sync::Mutex;
 
+use super::brokers::{broker_urls, connect};
 use super::{
-    refusal_code, AmqpError, Topology, CONFIRM_TIMEOUT, CONNECT_TIMEOUT, REASON_HEADER,
-    SESSION_TIMEOUT, SOURCE_HEADER,
+    refusal_code, AmqpError, Topology, CONFIRM_TIMEOUT, REASON_HEADER, SESSION_TIMEOUT,
+    SOURCE_HEADER,
 };
-
-/// Connection properties that run lapin on the current tokio runtime.
-pub fn connection_properties(name: &str) -> ConnectionProperties {
-    ConnectionProperties::default().with_connection_name(LongString::from(name.to_string()))
-}
-
-/// The largest AMQP frame forgepool asks for, unless the URL sets `frame_max` itself. The
-/// client keeps two buffers of 32 frames per connection and fills them with zeros, so the
-/// broker's default (128 KiB) costs 8 MiB of resident memory per connection; 8 KiB frames
-/// cost 512 KiB. Messages of any size still pass: a body is split into frames.
-pub const FRAME_MAX: u32 = 8192;
-
-/// `url` with `frame_max=`[`FRAME_MAX`] added to its query, unless it has one.
-pub fn with_frame_max(url: &str) -> String {
-    if url.contains("frame_max=") {
-        return url.to_string();
-    }
-    let separator = if url.contains('?') { '&' } else { '?' };
-    format!("{url}{separator}frame_max={FRAME_MAX}")
-}
 
 /// The shortest AMQP heartbeat a worker may use. A worker cut off from the broker stops its
 /// runs within about 40 s (one sweep, one bounded broker call, the claim grace); another
@@ -44,6 +24,13 @@ pub const MIN_WORKER_HEARTBEAT_SECONDS: u64 = 60;
 /// [`MIN_WORKER_HEARTBEAT_SECONDS`]; `heartbeat=0` (none) is allowed: the broker then keeps a
 /// dead worker's jobs until TCP gives up on it, which is slow but safe.
 pub fn check_worker_heartbeat(url: &str) -> Result<(), String> {
+    for url in broker_urls(url) {
+        check_heartbeat(&url)?;
+    }
+    Ok(())
+}
+
+fn check_heartbeat(url: &str) -> Result<(), String> {
     let Some((_, query)) = url.split_once('?') else {
         return Ok(());
     };
@@ -62,24 +49,6 @@ pub fn check_worker_heartbeat(url: &str) -> Result<(), String> {
         }
     }
     Ok(())
-}
-
-/// Opens a connection within [`CONNECT_TIMEOUT`].
-pub async fn connect(url: &str, name: &str) -> Result<Connection, AmqpError> {
-    let failed = |detail: String| AmqpError::Connect {
-        url: redact_url(url),
-        detail,
-    };
-    match tokio::time::timeout(
-        CONNECT_TIMEOUT,
-        Connection::connect(&with_frame_max(url), connection_properties(name)),
-    )
-    .await
-    {
-        Ok(Ok(connection)) => Ok(connection),
-        Ok(Err(error)) => Err(failed(error.to_string())),
-        Err(_) => Err(failed(format!("no answer within {CONNECT_TIMEOUT:?}"))),
-    }
 }
 
 /// Opens a connection of its own (see [`connect`]) and a channel on it.
@@ -135,25 +104,26 @@ pub async fn queue_exists(channel: Channel, queue: &str) -> Result<bool, AmqpErr
     }
 }
 
-/// A URL with its password hidden, for messages and logs.
-pub fn redact_url(url: &str) -> String {
-    match (url.find("://"), url.rfind('@')) {
-        (Some(scheme), Some(at)) if at > scheme => {
-            let credentials = &url[scheme + 3..at];
-            let user = credentials.split(':').next().unwrap_or("");
-            format!("{}{user}:***{}", &url[..scheme + 3], &url[at..])
-        }
-        _ => url.to_string(),
-    }
+/// A publisher with confirms on a connection of its own (to a node of the broker list,
+/// opened lazily and again after a lost one). Every publish is persistent and `mandatory`,
+/// and waits for the broker's confirm for at most [`CONFIRM_TIMEOUT`].
+pub struct Publisher {
+    url: String,
+    name: String,
+    /// The confirm channel in use, with the connection it lives on.
+    channel: Mutex<Option<(Connection, Channel)>>,
+    /// The connection queue statistics are read on, apart from publishing.
+    stats: Mutex<Option<Connection>>,
 }
 
-/// A publisher with confirms on its own pooled connection. Every publish is persistent and
-/// `mandatory`, and waits for the broker's confirm for at most [`CONFIRM_TIMEOUT`].
-#[derive(Debug)]
-pub struct Publisher {
-    pool: deadpool_lapin::Pool,
-    /// The confirm channel in use, with the pooled connection it lives on.
-    channel: Mutex<Option<(deadpool_lapin::Object, Channel)>>,
+impl std::fmt::Debug for Publisher {
+    /// The broker URL without its password.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Publisher")
+            .field("url", &super::brokers::redact_url(&self.url))
+            .field("name", &self.name)
+            .finish_non_exhaustive()
+    }
 }
 
 /// The limit on one publish attempt as a whole: getting a connection and a channel, sending,
@@ -162,25 +132,14 @@ pub struct Publisher {
 pub const PUBLISH_ATTEMPT_TIMEOUT: Duration = Duration::from_secs(15);
 
 impl Publisher {
-    /// A publisher connecting to `url` (lazily, and again after a lost connection).
+    /// A publisher connecting to `url` (one node, or a list: see [`broker_urls`]) when it is
+    /// first used, and again after a lost connection.
     pub fn new(url: &str, name: &str) -> Result<Publisher, AmqpError> {
-        let name = name.to_string();
-        let config = deadpool_lapin::Config {
-            url: Some(with_frame_max(url)),
-            pool: None,
-        };
-        let pool = config
-            .builder(
-                move || connection_properties(&name),
-                deadpool_lapin::Runtime::Tokio1,
-            )
-            .map_err(|e| AmqpError::Pool(e.to_string()))?
-            .max_size(2)
-            .build()
-            .map_err(|e| AmqpError::Pool(e.to_string()))?;
         Ok(Publisher {
-            pool,
+            url: url.to_string(),
+            name: name.to_string(),
             channel: Mutex::new(None),
+            stats: Mutex::new(None),
         })
     }
 
@@ -192,14 +151,11 @@ impl Publisher {
                 return Ok(channel.clone());
             }
         }
-        // The old connection is not given back to the pool: it failed us once.
-        if let Some((object, _)) = slot.take() {
-            drop(deadpool_lapin::Object::take(object));
+        // The old connection is not used again: it failed us once.
+        if let Some((connection, _)) = slot.take() {
+            close_quietly(connection);
         }
-        let connection = tokio::time::timeout(CONNECT_TIMEOUT, self.pool.get())
-            .await
-            .map_err(|_| AmqpError::Pool(format!("no connection within {CONNECT_TIMEOUT:?}")))?
-            .map_err(|e| AmqpError::Pool(e.to_string()))?;
+        let connection = connect(&self.url, &self.name).await?;
         let channel = open_channel(&connection).await?;
         channel
             .confirm_select(ConfirmSelectOptions::default())
@@ -217,20 +173,12 @@ impl Publisher {
     /// dropped with the runtime. Publishing afterwards opens a new connection.
     pub async fn close(&self) {
         let work = async {
-            if let Some((object, channel)) = self.channel.lock().await.take() {
+            if let Some((connection, channel)) = self.channel.lock().await.take() {
                 let _ = channel.close(200, "bye".into()).await;
-                let _ = deadpool_lapin::Object::take(object)
-                    .close(200, "bye".into())
-                    .await;
+                let _ = connection.close(200, "bye".into()).await;
             }
-            // The idle pooled connections, taken out of the pool so none is made anew.
-            for _ in 0..self.pool.status().available {
-                let Ok(object) = self.pool.get().await else {
-                    break;
-                };
-                let _ = deadpool_lapin::Object::take(object)
-                    .close(200, "bye".into())
-                    .await;
+            if let Some(connection) = self.stats.lock().await.take() {
+                let _ = connection.close(200, "bye".into()).await;
             }
         };
         let _ = tokio::time::timeout(CONFIRM_TIMEOUT, work).await;
@@ -238,8 +186,8 @@ impl Publisher {
 
     /// Forgets the channel in use and its connection, so the next publish starts afresh.
     async fn forget_channel(&self) {
-        if let Some((object, _)) = self.channel.lock().await.take() {
-            drop(deadpool_lapin::Object::take(object));
+        if let Some((connection, _)) = self.channel.lock().await.take() {
+            close_quietly(connection);
         }
     }
 
@@ -261,15 +209,29 @@ impl Publisher {
     ) -> Result<Vec<(String, u32, u32)>, AmqpError> {
         let broker = |operation| move |source| AmqpError::Broker { operation, source };
         let work = async {
-            let connection = self
-                .pool
-                .get()
-                .await
-                .map_err(|e| AmqpError::Pool(e.to_string()))?;
-            let channel = connection
-                .create_channel()
-                .await
-                .map_err(broker("open channel"))?;
+            let mut slot = self.stats.lock().await;
+            if !slot.as_ref().is_some_and(|c| c.status().connected()) {
+                if let Some(old) = slot.take() {
+                    close_quietly(old);
+                }
+                *slot = Some(connect(&self.url, &format!("{}-stats", self.name)).await?);
+            }
+            let Some(connection) = slot.as_ref() else {
+                return Err(AmqpError::Pool("no connection for queue statistics".into()));
+            };
+            let channel = match connection.create_channel().await {
+                Ok(channel) => channel,
+                Err(source) => {
+                    // The next reading connects again.
+                    if let Some(old) = slot.take() {
+                        close_quietly(old);
+                    }
+                    return Err(AmqpError::Broker {
+                        operation: "open channel",
+                        source,
+                    });
+                }
+            };
             let passive = QueueDeclareOptions {
                 passive: true,
                 ..Default::default()
@@ -464,8 +426,31 @@ pub fn header_text(properties: &BasicProperties, name: &str) -> Option<String> {
     }
 }
 
+/// Ends a connection that failed us without waiting for the broker: a goodbye sent in the
+/// background, so a dead node never holds the caller.
+fn close_quietly(connection: Connection) {
+    if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+        runtime.spawn(async move {
+            let _ =
+                tokio::time::timeout(CONFIRM_TIMEOUT, connection.close(200, "bye".into())).await;
+        });
+    }
+}
+
 #[cfg(test)]
 mod tests {
+    /// Catches: a publisher whose debug form, printed by whoever logs it, shows the broker's
+    /// password (it keeps the URL to connect again).
+    #[test]
+    fn a_publisher_does_not_show_its_password() {
+        let publisher = Publisher::new("amqp://fp:hunter2-secret@h/%2f,h2", "test").unwrap();
+        let shown = format!("{publisher:?}");
+        assert!(
+            !shown.contains("hunter2-secret") && shown.contains("fp:***@h"),
+            "{shown}"
+        );
+    }
+
     /// Catches: a worker that accepts a heartbeat short enough that the broker hands its run
     /// to another worker before it stops it (two executions at once), or that refuses the
     /// default.
@@ -482,32 +467,10 @@ mod tests {
             "{short}"
         );
         assert!(check_worker_heartbeat(&format!("{base}?heartbeat=soon")).is_err());
+        // Every node of a list is checked (a later node's own URL may set its heartbeat).
+        let listed = format!("{base}?heartbeat=60,amqp://h2/%2f?heartbeat=5");
+        assert!(check_worker_heartbeat(&listed).is_err(), "{listed}");
     }
 
     use super::*;
-
-    #[test]
-    fn urls_lose_their_password() {
-        assert_eq!(
-            redact_url("amqp://guest:secret@host:5672/%2f"),
-            "amqp://guest:***@host:5672/%2f"
-        );
-        assert_eq!(redact_url("amqp://host"), "amqp://host");
-    }
-
-    #[test]
-    fn urls_ask_for_small_frames_unless_they_say_otherwise() {
-        assert_eq!(
-            with_frame_max("amqp://h:5672/%2f"),
-            "amqp://h:5672/%2f?frame_max=8192"
-        );
-        assert_eq!(
-            with_frame_max("amqp://h/%2f?heartbeat=30"),
-            "amqp://h/%2f?heartbeat=30&frame_max=8192"
-        );
-        assert_eq!(
-            with_frame_max("amqp://h/%2f?frame_max=65536"),
-            "amqp://h/%2f?frame_max=65536"
-        );
-    }
 }

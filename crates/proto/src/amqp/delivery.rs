@@ -3,7 +3,6 @@
 use std::future::Future;
 use std::time::Duration;
 
-use deadpool_lapin::lapin;
 use futures_util::StreamExt;
 pub use lapin::message::Delivery;
 use lapin::types::{AMQPValue, FieldTable, LongString};
@@ -11,7 +10,8 @@ use lapin::{BasicProperties, Channel, Connection};
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
-use super::client::{connect, header_text, Publisher};
+use super::brokers::connect;
+use super::client::{header_text, Publisher};
 use super::{AmqpError, Topology, DELIVERY_LIMIT, REASON_HEADER, SESSION_TIMEOUT, SOURCE_HEADER};
 
 /// The headers that carry a job's signature.

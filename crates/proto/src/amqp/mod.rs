@@ -5,8 +5,8 @@
 //!
 //! The client lives here, beside the contract, because the dispatcher and the worker need the
 //! very same connection, confirm and reconnect rules; it is compiled only with the `amqp`
-//! feature, so the wire types stay free of lapin for every other user of `proto`. lapin and
-//! deadpool-lapin appear in no other module of forgepool's services.
+//! feature, so the wire types stay free of lapin for every other user of `proto`. lapin
+//! appears in no other module of forgepool's services.
 //!
 //! Both services declare the whole topology on start (declarations are idempotent), so either
 //! may start first and no message is ever unroutable. Names share a prefix (`forgepool` by
@@ -14,11 +14,16 @@
 
 use std::time::Duration;
 
-use deadpool_lapin::lapin;
-
-/// How often a message is delivered before the broker dead-letters it (a job that keeps
-/// killing its workers must not be retried forever).
+/// How often a message is delivered before the broker dead-letters it: a guard against a
+/// message no consumer can settle. A worker that dies holding a job does not count toward it
+/// (the next worker sends the job on as a fresh copy); [`crate::MAX_LOST_EXECUTIONS`] bounds
+/// those.
 pub const DELIVERY_LIMIT: i64 = 5;
+/// How many times a job's execution may be lost before a worker takes the job for poison by
+/// itself: a backstop at twice the store's limit ([`crate::MAX_LOST_EXECUTIONS`], which the
+/// dispatcher applies when a worker asks whether the execution is live), for a dispatcher of
+/// an earlier release that does not count. Independent of [`DELIVERY_LIMIT`].
+pub const LOST_BACKSTOP: u32 = 2 * crate::MAX_LOST_EXECUTIONS;
 /// How long a publish waits for the broker's confirm.
 pub const CONFIRM_TIMEOUT: Duration = Duration::from_secs(10);
 /// How long connecting may take.
@@ -89,14 +94,17 @@ pub enum AmqpError {
     Pool(String),
 }
 
+pub mod brokers;
 pub mod client;
 pub mod delivery;
 pub mod topology;
 
+pub use brokers::{
+    broker_urls, connect, connection_properties, redact_url, with_frame_max, FRAME_MAX,
+};
 pub use client::{
-    check_worker_heartbeat, connect, connect_channel, connection_properties, exclusive_queue,
-    header_text, open_channel, queue_exists, redact_url, with_frame_max, Publisher, FRAME_MAX,
-    PUBLISH_ATTEMPT_TIMEOUT,
+    check_worker_heartbeat, connect_channel, exclusive_queue, header_text, open_channel,
+    queue_exists, Publisher, PUBLISH_ATTEMPT_TIMEOUT,
 };
 pub use delivery::*;
 pub use topology::Topology;

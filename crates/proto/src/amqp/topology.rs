@@ -1,6 +1,5 @@
 //! The names of forgepool's queues and exchanges, their arguments, and their declaration.
 
-use deadpool_lapin::lapin;
 use lapin::options::{ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions};
 use lapin::types::{AMQPValue, FieldTable, LongString};
 use lapin::{Channel, ExchangeKind};
@@ -44,9 +43,12 @@ impl Topology {
         format!("{}.jobs", self.prefix)
     }
 
-    /// Jobs whose run is leased by a live worker wait here, then return to the jobs queue.
+    /// Jobs whose run is leased by a live worker wait here, then return to the jobs queue:
+    /// `{prefix}.jobs.waiting`, a quorum queue (releases before 2026-12-06 had a classic
+    /// `{prefix}.jobs.wait`, homed on one node; it empties itself into the jobs queue within
+    /// seconds and may be deleted).
     pub fn jobs_wait(&self) -> String {
-        format!("{}.jobs.wait", self.prefix)
+        format!("{}.jobs.waiting", self.prefix)
     }
 
     /// Dead letters: `{prefix}.dead`, a queue behind the fanout exchange of the same name.
@@ -122,9 +124,17 @@ impl Topology {
     }
 
     /// Workers' questions to the dispatcher: is this execution of a run still live
-    /// (`crate::ExecutionQuery`)? `{prefix}.executions`, answered through direct reply-to.
+    /// (`crate::ExecutionQuery`)? `{prefix}.execution-questions`, a quorum queue, answered
+    /// through direct reply-to (the classic `{prefix}.executions` of earlier releases may be
+    /// deleted).
     pub fn executions(&self) -> String {
-        format!("{}.executions", self.prefix)
+        format!("{}.execution-questions", self.prefix)
+    }
+
+    /// Where gateways ask the dispatcher for a share of a profile's daily budget
+    /// (`crate::allotment::AllotmentQuery`), answered through direct reply-to.
+    pub fn allotments(&self) -> String {
+        format!("{}.allotments", self.prefix)
     }
 
     /// The exclusive queue that says a worker instance is alive.
@@ -165,6 +175,7 @@ impl Topology {
             (self.dispatcher_events(), work()),
             (self.pauses(), pause_stream()),
             (self.executions(), questions()),
+            (self.allotments(), questions()),
         ];
         for (name, arguments) in queues {
             channel
@@ -196,9 +207,19 @@ impl Topology {
     }
 
     /// The wait queue holds a job for [`WAIT_QUEUE_TTL_MS`], then dead-letters it back to the
-    /// jobs queue through the default exchange.
+    /// jobs queue through the default exchange. A quorum queue, so it outlives any one node,
+    /// with at-least-once dead-lettering (the broker re-publishes with confirms: a job is
+    /// never dropped on its way back), which needs `reject-publish` overflow.
     fn wait_arguments(&self) -> FieldTable {
-        let mut wait = FieldTable::default();
+        let mut wait = quorum(None, None);
+        wait.insert(
+            "x-dead-letter-strategy".into(),
+            AMQPValue::LongString(LongString::from("at-least-once")),
+        );
+        wait.insert(
+            "x-overflow".into(),
+            AMQPValue::LongString(LongString::from("reject-publish")),
+        );
         wait.insert(
             "x-message-ttl".into(),
             AMQPValue::LongLongInt(WAIT_QUEUE_TTL_MS),
@@ -234,10 +255,11 @@ fn pause_stream() -> FieldTable {
     arguments
 }
 
-/// The questions queue's arguments: a question unanswered for [`super::QUESTION_TTL_MS`] is
-/// dropped (its worker stopped waiting and asks again later).
+/// The questions queue's arguments: a quorum queue (it outlives any one node), where a
+/// question unanswered for [`super::QUESTION_TTL_MS`] is dropped (its worker stopped waiting
+/// and asks again later).
 fn questions() -> FieldTable {
-    let mut arguments = FieldTable::default();
+    let mut arguments = quorum(None, None);
     arguments.insert(
         "x-message-ttl".into(),
         AMQPValue::LongLongInt(super::QUESTION_TTL_MS),

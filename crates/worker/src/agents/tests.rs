@@ -30,6 +30,8 @@ fn profile(kind: AgentKind) -> AgentProfile {
         kind,
         model: Some("fake-model".into()),
         base_url: Some("http://172.17.0.1:8089".into()),
+        provider: None,
+        daily_budget: None,
         args: vec!["--extra".into()],
         pause_seconds: None,
     }

@@ -1,6 +1,6 @@
 //! Whether a job's execution is still live: the worker asks the dispatcher, whose store is the
 //! truth, before it executes a job (`proto::ExecutionQuery`). The question goes to
-//! `{prefix}.executions`; the answer comes back on RabbitMQ's direct reply-to, signed with the
+//! `{prefix}.execution-questions`; the answer comes back on RabbitMQ's direct reply-to, signed with the
 //! job key, naming the question's nonce. Whoever else can publish cannot answer.
 
 use std::time::Duration;
@@ -34,8 +34,15 @@ pub enum Liveness {
     Unknown(String),
 }
 
-/// Asks the dispatcher whether `job`'s execution is live, on `channel` (closed after).
-pub async fn ask(channel: Channel, topology: &Topology, key: &JobKey, job: &Job) -> Liveness {
+/// Asks the dispatcher whether `job`'s execution is live, on `channel` (closed after), telling
+/// it how often the run's execution was `lost` before this copy.
+pub async fn ask(
+    channel: Channel,
+    topology: &Topology,
+    key: &JobKey,
+    job: &Job,
+    lost: u32,
+) -> Liveness {
     let Some(publication) = &job.publication else {
         return Liveness::NotLive("the job carries no publication".into());
     };
@@ -44,6 +51,7 @@ pub async fn ask(channel: Channel, topology: &Topology, key: &JobKey, job: &Job)
         run_id: job.run_id,
         epoch: publication.epoch,
         nonce: uuid::Uuid::new_v4(),
+        lost,
     };
     let asked = tokio::time::timeout(ANSWER_WAIT, exchange(&channel, topology, key, &query)).await;
     // Closing the channel ends the reply consumer; a late answer has nowhere to go. A broker
@@ -65,6 +73,24 @@ async fn exchange(
     key: &JobKey,
     query: &ExecutionQuery,
 ) -> Result<ExecutionAnswer, AmqpError> {
+    let payload = serde_json::to_vec(query).unwrap_or_default();
+    question(
+        channel,
+        &topology.executions(),
+        &payload,
+        |body, signature| ExecutionAnswer::read(body, signature, key, query),
+    )
+    .await
+}
+
+/// Publishes a question to `queue` and waits on direct reply-to for the first answer `read`
+/// accepts (signed, naming the question); others are logged and ignored.
+pub(super) async fn question<T>(
+    channel: &Channel,
+    queue: &str,
+    payload: &[u8],
+    read: impl Fn(&[u8], Option<&str>) -> Result<T, String>,
+) -> Result<T, AmqpError> {
     let broker = |operation| move |source| AmqpError::Broker { operation, source };
     let no_ack = BasicConsumeOptions {
         no_ack: true,
@@ -74,16 +100,15 @@ async fn exchange(
         .basic_consume(REPLY_TO.into(), "".into(), no_ack, FieldTable::default())
         .await
         .map_err(broker("consume answers"))?;
-    let payload = serde_json::to_vec(query).unwrap_or_default();
     let properties = BasicProperties::default()
         .with_reply_to(ShortString::from(REPLY_TO))
         .with_content_type(ShortString::from("application/json"));
     channel
         .basic_publish(
             "".into(),
-            topology.executions().into(),
+            queue.into(),
             BasicPublishOptions::default(),
-            &payload,
+            payload,
             properties,
         )
         .await
@@ -91,9 +116,9 @@ async fn exchange(
     while let Some(delivery) = answers.next().await {
         let delivery = delivery.map_err(broker("read an answer"))?;
         let signature = amqp::header_text(&delivery.properties, proto::SIGNATURE_HEADER);
-        match ExecutionAnswer::read(&delivery.data, signature.as_deref(), key, query) {
+        match read(&delivery.data, signature.as_deref()) {
             Ok(answer) => return Ok(answer),
-            Err(reason) => warn!(%reason, "ignoring an execution answer"),
+            Err(reason) => warn!(%reason, "ignoring an answer"),
         }
     }
     Err(AmqpError::Pool("the answer channel closed".into()))

@@ -196,11 +196,14 @@ impl ProfileGate for AmqpGate {
             let payload = serde_json::to_vec(&message).unwrap_or_default();
             let stream = self.topology.pauses();
             let signature = self.key.sign(&bound(&stream, &payload));
+            // Through the control exchange: every worker's control queue gets it at once, and
+            // the stream keeps it for workers that start later (one word after `pause.`).
+            let routing_key = format!("pause.{}", profile.replace('.', "_"));
             if let Err(error) = self
                 .publisher
                 .publish(
-                    "",
-                    &stream,
+                    &self.topology.control(),
+                    &routing_key,
                     &payload,
                     Some(amqp::signature_headers(signature)),
                 )

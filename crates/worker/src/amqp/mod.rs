@@ -9,6 +9,7 @@
 //! - [`control`]: cancel requests;
 //! - [`sink`]: the run's events and heartbeats.
 
+pub mod allotment;
 pub mod consumer;
 pub mod control;
 pub mod execution;

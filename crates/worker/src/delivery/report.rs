@@ -84,7 +84,7 @@ fn usage_section(out: &mut String, input: &ReportInput<'_>) {
         let _ = writeln!(out, "Models: {}\n", models.join(", "));
     }
     if let Some(budget) = &input.job.budget {
-        let _ = writeln!(out, "Budget: ${:.2}\n", budget.max_cost_usd);
+        let _ = writeln!(out, "Budget: {budget}\n");
     }
 }
 

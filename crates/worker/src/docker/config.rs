@@ -45,10 +45,12 @@ impl DockerRuntime {
             working_dir: spec.workdir.clone(),
             attach_stdout: Some(false),
             attach_stderr: Some(false),
-            network_disabled: Some(spec.network == proto::Network::None),
+            network_disabled: Some(spec.network == proto::Network::None && !spec.gateway),
             host_config: Some(HostConfig {
                 binds: Some(binds),
                 network_mode: Some(match spec.network {
+                    // A stage with a provider reaches the gateway's relay, and nothing else.
+                    proto::Network::None if spec.gateway => self.egress_network(),
                     proto::Network::None => "none".to_string(),
                     proto::Network::Bridge => "bridge".to_string(),
                     proto::Network::Egress => self.egress_network(),

@@ -24,6 +24,8 @@ pub(super) struct EgressState {
     pub(super) network: bool,
     /// Allowlist → (proxy container name, token).
     pub(super) proxies: HashMap<Vec<String>, (String, String)>,
+    /// The model gateway's relay container, once started.
+    pub(super) relay: Option<String>,
 }
 
 /// How long a new egress proxy may take to listen.
@@ -119,7 +121,7 @@ impl DockerRuntime {
         .collect()
     }
 
-    async fn create_egress_network(&self) -> Result<(), RuntimeError> {
+    pub(super) async fn create_egress_network(&self) -> Result<(), RuntimeError> {
         let labels = self.owner_labels();
         let options = bollard::models::NetworkCreateRequest {
             name: self.egress_network(),
@@ -222,7 +224,10 @@ impl DockerRuntime {
             Err(e) => Err(e),
         };
         let started = match started {
-            Ok(Ok(())) => self.proxy_ready(name).await.map(Ok),
+            Ok(Ok(())) => self
+                .proxy_ready(name, "egress proxy listening")
+                .await
+                .map(Ok),
             other => other,
         };
         match started {
@@ -240,7 +245,7 @@ impl DockerRuntime {
 
     /// Waits until a started proxy says it listens (its first line), so that no stage finds
     /// its way out closed; at most [`PROXY_READY`].
-    async fn proxy_ready(&self, name: &str) -> Result<(), RuntimeError> {
+    pub(super) async fn proxy_ready(&self, name: &str, ready: &str) -> Result<(), RuntimeError> {
         let deadline = Instant::now() + PROXY_READY;
         while Instant::now() < deadline {
             let options = LogsOptions {
@@ -258,7 +263,7 @@ impl DockerRuntime {
                 text
             };
             let text = bounded("read proxy logs", API_TIMEOUT, read).await?;
-            if text.contains("egress proxy listening") {
+            if text.contains(ready) {
                 return Ok(());
             }
             if text.contains("error:") {
@@ -319,6 +324,9 @@ impl DockerRuntime {
         let mut state = self.egress.lock().await;
         for (_, (name, _)) in state.proxies.drain() {
             let _ = self.remove(&name).await;
+        }
+        if let Some(relay) = state.relay.take() {
+            let _ = self.remove(&relay).await;
         }
         if state.network {
             let _ = bounded(

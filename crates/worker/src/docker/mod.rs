@@ -20,11 +20,13 @@ use tokio_util::sync::CancellationToken;
 
 mod config;
 mod egress;
+mod gateway;
 mod janitor;
 mod logs;
 
 use egress::EgressState;
 pub use egress::DEFAULT_EGRESS_IMAGE;
+pub use gateway::{gateway_root, ContainerPeers, ENV_SOCKET, RELAY_HOST};
 use logs::Collected;
 
 use crate::runtime::{
@@ -89,6 +91,8 @@ pub struct DockerRuntime {
     egress_image: String,
     /// The egress network and the proxies made so far, one per allowlist.
     egress: tokio::sync::Mutex<EgressState>,
+    /// The model gateway's socket folder, which its relay container mounts.
+    gateway_folder: Option<std::path::PathBuf>,
 }
 
 impl DockerRuntime {
@@ -119,6 +123,7 @@ impl DockerRuntime {
             present_images: Mutex::new(HashSet::new()),
             egress_image: DEFAULT_EGRESS_IMAGE.to_string(),
             egress: tokio::sync::Mutex::new(EgressState::default()),
+            gateway_folder: None,
         })
     }
 
@@ -312,6 +317,13 @@ impl ContainerRuntime for DockerRuntime {
             }
             spec.redact.push(url);
         }
+        if spec.gateway {
+            self.gateway_relay().await?;
+            // The gateway is reached directly, never through the egress proxy.
+            for name in ["NO_PROXY", "no_proxy"] {
+                spec.env.push(format!("{name}={RELAY_HOST}"));
+            }
+        }
         let options = CreateContainerOptions {
             name: Some(spec.name.clone()),
             platform: String::new(),
@@ -343,13 +355,17 @@ impl ContainerRuntime for DockerRuntime {
                 }
             }
         })?;
+        let guard = RemoveOnDrop {
+            docker: self.docker.clone(),
+            id: Some(created.id),
+        };
+        if spec.gateway && spec.network == proto::Network::Bridge {
+            self.join_gateway_network(&spec.name).await?;
+        }
         Ok(CreatedStage {
             spec,
             creation: began.elapsed(),
-            guard: RemoveOnDrop {
-                docker: self.docker.clone(),
-                id: Some(created.id),
-            },
+            guard,
         })
     }
 

@@ -9,8 +9,8 @@ use super::*;
 /// The largest record a kind's CLI leaves in `/forge/output` that is read (a trajectory).
 const MAX_AGENT_RECORD_BYTES: u64 = 8 * 1024 * 1024;
 
-/// Reads an agent kind's finished stage into the run: publishes its transcript, sums its
-/// usage, sets the run's pause, and rewrites `output` (exit, stdout, tail) as its report
+/// Reads an agent kind's finished stage into the run: publishes its transcript, reads its
+/// usage (the caller sums it, or the gateway's), sets the run's pause, and rewrites `output` (exit, stdout, tail) as its report
 /// says. Returns the stage's usage.
 pub(super) async fn settle_agent<S: EventSink>(
     run: &mut RunContext<'_>,
@@ -52,9 +52,6 @@ pub(super) async fn settle_agent<S: EventSink>(
         }
         usage
     });
-    if let Some(usage) = &usage {
-        run.usage.get_or_insert_with(Default::default).add(usage);
-    }
     let transcript = std::mem::take(&mut report.transcript);
     publish(
         sink,

@@ -139,11 +139,12 @@ impl<R: ContainerRuntime> Engine<R> {
 /// allows. A run about to deliver an approved change delivers it (delivery costs nothing).
 pub(super) fn over_budget(run: &RunContext<'_>, machine: &RunMachine) -> Option<String> {
     let (budget, usage) = (run.job.budget.as_ref()?, run.usage.as_ref()?);
-    if usage.cost_usd <= budget.max_cost_usd || matches!(machine.phase, Phase::Deliver { .. }) {
+    let max_cost_usd = budget.max_cost_usd?;
+    if usage.cost_usd <= max_cost_usd || matches!(machine.phase, Phase::Deliver { .. }) {
         return None;
     }
     Some(format!(
-        "budget exceeded: the run's stages reported ${:.4}, over its budget of ${:.2} (budget.max_cost_usd); no further stage was started",
-        usage.cost_usd, budget.max_cost_usd
+        "budget exceeded: the run's stages reported ${:.4}, over its budget of ${max_cost_usd:.2} (budget.max_cost_usd); no further stage was started",
+        usage.cost_usd
     ))
 }

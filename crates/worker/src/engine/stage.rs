@@ -1,7 +1,7 @@
 //! Running one stage: its container's spec, the container with its output forwarded and
 //! `.forge/` polled, the disk allowance watched, and the sweep after it exits.
 
-use super::agent::settle_agent;
+use super::outputs::settle_outputs;
 use super::*;
 use crate::agents::{Invocation, Role};
 
@@ -32,7 +32,15 @@ impl<'p> StageRequest<'p> {
         forge_cycle: u32,
         prompt: &str,
     ) -> StageRequest<'p> {
-        let agent = crate::agents::invocation(profile, Role::of(place.stage), prompt);
+        // With a provider, the CLI's base URL is the worker's model gateway.
+        let agent = match super::model::gateway_base_url(profile) {
+            Some(url) => {
+                let mut through_gateway = profile.clone();
+                through_gateway.base_url = Some(url);
+                crate::agents::invocation(&through_gateway, Role::of(place.stage), prompt)
+            }
+            None => crate::agents::invocation(profile, Role::of(place.stage), prompt),
+        };
         StageRequest {
             place,
             profile,
@@ -53,6 +61,10 @@ impl<'p> StageRequest<'p> {
 pub(super) struct PreparedStage {
     pub(super) spec: StageSpec,
     pub(super) place: StagePlace,
+    /// The stage's pass to the model gateway (its profile has a `provider`).
+    pub(super) pass: Option<gateway::Pass>,
+    /// Why the stage cannot run (no pass could be made): it fails with this reason.
+    pub(super) refused: Option<String>,
 }
 
 impl<R: ContainerRuntime> Engine<R> {
@@ -106,19 +118,31 @@ impl<R: ContainerRuntime> Engine<R> {
                 }
             }
         }
+        let name = format!(
+            "forgepool-{}-{}-{}",
+            &job.run_id.simple().to_string()[..12],
+            stage.as_str().replace('_', "-"),
+            Uuid::new_v4().simple().to_string().get(..8).unwrap_or("x")
+        );
+        let (pass, refused) = match stage {
+            Stage::Verify => (None, None),
+            _ => self.grant_pass(
+                run,
+                profile,
+                (&name, timeout_seconds),
+                &mut env,
+                &mut redact,
+            ),
+        };
         let user = profile.user.clone().unwrap_or_else(|| {
             format!("{}:{}", self.config.stage_user.0, self.config.stage_user.1)
         });
         let mut labels = HashMap::new();
         labels.insert(LABEL_RUN.to_string(), job.run_id.to_string());
         labels.insert(LABEL_STAGE.to_string(), stage.as_str().to_string());
-        let short_id = &job.run_id.simple().to_string()[..12];
         let spec = StageSpec {
-            name: format!(
-                "forgepool-{short_id}-{}-{}",
-                stage.as_str().replace('_', "-"),
-                Uuid::new_v4().simple().to_string().get(..8).unwrap_or("x")
-            ),
+            gateway: pass.is_some(),
+            name,
             image: profile.image.clone(),
             command,
             env,
@@ -137,7 +161,12 @@ impl<R: ContainerRuntime> Engine<R> {
             redact,
             agent: kind,
         };
-        PreparedStage { spec, place }
+        PreparedStage {
+            spec,
+            place,
+            pass,
+            refused,
+        }
     }
 
     /// Runs one stage container while forwarding its output and polling `.forge/`, then sweeps
@@ -150,7 +179,40 @@ impl<R: ContainerRuntime> Engine<R> {
         prepared: PreparedStage,
         created: Option<R::Created>,
     ) -> Result<Result<StageOutput, Input>, PublishEvent> {
-        let PreparedStage { spec, place } = prepared;
+        let PreparedStage {
+            spec,
+            place,
+            pass,
+            refused,
+        } = prepared;
+        if let Some(reason) = refused {
+            return Ok(Err(Input::StageFailed {
+                reason: format!("{} stage: {reason}", place.stage.as_str()),
+            }));
+        }
+        tracing::Span::current().record("stage", place.stage.as_str());
+        for mount in spec.mounts.iter().filter(|m| !m.read_only) {
+            self.hand_over(&mount.source).await;
+        }
+        tracing::info!(round = place.round, cycle = ?place.cycle, "stage started");
+        self.run_container(run, sink, cancel, (spec, place, pass), created)
+            .await
+    }
+
+    /// [`Engine::run_stage`] once the stage may run: its container, its output and cycle
+    /// files forwarded, its disk watched, and its pass to the gateway closed at its end.
+    async fn run_container<S: EventSink>(
+        &self,
+        run: &mut RunContext<'_>,
+        sink: &S,
+        cancel: &CancellationToken,
+        (spec, place, pass): (StageSpec, StagePlace, Option<gateway::Pass>),
+        created: Option<R::Created>,
+    ) -> Result<Result<StageOutput, Input>, PublishEvent> {
+        // The gateway halts the stage when its budget is spent or its provider rate-limits it.
+        let halted = pass
+            .as_ref()
+            .map_or_else(CancellationToken::new, |p| p.halted());
         let StagePlace {
             stage,
             round,
@@ -162,11 +224,6 @@ impl<R: ContainerRuntime> Engine<R> {
             .iter()
             .find(|m| m.target == "/forge/output")
             .map(|m| m.source.clone());
-        tracing::Span::current().record("stage", stage.as_str());
-        for mount in spec.mounts.iter().filter(|m| !m.read_only) {
-            self.hand_over(&mount.source).await;
-        }
-        tracing::info!(round, ?cycle, "stage started");
         // The container is created while the broker confirms `stage_started`; nothing else of
         // the stage (a log line, a cycle file) is published before that confirm.
         let started = publish(
@@ -210,6 +267,10 @@ impl<R: ContainerRuntime> Engine<R> {
                     None => logs_open = false,
                 },
                 _ = ticker.tick(), if announced => self.sweep(run, sink).await?,
+                () = halted.cancelled(), if !stage_stop.is_cancelled() => {
+                    stage_stop.cancel();
+                    self.halted_by_gateway(run_id, pass.as_ref()).await;
+                }
                 _ = disk_ticker.tick(), if announced && disk_exceeded.is_none() => {
                     if let Some(reason) = disk.exceeded().await {
                         warn!(%reason, "stopping the stage");
@@ -222,21 +283,14 @@ impl<R: ContainerRuntime> Engine<R> {
         if disk_exceeded.is_none() {
             disk_exceeded = disk.exceeded().await;
         }
-        while let Ok(chunk) = log_receiver.try_recv() {
-            let (stream, text) = (chunk.stream, chunk.text);
-            publish(
-                sink,
-                run_id,
-                EventKind::Log {
-                    stage,
-                    stream,
-                    text,
-                },
-            )
-            .await?;
-        }
+        flush_logs(sink, run_id, stage, &mut log_receiver).await?;
         self.sweep(run, sink).await?;
-        let (outcome, usage) = settle_outputs(run, sink, place, output_dir, outcome).await?;
+        let meter = pass.map(gateway::Pass::close);
+        let metered = meter.as_ref().and_then(super::model::metered_usage);
+        let (mut outcome, usage) =
+            settle_outputs(run, sink, place, output_dir, outcome, metered).await?;
+        let verdict = meter.and_then(|m| super::model::gateway_verdict(run, &m, &mut outcome));
+        disk_exceeded = disk_exceeded.or(verdict);
         self.finish_stage(sink, run_id, place, outcome, disk_exceeded, usage)
             .await
     }
@@ -344,49 +398,17 @@ impl<R: ContainerRuntime> Engine<R> {
     }
 }
 
-/// Takes a finished stage's `usage.json` into the run's sums, and its `pause.json` (when it
-/// paused) into the run; notes each file that was there but could not be taken in the run's
-/// log. Returns the stage's usage.
-/// Reads what the stage left: an agent kind's report of its CLI, or the files of SPEC 6.
-async fn settle_outputs<S: EventSink>(
-    run: &mut RunContext<'_>,
+/// Publishes the log lines a finished stage's container left in the channel.
+async fn flush_logs<S: EventSink>(
     sink: &S,
-    place: StagePlace,
-    output_dir: Option<PathBuf>,
-    outcome: Result<StageOutput, RuntimeError>,
-) -> Result<(Result<StageOutput, RuntimeError>, Option<proto::Usage>), PublishEvent> {
-    Ok(match outcome {
-        // An agent kind's stage ends as its CLI's report says.
-        Ok(mut output) if output.agent.is_some() => {
-            let usage = settle_agent(run, sink, place, output_dir, &mut output).await?;
-            (Ok(output), usage)
-        }
-        outcome => {
-            let paused = matches!(&outcome, Ok(o) if o.exit == StageExit::Exited(EXIT_PAUSED));
-            let usage = take_outputs(run, sink, place.stage, output_dir, paused).await?;
-            (outcome, usage)
-        }
-    })
-}
-
-async fn take_outputs<S: EventSink>(
-    run: &mut RunContext<'_>,
-    sink: &S,
+    run_id: Uuid,
     stage: Stage,
-    output_dir: Option<PathBuf>,
-    paused: bool,
-) -> Result<Option<proto::Usage>, PublishEvent> {
-    let Some(dir) = output_dir else {
-        return Ok(None);
-    };
-    let (usage, pause, notes) = read_outputs(dir, paused).await;
-    for note in notes {
-        warn!(%note, "an agent's output file is ignored");
-        let text = format!("[forgepool] {note}\n");
-        let stream = proto::LogStream::Stderr;
+    logs: &mut mpsc::Receiver<LogChunk>,
+) -> Result<(), PublishEvent> {
+    while let Ok(LogChunk { stream, text }) = logs.try_recv() {
         publish(
             sink,
-            run.job.run_id,
+            run_id,
             EventKind::Log {
                 stage,
                 stream,
@@ -395,57 +417,7 @@ async fn take_outputs<S: EventSink>(
         )
         .await?;
     }
-    if let Some(usage) = &usage {
-        run.usage.get_or_insert_with(Default::default).add(usage);
-    }
-    run.pause = pause;
-    Ok(usage)
-}
-
-/// The largest `usage.json` or `pause.json` read from `/forge/output`.
-const MAX_OUTPUT_NOTE_BYTES: u64 = 64 * 1024;
-
-/// Reads a finished stage's `usage.json`, and its `pause.json` when it `paused`: regular files
-/// only (never through a symlink), up to 64 KiB. Returns them and a note for each file that
-/// was there but could not be taken.
-async fn read_outputs(
-    dir: PathBuf,
-    paused: bool,
-) -> (
-    Option<proto::Usage>,
-    Option<proto::PauseRequest>,
-    Vec<String>,
-) {
-    tokio::task::spawn_blocking(move || {
-        let mut notes = Vec::new();
-        let mut read = |name: &str| match crate::workspace::confined::read_beneath(
-            &dir,
-            Path::new(name),
-            MAX_OUTPUT_NOTE_BYTES,
-        ) {
-            Ok(bytes) => Some(bytes),
-            Err(crate::workspace::confined::ReadError::Missing) => None,
-            Err(error) => {
-                notes.push(format!("/forge/output/{name} cannot be read: {error}"));
-                None
-            }
-        };
-        let usage = read("usage.json");
-        let pause = if paused { read("pause.json") } else { None };
-        let usage = usage.and_then(|bytes| {
-            proto::Usage::parse(&bytes)
-                .map_err(|error| notes.push(error))
-                .ok()
-        });
-        let pause = pause.and_then(|bytes| {
-            proto::PauseRequest::parse(&bytes, std::time::SystemTime::now())
-                .map_err(|error| notes.push(error))
-                .ok()
-        });
-        (usage, pause, notes)
-    })
-    .await
-    .unwrap_or_default()
+    Ok(())
 }
 
 /// How often a running stage's writable folders are measured against its disk allowance.

@@ -1106,7 +1106,7 @@ async fn the_stages_usage_is_summed_into_the_result_and_the_report() {
 async fn a_run_over_its_budget_starts_no_further_stage() {
     let bench = Bench::new();
     let mut job = bench.job(Some((3, true)), &[], 0);
-    job.budget = Some(proto::Budget { max_cost_usd: 1.0 });
+    job.budget = Some(proto::Budget::dollars(1.0));
     let implementer = Act::Exit {
         code: 0,
         stdout: String::new(),

@@ -271,6 +271,8 @@ mod tests {
             kind: proto::AgentKind::Command,
             model: None,
             base_url: None,
+            provider: None,
+            daily_budget: None,
             args: vec![],
             pause_seconds: None,
         }

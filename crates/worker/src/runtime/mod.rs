@@ -56,6 +56,9 @@ pub struct StageSpec {
     pub network: Network,
     /// With [`Network::Egress`]: the `host:port`s the stage may reach through its proxy.
     pub egress: Vec<String>,
+    /// The stage reaches the worker's model gateway (its profile has a `provider`): it joins
+    /// the internal network where the gateway's relay is.
+    pub gateway: bool,
     /// Memory limit in bytes (swap is not allowed beyond it).
     pub memory_bytes: u64,
     /// CPU limit in cores.

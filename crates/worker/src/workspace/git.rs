@@ -14,9 +14,9 @@ use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 use std::time::Duration;
 
-use tokio::process::Command;
-
 pub use crate::workspace::copies::shareable;
+
+mod user;
 
 /// The limit on one git command (clone and push of large repositories included).
 pub const GIT_TIMEOUT: Duration = Duration::from_secs(600);
@@ -189,6 +189,9 @@ pub async fn git_with_env(
 
 /// Runs `git args` in `dir` as the user `user` (`uid`, `gid`), with extra environment
 /// variables: what it writes is that user's from the start, with no ownership walk after.
+/// When the worker is root and has `setpriv`, git keeps one capability,
+/// `CAP_DAC_READ_SEARCH` (read and traverse anything; write nothing the user may not), so it
+/// reaches the repository cache under a work folder only root may open.
 pub async fn git_as(
     dir: &Path,
     args: &[&str],
@@ -252,11 +255,7 @@ async fn run_git(
     input: Option<&str>,
     user: Option<(u32, u32)>,
 ) -> Result<String, GitError> {
-    let mut command = Command::new("git");
-    if let Some((uid, gid)) = user {
-        // Supplementary groups are dropped too (the standard library does when root sets uid).
-        command.uid(uid).gid(gid).env("HOME", "/");
-    }
+    let mut command = user::command(user);
     command
         .args(hardening())
         .args(args)
