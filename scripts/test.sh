@@ -7,6 +7,13 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 scripts/services.sh
+# The check after the suite counts this suite's containers: any an earlier run on this machine
+# left (a session or a CI run that was killed) go first.
+stale="$(docker ps -aq --filter label=forgepool.managed=true)"
+if [ -n "$stale" ]; then
+  echo "removing $(echo "$stale" | wc -l) forgepool containers an earlier run left"
+  docker rm -f $stale >/dev/null
+fi
 # Three more RabbitMQ nodes in one cluster, for the broker-failover test (tests/brokers.rs).
 scripts/rabbit-cluster.sh up
 scripts/build-images.sh
