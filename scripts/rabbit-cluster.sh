@@ -38,8 +38,9 @@ await_node() {
 # may each wait for the others for ever; the cluster holds only test data, so then it is
 # made again from nothing.
 start_all() {
-  for n in 1 2 3; do start_node "$n"; done
-  for n in 1 2 3; do await_node "$n" || return 1; done
+  local started=()
+  for n in 1 2 3; do running "$n" || { start_node "$n"; started+=("$n"); }; done
+  for n in "${started[@]}"; do await_node "$n" || return 1; done
 }
 kill_all() {
   for n in 1 2 3; do
@@ -51,7 +52,11 @@ kill_all() {
 case "${1:-up}" in
   up)
     command -v rabbitmq-server >/dev/null || { log "RabbitMQ is not installed: run scripts/services.sh first"; exit 1; }
+    alive=0
+    for n in 1 2 3; do running "$n" && alive=1; done
     if ! start_all; then
+      # A node that came back to running peers never loses their queues this way.
+      [ "$alive" = 0 ] || { log "a node did not start beside the running ones; see $base/n*/log"; exit 1; }
       log "the nodes did not start together; making the cluster again from nothing"
       kill_all
       rm -rf "$base"

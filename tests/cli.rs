@@ -300,10 +300,21 @@ async fn the_clients_script_well_and_watch_through_broken_streams() {
         header.starts_with("RUN") && header.contains("STATE") && header.contains("TICKET"),
         "{header}"
     );
-    let rows: Vec<&str> = lines.collect();
+    let rows: Vec<&str> = lines.by_ref().take_while(|l| !l.is_empty()).collect();
     assert_eq!(rows.len(), 1, "{stdout}");
     assert!(
         rows[0].starts_with(&run_id) && rows[0].contains("CLI-1"),
+        "{stdout}"
+    );
+    // The live workers follow, by host: the one worker, on this machine.
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap();
+    let pool: Vec<&str> = lines.collect();
+    assert!(
+        pool.first() == Some(&"1 live worker on 1 host:") && pool.len() == 3,
+        "{stdout}"
+    );
+    assert!(
+        pool[2].starts_with(host.trim()) && pool[2].contains(&format!("{}-w0", cluster.prefix)),
         "{stdout}"
     );
     let (code, stdout, _) = tokio::task::block_in_place(|| {

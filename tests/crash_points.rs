@@ -262,6 +262,73 @@ mod crash {
         cluster.delete_queues().await;
     }
 
+    /// Two runs of a profile capped at one on a worker that dies at `point` of the move of
+    /// the second run's job to the wait queue; an heir takes over both.
+    async fn killed_moving_a_job(point: &str, tag: &str) {
+        let fixture = Fixture::new(Some(REVIEW), &["sleep-from", "1", "4"], &["approve"]);
+        let agents = std::fs::read_to_string(&fixture.agents).unwrap().replacen(
+            "[agents.impl]\n",
+            "[agents.impl]\nmax_concurrent = 1\n",
+            1,
+        );
+        std::fs::write(&fixture.agents, agents).unwrap();
+        let mut cluster = Cluster::start(fixture, 0, 1, None).await;
+        let doomed = cluster.start_worker_with("doomed", 2, &[("FORGEPOOL_FAULT_POINT", point)]);
+        let tickets = [format!("{tag}-1"), format!("{tag}-2")];
+        let mut ids = Vec::new();
+        for ticket in &tickets {
+            ids.push(cluster.submit(ticket).await);
+        }
+        wait_dead(&mut cluster, doomed, Duration::from_secs(60));
+        cluster.start_worker("heir", 2);
+        let views = cluster.wait_terminal(&ids, Duration::from_secs(180)).await;
+        wait_settled(&cluster).await;
+        for ((view, ticket), id) in views.iter().zip(&tickets).zip(&ids) {
+            assert_eq!(
+                view["state"],
+                "delivered",
+                "killed at {point}: {ticket}: {}\n{}",
+                view["states"],
+                cluster.logs()
+            );
+            let branch = format!("forge/{}", ticket.to_lowercase());
+            assert_eq!(
+                cluster.pushes(&branch),
+                1,
+                "killed at {point}: {ticket} pushed once"
+            );
+            let stream = cluster.event_stream(id).await;
+            assert!(
+                stage_runs(&stream, "review") == 1,
+                "killed at {point}: {ticket} reviewed once (one execution went past its implementer)"
+            );
+        }
+        assert!(
+            cluster.dead_letters().await.is_empty(),
+            "killed at {point}: no job was dead-lettered"
+        );
+        for id in &ids {
+            wait_no_containers(&cluster, id).await;
+        }
+        cluster.delete_queues().await;
+    }
+
+    /// Catches: a job lost when its worker dies just before it publishes the job's waiting
+    /// copy (the delivery must not have been acknowledged yet), and either run executed twice.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn killed_before_a_waiting_job_is_moved() {
+        killed_moving_a_job("moving", "MOVE-A").await;
+    }
+
+    /// Catches: a job run twice when its worker dies between the confirmed waiting copy and
+    /// the acknowledgement (two copies on the broker: the redelivered one and the waiting
+    /// one; the lease, the done marker and the store's live execution must absorb one), and a
+    /// duplicate taken for poison (dead-lettered).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn killed_between_a_waiting_jobs_copy_and_its_ack() {
+        killed_moving_a_job("moved", "MOVE-B").await;
+    }
+
     /// Catches: worker deaths counted against the broker's delivery limit, a guard against
     /// messages no consumer can settle (issue 27: five workers SIGKILLed in turn while each
     /// ran the implementer failed the run "delivery_limit"); a run executed twice at the end

@@ -7,7 +7,7 @@ mod watch;
 
 use std::path::Path;
 
-use proto::{Problem, RunList, RunView, SubmitResponse};
+use proto::{PoolView, Problem, RunList, RunView, SubmitResponse};
 
 use crate::config::{ClientArgs, OutputFormat};
 use crate::progress;
@@ -257,7 +257,13 @@ pub async fn status(args: &ClientArgs, run_id: Option<&str>, filter: &ListFilter
             let path = format!("/v1/runs?{}", query.join("&"));
             match client.get_json::<RunList>(&path).await {
                 Ok(list) if args.output == OutputFormat::Json => json(&list),
-                Ok(list) => print_list(&list),
+                Ok(list) => {
+                    print_list(&list);
+                    // The pool's hosts follow; a dispatcher that cannot say leaves them out.
+                    if let Ok(pool) = client.get_json::<PoolView>("/v1/pool").await {
+                        print_hosts(&pool);
+                    }
+                }
                 Err(failure) => return failure.report(),
             }
             0
@@ -301,6 +307,39 @@ fn print_list(list: &RunList) {
     }
     if let Some(next) = &list.next_cursor {
         println!("(more runs: the API's cursor {next})");
+    }
+}
+
+/// The live workers, a line each, by host: what `forgepool status` prints after the runs.
+fn print_hosts(pool: &PoolView) {
+    println!();
+    if pool.hosts.is_empty() {
+        println!("No live workers (none announced itself in the last 35 s).");
+        return;
+    }
+    let workers: usize = pool.hosts.iter().map(|h| h.workers.len()).sum();
+    println!(
+        "{workers} live worker{} on {} host{}:",
+        if workers == 1 { "" } else { "s" },
+        pool.hosts.len(),
+        if pool.hosts.len() == 1 { "" } else { "s" }
+    );
+    println!(
+        "{:<24}  {:<28}  {:>5}  {:>5}  {:<10}  SEEN",
+        "HOST", "WORKER", "SLOTS", "BUSY", "VERSION"
+    );
+    for host in &pool.hosts {
+        for worker in &host.workers {
+            println!(
+                "{:<24}  {:<28}  {:>5}  {:>5}  {:<10}  {} s ago",
+                progress::printable(&host.host),
+                progress::printable(&worker.worker),
+                worker.slots,
+                worker.busy,
+                progress::printable(&worker.version),
+                worker.seen_seconds_ago
+            );
+        }
     }
 }
 

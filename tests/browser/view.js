@@ -65,6 +65,8 @@ async function finished(browser, url, token, shots) {
   // The dispatcher samples the pool every 5 s, the page reads it every 3 s.
   await page.waitForFunction(() => /Workers\s*[1-9]/.test(document.getElementById('pool').innerText), null, { timeout: 15000 });
   check(true, 'the pool figures show the worker');
+  const hosts = await page.locator('#pool .hosts').innerText();
+  check(/^Hosts\s+\S+ [0-2]\/2$/.test(hosts.trim()), `the pool shows the worker's host with its busy and total slots: ${hosts}`);
   check(!page.url().includes(token), 'the token is not in the address');
   await page.selectOption('#filter-state', 'delivered');
   await page.fill('#filter-ticket', 'WEB-1');

@@ -2,7 +2,7 @@
 //! processes, on a real RabbitMQ under a prefix of their own, against the real Docker engine.
 
 use std::io::{BufRead, BufReader};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::mpsc::RecvTimeoutError;
 use std::time::{Duration, Instant};
@@ -237,6 +237,33 @@ impl Cluster {
             .envs(env.iter().copied());
         self.workers.push(spawn(command, log, "listening on "));
         self.workers.len() - 1
+    }
+
+    /// Starts a worker called `name` on host `host` of `scripts/hosts.sh`: in its namespaces,
+    /// with its own Docker engine and `/tmp` (so its own workspace and cache), reaching the
+    /// broker at `amqp_url` over the hosts' bridge.
+    pub fn start_worker_on_host(&mut self, name: &str, slots: u16, host: u8, amqp_url: &str) {
+        let (command, log) = self.base_command(&["worker"], &format!("worker-{name}.log"));
+        let mut on_host =
+            Command::new(Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/hosts.sh"));
+        on_host
+            .arg("exec")
+            .arg(host.to_string())
+            .arg(command.get_program())
+            .args(command.get_args())
+            .args(["--metrics-addr", "127.0.0.1:0", "--worker-id"])
+            .arg(format!("{}-{name}", self.prefix))
+            .args(["--concurrency", &slots.to_string(), "--drain-seconds", "5"])
+            .arg("--agents")
+            .arg(&self.fixture.agents)
+            .envs(command.get_envs().filter_map(|(k, v)| Some((k, v?))))
+            .env("FORGEPOOL_AMQP_URL", amqp_url)
+            .stdout(Stdio::piped())
+            .stderr(std::fs::File::create(&log).unwrap());
+        for (name, _) in command.get_envs().filter(|(_, v)| v.is_none()) {
+            on_host.env_remove(name);
+        }
+        self.workers.push(spawn(on_host, log, "listening on "));
     }
 
     /// The dispatcher's base URL.

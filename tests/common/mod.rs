@@ -132,8 +132,20 @@ impl Fixture {
         reviewer_args: &[&str],
         image: &str,
     ) -> Fixture {
-        require_docker();
         let dir = tempfile::tempdir().unwrap();
+        Fixture::with_image_in(dir, review_md, implementer_args, reviewer_args, image)
+    }
+
+    /// Like [`Fixture::new`], in `dir` (a folder other processes than this one's may need to
+    /// see, where a host of `scripts/hosts.sh` has a `/tmp` of its own).
+    pub fn with_image_in(
+        dir: tempfile::TempDir,
+        review_md: Option<&str>,
+        implementer_args: &[&str],
+        reviewer_args: &[&str],
+        image: &str,
+    ) -> Fixture {
+        require_docker();
         let bare = dir.path().join("repo.git");
         git(
             dir.path(),

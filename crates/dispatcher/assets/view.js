@@ -363,11 +363,19 @@
       const figures = await api('/v1/pool');
       const waiting = Object.entries(figures.waiting_for_profile || {});
       const paused = (figures.runs_by_state || {}).paused || 0;
+      // Each host with its live workers' busy and total slots; its workers on hover.
+      const hosts = (figures.hosts || []).map((host) => {
+        const busy = host.workers.reduce((n, w) => n + w.busy, 0);
+        const slots = host.workers.reduce((n, w) => n + w.slots, 0);
+        const workers = host.workers.map((w) => `${w.worker}: ${w.busy}/${w.slots} busy, seen ${w.seen_seconds_ago} s ago`).join('\n');
+        return el('span', { class: 'host', title: workers, text: `${host.host} ${busy}/${slots}` });
+      });
       replace(pool,
         el('span', null, 'Queue ', el('strong', { text: String(figures.queue_depth) })),
         el('span', null, 'Workers ', el('strong', { text: String(figures.workers) })),
         el('span', null, 'Busy slots ', el('strong', { text: String(figures.busy_slots) })),
         el('span', null, 'Paused runs ', el('strong', { text: String(paused) })),
+        el('span', { class: 'hosts' }, 'Hosts ', hosts.length ? hosts : el('strong', { text: 'none alive' })),
         waiting.length ? el('span', null, 'At their cap: ', waiting.map(([p, n]) => `${p} (${n})`).join(', ')) : null);
     } catch (error) {
       replace(pool, el('span', { class: 'error', text: `Pool: ${error.message}` }));

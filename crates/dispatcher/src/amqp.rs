@@ -1,5 +1,5 @@
-//! The dispatcher's AMQP wing: its five consumers (events, submissions, dead letters, workers'
-//! questions about executions, gateways' questions about daily budgets) and
+//! The dispatcher's AMQP wing: its six consumers (events, submissions, dead letters, workers'
+//! questions about executions, gateways' questions about daily budgets, workers' beacons) and
 //! their handlers. Each handler decides a [`Disposition`]; [`Dispatcher::settle`] carries it
 //! out, in one place.
 
@@ -29,6 +29,8 @@ pub enum Queue {
     Executions,
     /// Gateways' questions: a share of a profile's daily budget.
     Allotments,
+    /// Worker processes announcing themselves.
+    Roster,
 }
 
 /// One of the dispatcher's consumers.
@@ -46,6 +48,7 @@ impl Consumer {
             Queue::DeadLetters => topology.dispatcher_dead(),
             Queue::Executions => topology.executions(),
             Queue::Allotments => topology.allotments(),
+            Queue::Roster => topology.roster(),
         }
     }
 }
@@ -58,6 +61,7 @@ impl Consume for Consumer {
             Queue::DeadLetters => "forgepool-dispatcher-dead",
             Queue::Executions => "forgepool-dispatcher-executions",
             Queue::Allotments => "forgepool-dispatcher-allotments",
+            Queue::Roster => "forgepool-dispatcher-roster",
         }
     }
 
@@ -109,6 +113,12 @@ impl Consume for Consumer {
                     .settle(&delivery, Disposition::Ack, &source)
                     .await;
                 crate::allotments::answer_allotment(dispatcher, &delivery).await;
+            }
+            Queue::Roster => {
+                dispatcher
+                    .settle(&delivery, Disposition::Ack, &source)
+                    .await;
+                crate::roster::take_beacon(&dispatcher.roster, &dispatcher.job_key, &delivery);
             }
         }
     }

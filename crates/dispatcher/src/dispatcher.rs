@@ -111,6 +111,8 @@ pub struct Dispatcher {
     pub shared_store: bool,
     /// The pool as last sampled (`GET /v1/pool`).
     pub pool: std::sync::Mutex<proto::PoolView>,
+    /// The worker processes alive, as their beacons say.
+    pub roster: crate::roster::Roster,
     /// Whether the events consumer is connected (for `/readyz`).
     pub broker_ready: AtomicBool,
     /// Whether `/metrics` is served on a port of its own rather than the API's.

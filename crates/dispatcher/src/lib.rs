@@ -15,6 +15,7 @@ pub mod notifier;
 pub mod request;
 pub mod resumer;
 pub mod retention;
+pub mod roster;
 pub mod schedule;
 pub mod serve;
 pub mod service;

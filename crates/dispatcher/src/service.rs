@@ -137,6 +137,7 @@ pub async fn run(
         api_token: config.api_token,
         events_stored,
         pool: std::sync::Mutex::default(),
+        roster: crate::roster::Roster::default(),
         event_order: tokio::sync::Mutex::default(),
         shared_store: config.shared_store,
         broker_ready: AtomicBool::new(false),
@@ -224,6 +225,7 @@ fn start_background(
         Queue::DeadLetters,
         Queue::Executions,
         Queue::Allotments,
+        Queue::Roster,
     ] {
         tasks.spawn(consume(Arc::clone(dispatcher), queue, shutdown.clone()));
     }

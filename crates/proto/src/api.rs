@@ -115,6 +115,10 @@ pub struct PoolView {
     pub waiting_for_profile: std::collections::BTreeMap<String, u64>,
     /// When this was sampled (RFC 3339); absent before the first sample.
     pub sampled_at: Option<String>,
+    /// The hosts of the worker processes that announced themselves within the last 35 s,
+    /// by host name, each with its workers.
+    #[serde(default)]
+    pub hosts: Vec<crate::roster::PoolHost>,
 }
 
 /// `GET /v1/runs/{id}/timeline`: what a run page shows besides the run itself, bounded

@@ -16,6 +16,7 @@ mod execution;
 mod job;
 pub mod names;
 mod request;
+pub mod roster;
 pub mod signing;
 mod state;
 mod usage;

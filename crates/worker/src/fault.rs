@@ -14,6 +14,11 @@
 //! - `pushed`: the branch was pushed; no final event published;
 //! - `ended`: the final events were confirmed; no done marker declared;
 //! - `marked-done`: the done marker was declared; the job not acknowledged.
+//!
+//! And at each step of a job's move to another queue (parked, waiting for a profile's cap,
+//! handed over on a drain):
+//! - `moving`: the fresh copy is about to be published;
+//! - `moved`: the copy was confirmed by the broker; the delivery is not acknowledged.
 
 /// The environment variable that names the fault point to die at.
 pub const FAULT_POINT_ENV: &str = "FORGEPOOL_FAULT_POINT";

@@ -103,6 +103,10 @@ pub async fn run<R: ContainerRuntime>(
         .await;
     });
     background.spawn(watch_queues(Arc::clone(&jobs), shutdown.clone()));
+    background.spawn(crate::amqp::roster::announce(
+        Arc::clone(&jobs),
+        shutdown.clone(),
+    ));
     jobs.metrics.set_run_slots(jobs.config.concurrency);
     info!(worker = %jobs.config.worker_id, slots = jobs.config.concurrency, "worker started");
 

@@ -24,19 +24,20 @@ use super::runs::record;
     tag = "pool",
     summary = "The pool at a glance: queue depth, workers, busy slots, runs by state",
     responses(
-        (status = 200, description = "the pool as the dispatcher last sampled it (every 5 s)", body = PoolView),
+        (status = 200, description = "the pool as the dispatcher last sampled it (every 5 s), with the workers alive now", body = PoolView),
         (status = 401, description = "a token is configured and the request has none, or a wrong one", content_type = "application/problem+json", body = Problem),
         (status = 403, description = "the dispatcher has no API token and the request is not local: a Host that is not a loopback name, or a cross-site Origin or Sec-Fetch-Site", content_type = "application/problem+json", body = Problem),
     )
 )]
 pub(super) async fn pool(State(dispatcher): State<Arc<Dispatcher>>) -> Json<PoolView> {
-    Json(
-        dispatcher
-            .pool
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone(),
-    )
+    let mut view = dispatcher
+        .pool
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .clone();
+    // The roster is read as it is now, not as last sampled.
+    view.hosts = dispatcher.roster.hosts(std::time::Instant::now());
+    Json(view)
 }
 
 #[derive(Deserialize)]

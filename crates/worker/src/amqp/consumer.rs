@@ -444,14 +444,23 @@ impl<R: ContainerRuntime> Jobs<R> {
     /// Publishes a fresh copy of the delivered job to `queue` (a hand-over goes to the jobs
     /// queue, so it does not count toward the delivery limit); `Ack` once the broker confirmed
     /// it, `Requeue` when it could not be published.
+    ///
+    /// Every move of a job between queues (parked, waiting for a cap, handed over) comes here:
+    /// the copy is confirmed before the delivery is acknowledged, so a crash at any step
+    /// leaves the job on the broker once or twice, never not at all; a second copy is absorbed
+    /// by the run's lease, its done marker and the store's live execution.
     async fn republish(&self, delivery: &Delivery, queue: &str, carried: Carried) -> Disposition {
         let signature = amqp::header_text(&delivery.properties, proto::SIGNATURE_HEADER);
+        crate::fault::point("moving");
         match self
             .publisher
             .publish("", queue, &delivery.data, carried.headers(signature))
             .await
         {
-            Ok(()) => Disposition::Ack,
+            Ok(()) => {
+                crate::fault::point("moved");
+                Disposition::Ack
+            }
             Err(_) => Disposition::Requeue,
         }
     }

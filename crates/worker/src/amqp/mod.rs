@@ -7,7 +7,8 @@
 //! - [`lease`]: leases, done markers, presence, and the sweep of dead workers' containers;
 //! - [`ledger`]: the final review's intent and receipt;
 //! - [`control`]: cancel requests;
-//! - [`sink`]: the run's events and heartbeats.
+//! - [`sink`]: the run's events and heartbeats;
+//! - [`roster`]: this process's beacon, which says it is alive and on which host.
 
 pub mod allotment;
 pub mod consumer;
@@ -16,6 +17,7 @@ pub mod execution;
 pub mod gate;
 pub mod lease;
 pub mod ledger;
+pub mod roster;
 pub mod sink;
 
 pub use consumer::{check_job, decode_job, trusted_job, JobFeed, Jobs};

@@ -1,0 +1,151 @@
+//! The pool's roster: the worker processes that announced themselves on `{prefix}.roster`
+//! (`proto::roster`) within [`ALIVE_FOR`], grouped by host for `GET /v1/pool`. Bounded: at most
+//! [`MAX_ROSTER`] processes are kept, and one that stops announcing itself is forgotten.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Mutex;
+use std::time::Instant;
+
+use proto::amqp::{self, Delivery};
+use proto::roster::{PoolHost, PoolWorker, WorkerBeacon, ALIVE_FOR, MAX_ROSTER};
+use tracing::{debug, warn};
+
+/// The live worker processes, by instance id.
+#[derive(Debug, Default)]
+pub struct Roster {
+    seen: Mutex<HashMap<String, (WorkerBeacon, Instant)>>,
+}
+
+impl Roster {
+    /// Records `beacon`, heard at `now`. A new process is left out once [`MAX_ROSTER`] are
+    /// alive; returns whether it was recorded.
+    pub fn record(&self, beacon: WorkerBeacon, now: Instant) -> bool {
+        let mut seen = self.seen.lock().unwrap_or_else(|e| e.into_inner());
+        if !seen.contains_key(&beacon.instance) && seen.len() >= MAX_ROSTER {
+            seen.retain(|_, (_, at)| now.saturating_duration_since(*at) < ALIVE_FOR);
+            if seen.len() >= MAX_ROSTER {
+                return false;
+            }
+        }
+        seen.insert(beacon.instance.clone(), (beacon, now));
+        true
+    }
+
+    /// The hosts of the processes heard within [`ALIVE_FOR`] of `now`, by host name, each
+    /// with its workers by name; the others are forgotten.
+    pub fn hosts(&self, now: Instant) -> Vec<PoolHost> {
+        let mut seen = self.seen.lock().unwrap_or_else(|e| e.into_inner());
+        seen.retain(|_, (_, at)| now.saturating_duration_since(*at) < ALIVE_FOR);
+        let mut hosts: BTreeMap<&str, Vec<PoolWorker>> = BTreeMap::new();
+        for (beacon, at) in seen.values() {
+            hosts.entry(&beacon.host).or_default().push(PoolWorker {
+                worker: beacon.worker.clone(),
+                instance: beacon.instance.clone(),
+                slots: beacon.slots,
+                busy: beacon.busy,
+                version: beacon.version.clone(),
+                seen_seconds_ago: now.saturating_duration_since(*at).as_secs(),
+            });
+        }
+        hosts
+            .into_iter()
+            .map(|(host, mut workers)| {
+                workers.sort_by(|a, b| (&a.worker, &a.instance).cmp(&(&b.worker, &b.instance)));
+                PoolHost {
+                    host: host.to_string(),
+                    workers,
+                }
+            })
+            .collect()
+    }
+}
+
+/// Takes a worker's beacon into the roster; an unsigned or malformed one is dropped with a
+/// warning (a beacon is never retried: the next one comes within seconds).
+pub(crate) fn take_beacon(roster: &Roster, key: &proto::JobKey, delivery: &Delivery) {
+    let signature = amqp::header_text(&delivery.properties, proto::SIGNATURE_HEADER);
+    match WorkerBeacon::read(&delivery.data, signature.as_deref(), key) {
+        Ok(beacon) => {
+            let (worker, host) = (beacon.worker.clone(), beacon.host.clone());
+            if !roster.record(beacon, Instant::now()) {
+                debug!(%worker, %host, "the roster is full; a worker is left out");
+            }
+        }
+        Err(reason) => warn!(%reason, "ignoring a worker beacon"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+
+    fn beacon(worker: &str, instance: &str, host: &str) -> WorkerBeacon {
+        WorkerBeacon {
+            schema_version: proto::SCHEMA_VERSION,
+            worker: worker.into(),
+            instance: instance.into(),
+            host: host.into(),
+            slots: 2,
+            busy: 1,
+            version: "0.1.0".into(),
+        }
+    }
+
+    /// Catches: workers shown under the wrong host, a restarted worker's old instance shown as
+    /// alive beside the new one after it stopped announcing itself, and a worker heard again
+    /// counted twice.
+    #[test]
+    fn hosts_list_the_processes_heard_lately_by_host() {
+        let roster = Roster::default();
+        let start = Instant::now();
+        assert!(roster.record(beacon("a", "1", "h2"), start));
+        assert!(roster.record(beacon("b", "2", "h1"), start));
+        assert!(roster.record(beacon("c", "3", "h1"), start));
+        let later = start + Duration::from_secs(20);
+        assert!(roster.record(beacon("a", "1", "h2"), later));
+        let hosts = roster.hosts(later);
+        let names: Vec<(&str, Vec<&str>)> = hosts
+            .iter()
+            .map(|h| {
+                (
+                    h.host.as_str(),
+                    h.workers.iter().map(|w| w.worker.as_str()).collect(),
+                )
+            })
+            .collect();
+        assert_eq!(names, [("h1", vec!["b", "c"]), ("h2", vec!["a"])]);
+        assert_eq!(hosts[0].workers[0].seen_seconds_ago, 20);
+        // b and c fall silent; a goes on.
+        let gone = start + ALIVE_FOR + Duration::from_secs(1);
+        let hosts = roster.hosts(gone);
+        assert_eq!(hosts.len(), 1, "{hosts:?}");
+        assert_eq!(hosts[0].host, "h2");
+        assert_eq!(hosts[0].workers[0].seen_seconds_ago, 16);
+    }
+
+    /// Catches: a roster that grows with every beacon an attacker with the key could send
+    /// (memory bounded), and one that, once full, cannot take a worker in after others left.
+    #[test]
+    fn the_roster_is_bounded_and_makes_room_when_workers_leave() {
+        let roster = Roster::default();
+        let start = Instant::now();
+        for n in 0..MAX_ROSTER {
+            assert!(roster.record(beacon("w", &n.to_string(), "h"), start));
+        }
+        assert!(!roster.record(beacon("w", "new", "h"), start + Duration::from_secs(1)));
+        // A known one is still heard.
+        assert!(roster.record(beacon("w", "0", "h"), start + Duration::from_secs(1)));
+        assert!(roster.record(
+            beacon("w", "new", "h"),
+            start + ALIVE_FOR + Duration::from_secs(1)
+        ));
+        let alive: usize = roster
+            .hosts(start + ALIVE_FOR + Duration::from_secs(1))
+            .iter()
+            .map(|h| h.workers.len())
+            .sum();
+        assert_eq!(alive, 2);
+    }
+}

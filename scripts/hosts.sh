@@ -1,0 +1,152 @@
+#!/usr/bin/env bash
+# Worker "hosts" that share nothing with this machine but the network: each is a network
+# namespace with its own address on a private bridge, a mount namespace with its own /tmp
+# (so its own workspaces, cache and state), its own host name (fphI), and its own Docker engine
+# (socket, data root, exec root, containerd; no default bridge, no iptables). This machine's
+# engine socket is hidden on a host, and a host's engine socket is in its own /tmp, so no host
+# can reach another's engine. Hosts reach the dispatcher and the broker only over TCP, at this
+# machine's address on the bridge. tests/hosts.rs uses it.
+#   scripts/hosts.sh up N          start hosts 1..N (those not running); prints nothing else
+#   scripts/hosts.sh exec I CMD…   run CMD on host I (DOCKER_HOST names its engine)
+#   scripts/hosts.sh load I IMAGE… copy images from this machine's engine to host I's
+#   scripts/hosts.sh addr I        host I's address; `addr 0` is this machine's on the bridge
+#   scripts/hosts.sh amqp-url [cluster]
+#                                  the broker URL a host uses (user forgepool-hosts): the
+#                                  single node, or scripts/rabbit-cluster.sh's three nodes
+#   scripts/hosts.sh down          stop every host's engine, remove its containers, namespaces
+#                                  and folders, and the bridge
+# Needs root, iproute2, util-linux and Docker (scripts/services.sh installs them).
+set -euo pipefail
+bridge=fphosts0
+net=10.231.0
+run=/run/forgepool-hosts
+data=/var/lib/forgepool-hosts
+amqp_user=forgepool-hosts
+log() { echo "hosts: $*" >&2; }
+addr() { if [ "$1" = 0 ]; then echo "$net.1"; else echo "$net.$((10 + $1))"; fi; }
+# Host I's engine socket, as the host sees it (its /tmp is its own).
+engine=/tmp/.forgepool-host/docker.sock
+# Runs a command inside host I's namespaces.
+inside() {
+  local i="$1"; shift
+  nsenter --net="/run/netns/fph$i" --mount="$run/h$i.mnt" --uts="$run/h$i.uts" -- \
+    env DOCKER_HOST="unix://$engine" "$@"
+}
+
+make_bridge() {
+  ip link show "$bridge" >/dev/null 2>&1 && return 0
+  ip link add "$bridge" type bridge
+  ip addr add "$(addr 0)/24" dev "$bridge"
+  ip link set "$bridge" up
+}
+
+# The folder the mount namespaces' files live in must be a private mount of its own.
+make_run_folder() {
+  mkdir -p "$run"
+  if ! findmnt -n "$run" >/dev/null; then
+    mount --bind "$run" "$run"
+    mount --make-private "$run"
+  fi
+}
+
+make_host() {
+  local i="$1" dir="$data/h$i"
+  if [ ! -e "/run/netns/fph$i" ]; then
+    ip netns add "fph$i"
+    ip link add "fph$i-out" type veth peer name eth0 netns "fph$i"
+    ip link set "fph$i-out" master "$bridge" up
+    ip -n "fph$i" addr add "$(addr "$i")/24" dev eth0
+    ip -n "fph$i" link set eth0 up
+    ip -n "fph$i" link set lo up
+  fi
+  mkdir -p "$dir/tmp" "$dir/docker" "$run/h$i/exec"
+  chmod 1777 "$dir/tmp"
+  if ! findmnt -n "$run/h$i.uts" >/dev/null 2>&1; then
+    touch "$run/h$i.uts"
+    unshare --uts="$run/h$i.uts" hostname "fph$i"
+  fi
+  if ! findmnt -n "$run/h$i.mnt" >/dev/null 2>&1; then
+    touch "$run/h$i.mnt"
+    # Its own /tmp, and no way to this machine's engine; everything else of the file system is
+    # this machine's, read as it is.
+    unshare --mount="$run/h$i.mnt" --propagation private sh -c "
+      mount --bind '$dir/tmp' /tmp && mkdir -p /tmp/.forgepool-host &&
+      for socket in /run/docker.sock /var/run/docker.sock; do
+        [ -S \"\$socket\" ] && mount --bind /dev/null \"\$socket\"; done; true"
+  fi
+  if ! inside "$i" docker version >/dev/null 2>&1; then
+    inside "$i" setsid dockerd --host "unix://$engine" --data-root "$dir/docker" \
+      --exec-root "$run/h$i/exec" --pidfile "$run/h$i/docker.pid" --bridge none \
+      --iptables=false --ip6tables=false --ip-masq=false --cgroup-parent "forgepool-h$i" \
+      >"$run/h$i/dockerd.log" 2>&1 </dev/null &
+    for _ in $(seq 1 60); do inside "$i" docker version >/dev/null 2>&1 && break; sleep 0.5; done
+    inside "$i" docker version >/dev/null 2>&1 ||
+      { tail -20 "$run/h$i/dockerd.log" >&2; log "host $i's Docker engine did not start"; exit 1; }
+  fi
+}
+
+# Hosts reach the broker from their bridge address, where RabbitMQ refuses `guest`: a user
+# of their own on the single node and, when it runs, on scripts/rabbit-cluster.sh's cluster.
+broker_user() {
+  local node
+  for node in "rabbit@$(hostname -s)" "fp1@$(hostname -s)"; do
+    rabbitmq-diagnostics -q -n "$node" ping >/dev/null 2>&1 || continue
+    if ! rabbitmqctl -q -n "$node" list_users 2>/dev/null | grep -q "^$amqp_user\b"; then
+      rabbitmqctl -q -n "$node" add_user "$amqp_user" "$amqp_user" >/dev/null
+      rabbitmqctl -q -n "$node" set_permissions -p / "$amqp_user" '.*' '.*' '.*' >/dev/null
+    fi
+  done
+}
+
+down() {
+  for ns in /run/netns/fph*; do
+    [ -e "$ns" ] || continue
+    local i="${ns##*/fph}"
+    if inside "$i" docker version >/dev/null 2>&1; then
+      local left
+      left="$(inside "$i" docker ps -aq)"
+      [ -z "$left" ] || inside "$i" docker rm -f $left >/dev/null 2>&1 || true
+    fi
+    if [ -f "$run/h$i/docker.pid" ]; then
+      local pid
+      pid="$(cat "$run/h$i/docker.pid")"
+      kill "$pid" 2>/dev/null || true
+      for _ in $(seq 1 40); do kill -0 "$pid" 2>/dev/null || break; sleep 0.25; done
+      kill -9 "$pid" 2>/dev/null || true
+    fi
+    umount "$run/h$i.mnt" "$run/h$i.uts" 2>/dev/null || true
+    ip netns delete "fph$i" 2>/dev/null || true
+  done
+  ip link delete "$bridge" 2>/dev/null || true
+  # The engines' overlay mounts were in the hosts' mount namespaces, gone with them.
+  rm -rf "$data" "$run"/h* 2>/dev/null || true
+}
+
+case "${1:-}" in
+  up)
+    count="${2:?usage: $0 up N}"
+    make_bridge
+    make_run_folder
+    broker_user
+    for i in $(seq 1 "$count"); do make_host "$i"; done
+    ;;
+  exec)
+    i="${2:?usage: $0 exec I CMD...}"; shift 2
+    exec nsenter --net="/run/netns/fph$i" --mount="$run/h$i.mnt" --uts="$run/h$i.uts" -- \
+      env DOCKER_HOST="unix://$engine" "$@"
+    ;;
+  load)
+    i="${2:?usage: $0 load I IMAGE...}"; shift 2
+    docker save "$@" | inside "$i" docker load -q >/dev/null
+    ;;
+  addr) addr "${2:?usage: $0 addr I}" ;;
+  amqp-url)
+    if [ "${2:-}" = cluster ]; then
+      echo "amqp://$amqp_user:$amqp_user@$(addr 0):5681/%2f,$(addr 0):5682,$(addr 0):5683"
+    else
+      echo "amqp://$amqp_user:$amqp_user@$(addr 0):5672/%2f"
+    fi
+    ;;
+  down) down ;;
+  *) log "usage: $0 up N | exec I CMD... | load I IMAGE... | addr I | amqp-url [cluster] | down"; exit 2 ;;
+esac
