@@ -317,7 +317,7 @@ mod crash {
     /// copy (the delivery must not have been acknowledged yet), and either run executed twice.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn killed_before_a_waiting_job_is_moved() {
-        killed_moving_a_job("moving", "MOVE-A").await;
+        killed_moving_a_job("moving", "MOVEA").await;
     }
 
     /// Catches: a job run twice when its worker dies between the confirmed waiting copy and
@@ -326,7 +326,7 @@ mod crash {
     /// duplicate taken for poison (dead-lettered).
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn killed_between_a_waiting_jobs_copy_and_its_ack() {
-        killed_moving_a_job("moved", "MOVE-B").await;
+        killed_moving_a_job("moved", "MOVEB").await;
     }
 
     /// Catches: worker deaths counted against the broker's delivery limit, a guard against

@@ -136,7 +136,8 @@ fn exists(host: u8, container: &str) -> bool {
 /// run executed on two hosts (two pushes, counted by the repository's own hook), and a sweep
 /// that lists or removes containers beyond its own engine: a dead worker's container on this
 /// machine's engine stays, while the same one on a host's engine is removed by that host's
-/// worker (the sweep works, and only where it should).
+/// worker (the sweep works, and only where it should); and a pool view that does not show
+/// each worker under its own host.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn workers_on_hosts_that_share_nothing_deliver_and_keep_to_their_own_engines() {
     let _down = Hosts;
@@ -152,7 +153,7 @@ async fn workers_on_hosts_that_share_nothing_deliver_and_keep_to_their_own_engin
         .prefix("forgepool-hosts-")
         .tempdir_in("/var/tmp")
         .unwrap();
-    let fixture = Fixture::with_image_in(dir, Some(REVIEW), &["append"], &["approve"], TEST_IMAGE);
+    let fixture = Fixture::with_image_in(dir, Some(REVIEW), &["change"], &["approve"], TEST_IMAGE);
     let mut cluster = Cluster::start(fixture, 0, 1, None).await;
     let since = SystemTime::now()
         .duration_since(UNIX_EPOCH)
@@ -182,6 +183,38 @@ async fn workers_on_hosts_that_share_nothing_deliver_and_keep_to_their_own_engin
             "HOSTS-{n}: {branch} pushed once"
         );
     }
+
+    // The pool knows which workers are alive on which host, from their beacons.
+    let pool: serde_json::Value = cluster
+        .request(reqwest::Method::GET, "/v1/pool")
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let listed: Vec<(String, String)> = pool["hosts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|host| {
+            host["workers"].as_array().unwrap().iter().map(move |w| {
+                (
+                    host["host"].as_str().unwrap().to_string(),
+                    w["worker"].as_str().unwrap().to_string(),
+                )
+            })
+        })
+        .collect();
+    let prefix = &cluster.prefix;
+    assert_eq!(
+        listed,
+        [
+            ("fph1".to_string(), format!("{prefix}-h1")),
+            ("fph2".to_string(), format!("{prefix}-h2"))
+        ],
+        "{pool}"
+    );
 
     let on_this_machine = created_on(0, since);
     let on_host1 = created_on(1, since);
