@@ -116,7 +116,8 @@ class Pool:
         executions = 0
         for run_id in ids:
             try:
-                executions += get(f"{self.base}/v1/runs/{run_id}/events").count('"type":"stage_started"')
+                # The timeline is bounded JSON; the event stream stays open for a run not ended.
+                executions += get(f"{self.base}/v1/runs/{run_id}/timeline?log_lines=0").count('"type":"stage_started"')
             except Exception:
                 pass
         return executions

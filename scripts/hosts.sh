@@ -2,10 +2,14 @@
 # Worker "hosts" that share nothing with this machine but the network: each is a network
 # namespace with its own address on a private bridge, a mount namespace with its own /tmp
 # (so its own workspaces, cache and state), its own host name (fphI), and its own Docker engine
-# (socket, data root, exec root, containerd; no default bridge, no iptables). This machine's
-# engine socket is hidden on a host, and a host's engine socket is in its own /tmp, so no host
-# can reach another's engine. Hosts reach the dispatcher and the broker only over TCP, at this
-# machine's address on the bridge. tests/hosts.rs uses it.
+# (socket, data root, exec root and containerd, all under its own /tmp; no default bridge, no
+# iptables). On a host, this machine's engine (its socket, data root and containerd) and every
+# host's folders are hidden under empty file systems, so no host can reach another's engine.
+# The rest of the file system is this machine's (binaries, the operator's files, and the
+# tests' repositories, which stand in for a forge). Hosts reach the dispatcher and the broker
+# only over TCP, at this machine's address on the bridge, with a broker user of their own
+# whose password is made at `up` and removed at `down`. tests/hosts.rs, scripts/soak-hosts.py
+# and scripts/bench-hosts.py use it; one set of hosts per machine.
 #   scripts/hosts.sh up N          start hosts 1..N (those not running); prints nothing else
 #   scripts/hosts.sh exec I CMD…   run CMD on host I (DOCKER_HOST names its engine)
 #   scripts/hosts.sh load I IMAGE… copy images from this machine's engine to host I's
@@ -15,7 +19,8 @@
 #                                  single node, or scripts/rabbit-cluster.sh's three nodes
 #   scripts/hosts.sh down          stop every host's engine, remove its containers, namespaces
 #                                  and folders, and the bridge
-# Needs root, iproute2, util-linux and Docker (scripts/services.sh installs them).
+# Needs root, iproute2 and util-linux (Debian's own), and Docker and RabbitMQ
+# (scripts/services.sh installs them).
 set -euo pipefail
 bridge=fphosts0
 net=10.231.0
@@ -24,8 +29,9 @@ data=/var/lib/forgepool-hosts
 amqp_user=forgepool-hosts
 log() { echo "hosts: $*" >&2; }
 addr() { if [ "$1" = 0 ]; then echo "$net.1"; else echo "$net.$((10 + $1))"; fi; }
-# Host I's engine socket, as the host sees it (its /tmp is its own).
-engine=/tmp/.forgepool-host/docker.sock
+# Host I's engine, as the host sees it (its /tmp is its own).
+state=/tmp/.forgepool-host
+engine=$state/docker.sock
 # Runs a command inside host I's namespaces.
 inside() {
   local i="$1"; shift
@@ -59,7 +65,7 @@ make_host() {
     ip -n "fph$i" link set eth0 up
     ip -n "fph$i" link set lo up
   fi
-  mkdir -p "$dir/tmp" "$dir/docker" "$run/h$i/exec"
+  mkdir -p "$dir/tmp" "$run/h$i"
   chmod 1777 "$dir/tmp"
   if ! findmnt -n "$run/h$i.uts" >/dev/null 2>&1; then
     touch "$run/h$i.uts"
@@ -67,17 +73,24 @@ make_host() {
   fi
   if ! findmnt -n "$run/h$i.mnt" >/dev/null 2>&1; then
     touch "$run/h$i.mnt"
-    # Its own /tmp, and no way to this machine's engine; everything else of the file system is
-    # this machine's, read as it is.
+    # Its own /tmp; this machine's engine and the hosts' folders hidden.
     unshare --mount="$run/h$i.mnt" --propagation private sh -c "
-      mount --bind '$dir/tmp' /tmp && mkdir -p /tmp/.forgepool-host &&
+      set -e
+      mount --bind '$dir/tmp' /tmp
+      mkdir -p '$state'
       for socket in /run/docker.sock /var/run/docker.sock; do
-        [ -S \"\$socket\" ] && mount --bind /dev/null \"\$socket\"; done; true"
+        if [ -S \"\$socket\" ]; then mount --bind /dev/null \"\$socket\"; fi
+      done
+      for folder in /run/docker /run/containerd /var/lib/docker /var/lib/containerd '$data' '$run'; do
+        if [ -d \"\$folder\" ]; then mount -t tmpfs -o size=1m,mode=0700 none \"\$folder\"; fi
+      done"
   fi
   if ! inside "$i" docker version >/dev/null 2>&1; then
-    inside "$i" setsid dockerd --host "unix://$engine" --data-root "$dir/docker" \
-      --exec-root "$run/h$i/exec" --pidfile "$run/h$i/docker.pid" --bridge none \
+    # cgroupfs: a systemd machine's driver wants a `.slice` parent.
+    inside "$i" setsid dockerd --host "unix://$engine" --data-root "$state/docker" \
+      --exec-root "$state/exec" --pidfile "$state/docker.pid" --bridge none \
       --iptables=false --ip6tables=false --ip-masq=false --cgroup-parent "forgepool-h$i" \
+      --exec-opt native.cgroupdriver=cgroupfs \
       >"$run/h$i/dockerd.log" 2>&1 </dev/null &
     for _ in $(seq 1 60); do inside "$i" docker version >/dev/null 2>&1 && break; sleep 0.5; done
     inside "$i" docker version >/dev/null 2>&1 ||
@@ -85,16 +98,27 @@ make_host() {
   fi
 }
 
-# Hosts reach the broker from their bridge address, where RabbitMQ refuses `guest`: a user
-# of their own on the single node and, when it runs, on scripts/rabbit-cluster.sh's cluster.
-broker_user() {
+# The nodes the hosts' broker user lives on: the single node and, when it runs,
+# scripts/rabbit-cluster.sh's cluster.
+broker_nodes() {
   local node
   for node in "rabbit@$(hostname -s)" "fp1@$(hostname -s)"; do
-    rabbitmq-diagnostics -q -n "$node" ping >/dev/null 2>&1 || continue
+    rabbitmq-diagnostics -q -n "$node" ping >/dev/null 2>&1 && echo "$node"
+  done
+  true
+}
+# Hosts reach the broker from their bridge address, where RabbitMQ refuses `guest`: a user
+# of their own, with a password made now and kept only here (mode 0600).
+broker_user() {
+  local node
+  [ -s "$run/amqp-password" ] || (umask 077; head -c 18 /dev/urandom | base64 | tr '+/' 'xy' >"$run/amqp-password")
+  for node in $(broker_nodes); do
     if ! rabbitmqctl -q -n "$node" list_users 2>/dev/null | grep -q "^$amqp_user\b"; then
-      rabbitmqctl -q -n "$node" add_user "$amqp_user" "$amqp_user" >/dev/null
-      rabbitmqctl -q -n "$node" set_permissions -p / "$amqp_user" '.*' '.*' '.*' >/dev/null
+      rabbitmqctl -q -n "$node" add_user "$amqp_user" "$(cat "$run/amqp-password")" >/dev/null
+    else
+      rabbitmqctl -q -n "$node" change_password "$amqp_user" "$(cat "$run/amqp-password")" >/dev/null
     fi
+    rabbitmqctl -q -n "$node" set_permissions -p / "$amqp_user" '.*' '.*' '.*' >/dev/null
   done
 }
 
@@ -107,9 +131,9 @@ down() {
       left="$(inside "$i" docker ps -aq)"
       [ -z "$left" ] || inside "$i" docker rm -f $left >/dev/null 2>&1 || true
     fi
-    if [ -f "$run/h$i/docker.pid" ]; then
+    if [ -f "$data/h$i/tmp/.forgepool-host/docker.pid" ]; then
       local pid
-      pid="$(cat "$run/h$i/docker.pid")"
+      pid="$(cat "$data/h$i/tmp/.forgepool-host/docker.pid")"
       kill "$pid" 2>/dev/null || true
       for _ in $(seq 1 40); do kill -0 "$pid" 2>/dev/null || break; sleep 0.25; done
       kill -9 "$pid" 2>/dev/null || true
@@ -118,8 +142,14 @@ down() {
     ip netns delete "fph$i" 2>/dev/null || true
   done
   ip link delete "$bridge" 2>/dev/null || true
+  local node
+  for node in $(broker_nodes); do
+    rabbitmqctl -q -n "$node" delete_user "$amqp_user" >/dev/null 2>&1 || true
+  done
+  rm -f "$run/amqp-password"
   # The engines' overlay mounts were in the hosts' mount namespaces, gone with them.
   rm -rf "$data" "$run"/h* 2>/dev/null || true
+  umount "$run" 2>/dev/null && rmdir "$run" 2>/dev/null || true
 }
 
 case "${1:-}" in
@@ -141,10 +171,11 @@ case "${1:-}" in
     ;;
   addr) addr "${2:?usage: $0 addr I}" ;;
   amqp-url)
+    password="$(cat "$run/amqp-password" 2>/dev/null)" || { log "no hosts are up: $0 up N"; exit 1; }
     if [ "${2:-}" = cluster ]; then
-      echo "amqp://$amqp_user:$amqp_user@$(addr 0):5681/%2f,$(addr 0):5682,$(addr 0):5683"
+      echo "amqp://$amqp_user:$password@$(addr 0):5681/%2f,$(addr 0):5682,$(addr 0):5683"
     else
-      echo "amqp://$amqp_user:$amqp_user@$(addr 0):5672/%2f"
+      echo "amqp://$amqp_user:$password@$(addr 0):5672/%2f"
     fi
     ;;
   down) down ;;

@@ -12,7 +12,7 @@ scripts/services.sh
 stale="$(docker ps -aq --filter label=forgepool.managed=true)"
 if [ -n "$stale" ]; then
   echo "removing $(echo "$stale" | wc -l) forgepool containers an earlier run left"
-  docker rm -f $stale >/dev/null
+  docker rm -f $stale >/dev/null 2>&1 || true
 fi
 # Three more RabbitMQ nodes in one cluster, for the broker-failover test (tests/brokers.rs).
 scripts/rabbit-cluster.sh up

@@ -75,10 +75,6 @@ pub async fn migrate_store() -> i32 {
 
 /// Runs the dispatcher until SIGTERM or Ctrl-C.
 pub async fn dispatcher(args: DispatcherArgs) -> i32 {
-    let invalid = |message: String| {
-        eprintln!("error: {message}");
-        EXIT_INVALID
-    };
     if args.api_token.is_none() && !args.listen.ip().is_loopback() {
         return invalid(format!(
             "{ENV_LISTEN} is {} (not loopback) but {ENV_API_TOKEN} is unset: set a token, or listen on 127.0.0.1",
@@ -178,19 +174,21 @@ fn host_name() -> String {
         .unwrap_or_else(|_| "worker".into())
 }
 
+/// Prints a configuration error; the exit code for it.
+fn invalid(message: String) -> i32 {
+    eprintln!("error: {message}");
+    EXIT_INVALID
+}
+
 /// Runs a worker until SIGTERM or Ctrl-C, then drains.
 pub async fn worker(args: WorkerArgs) -> i32 {
-    let invalid = |message: String| {
-        eprintln!("error: {message}");
-        EXIT_INVALID
-    };
-    let workspace_root = match args.workspace_root() {
+    let installed = args
+        .workspace_root()
+        .and_then(|root| args.stages.install(&root).map(|()| root));
+    let workspace_root = match installed {
         Ok(root) => root,
         Err(message) => return invalid(message),
     };
-    if let Err(message) = args.stages.install(&workspace_root) {
-        return invalid(message);
-    }
     let job_key = match args.job_key.required() {
         Ok(key) => key,
         Err(message) => return invalid(message),
@@ -199,11 +197,13 @@ pub async fn worker(args: WorkerArgs) -> i32 {
         Ok(agents) => agents,
         Err(error) => return invalid(error.to_string()),
     };
-    if let Err(message) = proto::amqp::check_worker_heartbeat(&args.broker.amqp_url) {
+    let worker_id = args.worker_id.clone().unwrap_or_else(host_name);
+    if let Err(message) = proto::amqp::check_worker_heartbeat(&args.broker.amqp_url)
+        .and_then(|()| proto::roster::check_worker_name(&worker_id))
+    {
         return invalid(message);
     }
     worker::workspace::git::set_allowed_schemes(args.stages.schemes(false));
-    let worker_id = args.worker_id.clone().unwrap_or_else(host_name);
     let metrics = match tokio::net::TcpListener::bind(args.metrics_addr).await {
         Ok(listener) => listener,
         Err(error) => {

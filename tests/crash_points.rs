@@ -280,6 +280,11 @@ mod crash {
             ids.push(cluster.submit(ticket).await);
         }
         wait_dead(&mut cluster, doomed, Duration::from_secs(60));
+        let log = std::fs::read_to_string(&cluster.workers[doomed].log).unwrap_or_default();
+        assert!(
+            log.contains(&format!("fault point `{point}`")),
+            "the doomed worker died at its fault point {point}:\n{log}"
+        );
         cluster.start_worker("heir", 2);
         let views = cluster.wait_terminal(&ids, Duration::from_secs(180)).await;
         wait_settled(&cluster).await;

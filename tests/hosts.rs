@@ -39,6 +39,15 @@ impl Drop for Hosts {
     }
 }
 
+/// Removes a container of this machine's engine when the test ends, however it ends.
+struct Removed(String);
+
+impl Drop for Removed {
+    fn drop(&mut self) {
+        let _ = Command::new("docker").args(["rm", "-f", &self.0]).output();
+    }
+}
+
 /// `docker` on this machine's engine (`host` 0) or on host `host`'s.
 fn docker(host: u8, args: &[&str]) -> String {
     let output = if host == 0 {
@@ -141,6 +150,8 @@ fn exists(host: u8, container: &str) -> bool {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn workers_on_hosts_that_share_nothing_deliver_and_keep_to_their_own_engines() {
     let _down = Hosts;
+    // Hosts an interrupted run left (their engines, their containers) go first.
+    hosts(&["down"]);
     hosts(&["up", "2"]);
     for host in ["1", "2"] {
         hosts(&["load", host, TEST_IMAGE]);
@@ -159,7 +170,7 @@ async fn workers_on_hosts_that_share_nothing_deliver_and_keep_to_their_own_engin
         .duration_since(UNIX_EPOCH)
         .unwrap()
         .as_secs();
-    let here = decoy(0, &cluster.prefix);
+    let here = Removed(decoy(0, &cluster.prefix));
     let there = decoy(2, &cluster.prefix);
     cluster.start_worker_on_host("h1", 1, 1, &amqp_url);
     cluster.start_worker_on_host("h2", 1, 2, &amqp_url);
@@ -246,10 +257,9 @@ async fn workers_on_hosts_that_share_nothing_deliver_and_keep_to_their_own_engin
         tokio::time::sleep(Duration::from_secs(1)).await;
     }
     assert!(
-        exists(0, &here),
+        exists(0, &here.0),
         "a worker on a host removed a container on this machine's engine"
     );
-    docker(0, &["rm", "-f", &here]);
     for host in [1, 2] {
         let left = docker(
             host,

@@ -48,7 +48,7 @@ impl Consumer {
             Queue::DeadLetters => topology.dispatcher_dead(),
             Queue::Executions => topology.executions(),
             Queue::Allotments => topology.allotments(),
-            Queue::Roster => topology.roster(),
+            Queue::Roster => format!("{}.roster", topology.control()),
         }
     }
 }
@@ -67,6 +67,10 @@ impl Consume for Consumer {
 
     async fn open(&self, _again: bool) -> Result<Session, amqp::AmqpError> {
         let dispatcher = &self.dispatcher;
+        if self.queue == Queue::Roster {
+            let (url, name) = (&dispatcher.amqp_url, self.name());
+            return amqp::open_roster_consumer(url, name, &dispatcher.topology).await;
+        }
         amqp::open_consumer(
             &dispatcher.amqp_url,
             self.name(),

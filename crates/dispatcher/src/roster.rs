@@ -1,5 +1,5 @@
-//! The pool's roster: the worker processes that announced themselves on `{prefix}.roster`
-//! (`proto::roster`) within [`ALIVE_FOR`], grouped by host for `GET /v1/pool`. Bounded: at most
+//! The pool's roster: the worker processes that announced themselves (`proto::roster`, on a
+//! queue of this dispatcher's own bound to the control exchange) within [`ALIVE_FOR`], grouped by host for `GET /v1/pool`. Bounded: at most
 //! [`MAX_ROSTER`] processes are kept, and one that stops announcing itself is forgotten.
 
 use std::collections::{BTreeMap, HashMap};
@@ -64,7 +64,8 @@ impl Roster {
 /// warning (a beacon is never retried: the next one comes within seconds).
 pub(crate) fn take_beacon(roster: &Roster, key: &proto::JobKey, delivery: &Delivery) {
     let signature = amqp::header_text(&delivery.properties, proto::SIGNATURE_HEADER);
-    match WorkerBeacon::read(&delivery.data, signature.as_deref(), key) {
+    let now = proto::roster::unix_now();
+    match WorkerBeacon::read(&delivery.data, signature.as_deref(), key, now) {
         Ok(beacon) => {
             let (worker, host) = (beacon.worker.clone(), beacon.host.clone());
             if !roster.record(beacon, Instant::now()) {
@@ -90,6 +91,7 @@ mod tests {
             slots: 2,
             busy: 1,
             version: "0.1.0".into(),
+            sent_at: 0,
         }
     }
 

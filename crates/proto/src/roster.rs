@@ -4,7 +4,8 @@
 //! `GET /v1/pool`, `forgepool status` and the run view show it ([`PoolHost`]).
 //!
 //! A beacon is signed because anyone with a broker account could otherwise fill the pool's
-//! view with workers that do not exist; it says nothing a job depends on.
+//! view with workers that do not exist, and dated inside the signature, so that a copy
+//! replayed later does not keep a dead worker alive; it says nothing a job depends on.
 
 use std::time::Duration;
 
@@ -17,6 +18,9 @@ pub const BEACON_INTERVAL: Duration = Duration::from_secs(10);
 
 /// How long a worker counts as alive after its last beacon: three beacons missed.
 pub const ALIVE_FOR: Duration = Duration::from_secs(35);
+
+/// How far ahead of the dispatcher's clock a beacon's `sent_at` may be.
+pub const CLOCK_SKEW: Duration = Duration::from_secs(60);
 
 /// How long a beacon waits on the broker for the dispatcher (an older one says nothing).
 pub const BEACON_TTL_MS: i64 = 30_000;
@@ -45,6 +49,30 @@ pub struct WorkerBeacon {
     pub busy: u32,
     /// Its forgepool version.
     pub version: String,
+    /// When it was sent, in seconds since the Unix epoch.
+    pub sent_at: u64,
+}
+
+/// Seconds since the Unix epoch, now.
+pub fn unix_now() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+/// The longest worker name a beacon carries.
+pub const MAX_WORKER_NAME: usize = 128;
+
+/// Refuses a worker name (`--worker-id`, `FORGEPOOL_WORKER_ID`) that its beacons could not
+/// carry: empty, longer than [`MAX_WORKER_NAME`], or with control characters.
+pub fn check_worker_name(name: &str) -> Result<(), String> {
+    if name.is_empty() || name.len() > MAX_WORKER_NAME || name.chars().any(char::is_control) {
+        return Err(format!(
+            "FORGEPOOL_WORKER_ID (--worker-id): must be 1 to {MAX_WORKER_NAME} printable \
+             characters, got {name:?}"
+        ));
+    }
+    Ok(())
 }
 
 /// The domain every beacon signature covers, so that no other signed message passes for one.
@@ -60,17 +88,20 @@ impl WorkerBeacon {
         key.sign(&signed_bytes(body))
     }
 
-    /// Reads a beacon: signed with the job key, well formed, every text short and printable.
+    /// Reads a beacon received at `now` (Unix seconds): signed with the job key, well formed,
+    /// every text short and printable, sent within [`ALIVE_FOR`] (and not more than
+    /// [`CLOCK_SKEW`] ahead).
     pub fn read(
         body: &[u8],
         signature: Option<&str>,
         key: &JobKey,
+        now: u64,
     ) -> Result<WorkerBeacon, String> {
         key.verify(&signed_bytes(body), signature)
             .map_err(|reason| format!("a worker beacon not signed with the job key: {reason}"))?;
         let beacon: WorkerBeacon = crate::decode_message(body, MAX_BEACON_BYTES)?;
         for (field, value, longest) in [
-            ("worker", &beacon.worker, 128),
+            ("worker", &beacon.worker, MAX_WORKER_NAME),
             ("instance", &beacon.instance, 64),
             ("host", &beacon.host, 253),
             ("version", &beacon.version, 64),
@@ -80,6 +111,14 @@ impl WorkerBeacon {
                     "a worker beacon's {field} must be 1 to {longest} printable characters"
                 ));
             }
+        }
+        if beacon.sent_at.saturating_add(ALIVE_FOR.as_secs()) < now
+            || beacon.sent_at > now.saturating_add(CLOCK_SKEW.as_secs())
+        {
+            return Err(format!(
+                "a worker beacon sent at {} is stale or from the future (now {now})",
+                beacon.sent_at
+            ));
         }
         if beacon.busy > beacon.slots {
             return Err(format!(
@@ -136,8 +175,11 @@ mod tests {
             slots: 4,
             busy: 1,
             version: "0.1.0".into(),
+            sent_at: NOW,
         }
     }
+
+    const NOW: u64 = 1_800_000_000;
 
     /// Catches: a beacon taken without the job key's signature (anyone with a broker account
     /// could invent workers), or with a signature of another kind of signed message.
@@ -146,15 +188,16 @@ mod tests {
         let body = serde_json::to_vec(&beacon()).unwrap();
         let signature = WorkerBeacon::sign(&body, &key());
         assert_eq!(
-            WorkerBeacon::read(&body, Some(&signature), &key()).unwrap(),
+            WorkerBeacon::read(&body, Some(&signature), &key(), NOW).unwrap(),
             beacon()
         );
-        assert!(WorkerBeacon::read(&body, None, &key()).is_err());
+        assert!(WorkerBeacon::read(&body, None, &key(), NOW).is_err());
         let other = JobKey::new("fedcba9876543210fedcba9876543210").unwrap();
         assert!(
-            WorkerBeacon::read(&body, Some(&WorkerBeacon::sign(&body, &other)), &key()).is_err()
+            WorkerBeacon::read(&body, Some(&WorkerBeacon::sign(&body, &other)), &key(), NOW)
+                .is_err()
         );
-        assert!(WorkerBeacon::read(&body, Some(&key().sign(&body)), &key()).is_err());
+        assert!(WorkerBeacon::read(&body, Some(&key().sign(&body)), &key(), NOW).is_err());
     }
 
     /// Catches: a signed beacon whose texts could break a terminal or a page (control
@@ -163,7 +206,7 @@ mod tests {
     fn a_beacon_with_unusable_fields_is_refused_naming_the_field() {
         let read = |beacon: WorkerBeacon| {
             let body = serde_json::to_vec(&beacon).unwrap();
-            WorkerBeacon::read(&body, Some(&WorkerBeacon::sign(&body, &key())), &key())
+            WorkerBeacon::read(&body, Some(&WorkerBeacon::sign(&body, &key())), &key(), NOW)
         };
         let error = read(WorkerBeacon {
             host: "a\u{1b}[2Jb".into(),
@@ -183,5 +226,30 @@ mod tests {
         })
         .unwrap_err();
         assert!(error.contains("5 of 4"), "{error}");
+    }
+
+    /// Catches: a worker started under a name its beacons cannot carry, which would never
+    /// appear in the pool view (every beacon refused) instead of failing at start.
+    #[test]
+    fn a_worker_name_beacons_cannot_carry_is_refused_at_start() {
+        assert!(check_worker_name("w-1").is_ok());
+        for bad in ["", "a\nb", &"w".repeat(MAX_WORKER_NAME + 1)] {
+            let error = check_worker_name(bad).unwrap_err();
+            assert!(error.contains("FORGEPOOL_WORKER_ID"), "{error}");
+        }
+    }
+
+    /// Catches: a signed beacon replayed after its worker died keeping it in the pool view
+    /// for ever, and a clock a little ahead refused.
+    #[test]
+    fn a_stale_beacon_is_refused() {
+        let body = serde_json::to_vec(&beacon()).unwrap();
+        let signature = WorkerBeacon::sign(&body, &key());
+        let read = |now| WorkerBeacon::read(&body, Some(&signature), &key(), now);
+        assert!(read(NOW + ALIVE_FOR.as_secs()).is_ok());
+        let error = read(NOW + ALIVE_FOR.as_secs() + 1).unwrap_err();
+        assert!(error.contains("stale"), "{error}");
+        assert!(read(NOW - 30).is_ok());
+        assert!(read(NOW - CLOCK_SKEW.as_secs() - 1).is_err());
     }
 }

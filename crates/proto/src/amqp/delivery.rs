@@ -141,6 +141,68 @@ pub fn dead_letter_origin(properties: &BasicProperties) -> (Option<String>, Stri
     (source, reason)
 }
 
+/// Like [`open_consumer`], on a queue of this connection's own (exclusive, server-named)
+/// bound to the control exchange for every worker's beacon (`roster.*`), where a beacon
+/// older than [`crate::roster::BEACON_TTL_MS`] expires: each dispatcher replica hears every
+/// worker.
+pub async fn open_roster_consumer(
+    url: &str,
+    name: &str,
+    topology: &Topology,
+) -> Result<Session, AmqpError> {
+    let session = async {
+        let connection = connect(url, name).await?;
+        let broker = |operation| move |source| AmqpError::Broker { operation, source };
+        let channel = connection
+            .create_channel()
+            .await
+            .map_err(broker("open channel"))?;
+        topology.declare(&channel).await?;
+        let mut arguments = FieldTable::default();
+        arguments.insert(
+            "x-message-ttl".into(),
+            AMQPValue::LongLongInt(crate::roster::BEACON_TTL_MS),
+        );
+        arguments.insert("x-max-length".into(), AMQPValue::LongLongInt(10_000));
+        let queue = channel
+            .queue_declare("".into(), super::exclusive_queue(), arguments)
+            .await
+            .map_err(broker("declare roster queue"))?;
+        channel
+            .queue_bind(
+                queue.name().clone(),
+                topology.control().into(),
+                "roster.*".into(),
+                lapin::options::QueueBindOptions::default(),
+                FieldTable::default(),
+            )
+            .await
+            .map_err(broker("bind roster queue"))?;
+        channel
+            .basic_qos(64, lapin::options::BasicQosOptions::default())
+            .await
+            .map_err(broker("set prefetch"))?;
+        let consumer = channel
+            .basic_consume(
+                queue.name().clone(),
+                name.into(),
+                lapin::options::BasicConsumeOptions::default(),
+                FieldTable::default(),
+            )
+            .await
+            .map_err(broker("start consumer"))?;
+        Ok(Session {
+            connection,
+            channel,
+            consumer,
+            tag: name.to_string(),
+        })
+    };
+    tokio::time::timeout(SESSION_TIMEOUT, session)
+        .await
+        .map_err(|_| AmqpError::Pool(format!("no roster consumer within {SESSION_TIMEOUT:?}")))?
+}
+
 /// Opens a connection of its own, declares the topology, sets the prefetch and starts a
 /// consumer on `queue`, all within [`SESSION_TIMEOUT`]: a broker that stops answering is
 /// retried by the caller, never waited on. The consumer's tag is `name`.

@@ -137,11 +137,10 @@ impl Topology {
         format!("{}.allotments", self.prefix)
     }
 
-    /// Where worker processes announce themselves to the dispatcher
-    /// (`crate::roster::WorkerBeacon`): `{prefix}.roster`, a quorum queue whose beacons expire
-    /// after [`crate::roster::BEACON_TTL_MS`].
-    pub fn roster(&self) -> String {
-        format!("{}.roster", self.prefix)
+    /// The routing key a worker instance's beacon (`crate::roster::WorkerBeacon`) goes out
+    /// with on the control exchange; each dispatcher binds a queue of its own to `roster.*`.
+    pub fn roster_key(&self, instance: &str) -> String {
+        format!("roster.{instance}")
     }
 
     /// The exclusive queue that says a worker instance is alive.
@@ -183,7 +182,6 @@ impl Topology {
             (self.pauses(), pause_stream()),
             (self.executions(), questions()),
             (self.allotments(), questions()),
-            (self.roster(), roster()),
         ];
         for (name, arguments) in queues {
             channel
@@ -272,18 +270,6 @@ fn questions() -> FieldTable {
         "x-message-ttl".into(),
         AMQPValue::LongLongInt(super::QUESTION_TTL_MS),
     );
-    arguments
-}
-
-/// The roster's arguments: a quorum queue where a beacon older than
-/// [`crate::roster::BEACON_TTL_MS`] is dropped, and at most 10,000 wait (the oldest go first).
-fn roster() -> FieldTable {
-    let mut arguments = quorum(None, None);
-    arguments.insert(
-        "x-message-ttl".into(),
-        AMQPValue::LongLongInt(crate::roster::BEACON_TTL_MS),
-    );
-    arguments.insert("x-max-length".into(), AMQPValue::LongLongInt(10_000));
     arguments
 }
 

@@ -1,6 +1,6 @@
-//! This worker process's beacon: every [`BEACON_INTERVAL`] it tells the dispatcher, on
-//! `{prefix}.roster` (`proto::roster`), that it is alive, on which host, with how many slots
-//! busy. A beacon is one attempt: the next one replaces a lost one, and a broker outage never
+//! This worker process's beacon: every [`BEACON_INTERVAL`] it tells the dispatchers, on the
+//! control exchange as `roster.{instance}` (`proto::roster`), that it is alive, on which host,
+//! with how many slots busy. A beacon is one attempt: the next one replaces a lost one, and a broker outage never
 //! holds anything up.
 
 use std::sync::Arc;
@@ -31,7 +31,7 @@ pub async fn announce<R: ContainerRuntime>(jobs: Arc<Jobs<R>>, shutdown: Cancell
     let host = host_name();
     let instance = jobs.engine.runtime().instance().to_string();
     let slots = u32::try_from(jobs.config.concurrency).unwrap_or(u32::MAX);
-    let queue = jobs.topology.roster();
+    let (exchange, key) = (jobs.topology.control(), jobs.topology.roster_key(&instance));
     let mut every = tokio::time::interval(BEACON_INTERVAL);
     every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
@@ -48,10 +48,14 @@ pub async fn announce<R: ContainerRuntime>(jobs: Arc<Jobs<R>>, shutdown: Cancell
             slots,
             busy: slots.saturating_sub(free),
             version: env!("CARGO_PKG_VERSION").to_string(),
+            sent_at: proto::roster::unix_now(),
         };
         let payload = serde_json::to_vec(&beacon).unwrap_or_default();
         let headers = amqp::signature_headers(WorkerBeacon::sign(&payload, &jobs.config.job_key));
-        let sent = jobs.publisher.publish("", &queue, &payload, Some(headers));
+        // No dispatcher bound (none running) is a beacon nobody needed: NO_ROUTE, debug.
+        let sent = jobs
+            .publisher
+            .publish(&exchange, &key, &payload, Some(headers));
         match tokio::time::timeout(BEACON_DEADLINE, sent).await {
             Ok(Ok(())) => {}
             Ok(Err(error)) => debug!(%error, "beacon not published"),
