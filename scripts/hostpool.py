@@ -129,8 +129,11 @@ class Pool:
         for host in range(1, self.count + 1):
             containers = hosts("exec", str(host), "docker", "ps", "-aq", "--filter",
                                f"label=forgepool.cluster={self.prefix}").split()
-            folders = [f for f in hosts("exec", str(host), "sh", "-c", "ls -A /tmp/forgepool 2>/dev/null || true").split()
-                       if f != ".cache"]
+            # The cache and the gateway's socket folder are the host's state; run folders
+            # and their owners' lock files are not.
+            listed = hosts("exec", str(host), "sh", "-c",
+                           "ls -A /tmp/forgepool 2>/dev/null; ls -A /tmp/forgepool/.owners 2>/dev/null || true").split()
+            folders = [f for f in listed if f not in (".cache", ".gateway", ".owners")]
             left[host] = (containers, folders)
         return left
 

@@ -9,7 +9,7 @@ scripts/rabbit-cluster.sh, with a PostgreSQL store, and chaos while they run:
   - a random worker is SIGKILLed every 10 to 20 s and started again on its host;
   - one worker host is cut off from the bridge for 60 s (its link down: nothing closed);
   - PostgreSQL is stopped for 10 s.
-Each run's implementer sleeps 1 to 4 s and writes a random nonce, so a second execution would
+Each run's implementer sleeps 4 to 11 s (so the runs outlast the chaos) and writes a random nonce, so a second execution would
 make a different commit; the origin's `post-receive` hook logs every branch update. At the
 end it prints runs lost, duplicate pushes, extra stage executions, and what was left on each
 host (containers of this soak, folders in its workspace root). It exits 1 when a run was lost,
@@ -28,8 +28,8 @@ import uuid
 
 from hostpool import Pool, TERMINAL, hosts, run
 
-IMPLEMENT = ["/bin/sh", "-c", "sleep $((RANDOM % 4 + 1)); cat /proc/sys/kernel/random/uuid > /workspace/nonce.txt; echo change >> /workspace/feature.txt"]
-REVIEW = ["/bin/sh", "-c", "sleep 1; echo APPROVED"]
+IMPLEMENT = ["/bin/sh", "-c", "sleep $((RANDOM % 8 + 4)); cat /proc/sys/kernel/random/uuid > /workspace/nonce.txt; echo change >> /workspace/feature.txt"]
+REVIEW = ["/bin/sh", "-c", "sleep 2; echo APPROVED"]
 HOSTS = 3
 CLUSTER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "rabbit-cluster.sh")
 NODE = subprocess.run(["hostname", "-s"], capture_output=True, text=True).stdout.strip()
@@ -72,7 +72,7 @@ def main():
     deadline = started + minutes * 60
     chaos = {"worker kills": 0, "leader kills": 0, "node stops": 0, "host partitions": 0, "store outages": 0}
     next_kill = started + random.uniform(10, 20)
-    leader_at, stop_at, cut_at, store_at = started + 20, started + 70, started + 120, started + 200
+    leader_at, stop_at, cut_at, store_at = started + 20, started + 60, started + 100, started + 170
     states = {}
     while time.time() < deadline:
         now = time.time()

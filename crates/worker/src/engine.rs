@@ -33,6 +33,7 @@ use crate::runtime::{
     LABEL_RUN, LABEL_STAGE,
 };
 use crate::workspace::git;
+use crate::workspace::leftovers;
 
 mod agent;
 mod checkpoint;
@@ -158,6 +159,11 @@ impl<R: ContainerRuntime> Engine<R> {
         &self.runtime
     }
 
+    /// Where run folders are made.
+    pub fn workspace_root(&self) -> &Path {
+        &self.config.workspace_root
+    }
+
     /// Performs a job to its end and returns the result. The final `result` and `state`
     /// events are published before this returns; an error means they could not be, and the
     /// job must be handed back.
@@ -215,6 +221,7 @@ impl<R: ContainerRuntime> Engine<R> {
             // Each execution draws its epoch: the dispatcher ignores a superseded one.
             let sink = &Stamped::new(sink, Uuid::new_v4());
             let root = self.config.workspace_root.join(job.run_id.to_string());
+            let owned = leftovers::own(&self.config.workspace_root, &job.run_id.to_string()).await;
             let mut run = RunContext::new(job, &root);
             run.again = again;
             run.handover = handover;
@@ -275,6 +282,7 @@ impl<R: ContainerRuntime> Engine<R> {
             if let Err(error) = remove_dir(&root).await {
                 warn!(%error, path = %root.display(), "cannot remove the run workspace");
             }
+            drop(owned);
             ended
         }
         .instrument(span)

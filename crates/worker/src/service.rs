@@ -103,6 +103,7 @@ pub async fn run<R: ContainerRuntime>(
         .await;
     });
     background.spawn(watch_queues(Arc::clone(&jobs), shutdown.clone()));
+    background.spawn(remove_left_run_folders(Arc::clone(&jobs), shutdown.clone()));
     background.spawn(crate::amqp::roster::announce(
         Arc::clone(&jobs),
         shutdown.clone(),
@@ -169,6 +170,23 @@ async fn drain<R: ContainerRuntime>(jobs: &Jobs<R>, runs: &TaskTracker) {
         warn!("drain time is over; handing in-flight runs back");
         jobs.interrupt.cancel();
         let _ = tokio::time::timeout(Duration::from_secs(60), runs.wait()).await;
+    }
+}
+
+/// Removes the run folders killed workers left in this worker's workspace root (at start,
+/// then every 30 s: a predecessor killed just before this process started may still be
+/// dying).
+async fn remove_left_run_folders<R: ContainerRuntime>(
+    jobs: Arc<Jobs<R>>,
+    shutdown: CancellationToken,
+) {
+    let root = jobs.engine.workspace_root().to_path_buf();
+    loop {
+        crate::workspace::leftovers::remove_left_behind(&root).await;
+        tokio::select! {
+            () = tokio::time::sleep(Duration::from_secs(30)) => {},
+            () = shutdown.cancelled() => return,
+        }
     }
 }
 

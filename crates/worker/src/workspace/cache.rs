@@ -466,14 +466,14 @@ fn size_of(dir: &Path) -> u64 {
 
 /// A `flock` on a file, released when dropped (the file is closed).
 #[derive(Debug)]
-struct FileLock {
+pub(crate) struct FileLock {
     /// Held open for the lock's lifetime.
     _file: std::fs::File,
 }
 
 impl FileLock {
     /// Takes the lock on `path` (made when missing), trying for up to `limit`.
-    async fn exclusive(path: &Path, limit: Duration) -> Result<FileLock, GitError> {
+    pub(crate) async fn exclusive(path: &Path, limit: Duration) -> Result<FileLock, GitError> {
         FileLock::take(
             path,
             limit,
