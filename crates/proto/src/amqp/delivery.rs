@@ -150,57 +150,7 @@ pub async fn open_roster_consumer(
     name: &str,
     topology: &Topology,
 ) -> Result<Session, AmqpError> {
-    let session = async {
-        let connection = connect(url, name).await?;
-        let broker = |operation| move |source| AmqpError::Broker { operation, source };
-        let channel = connection
-            .create_channel()
-            .await
-            .map_err(broker("open channel"))?;
-        topology.declare(&channel).await?;
-        let mut arguments = FieldTable::default();
-        arguments.insert(
-            "x-message-ttl".into(),
-            AMQPValue::LongLongInt(crate::roster::BEACON_TTL_MS),
-        );
-        arguments.insert("x-max-length".into(), AMQPValue::LongLongInt(10_000));
-        let queue = channel
-            .queue_declare("".into(), super::exclusive_queue(), arguments)
-            .await
-            .map_err(broker("declare roster queue"))?;
-        channel
-            .queue_bind(
-                queue.name().clone(),
-                topology.control().into(),
-                "roster.*".into(),
-                lapin::options::QueueBindOptions::default(),
-                FieldTable::default(),
-            )
-            .await
-            .map_err(broker("bind roster queue"))?;
-        channel
-            .basic_qos(64, lapin::options::BasicQosOptions::default())
-            .await
-            .map_err(broker("set prefetch"))?;
-        let consumer = channel
-            .basic_consume(
-                queue.name().clone(),
-                name.into(),
-                lapin::options::BasicConsumeOptions::default(),
-                FieldTable::default(),
-            )
-            .await
-            .map_err(broker("start consumer"))?;
-        Ok(Session {
-            connection,
-            channel,
-            consumer,
-            tag: name.to_string(),
-        })
-    };
-    tokio::time::timeout(SESSION_TIMEOUT, session)
-        .await
-        .map_err(|_| AmqpError::Pool(format!("no roster consumer within {SESSION_TIMEOUT:?}")))?
+    open_session(url, name, topology, Source::Roster, 64).await
 }
 
 /// Opens a connection of its own, declares the topology, sets the prefetch and starts a
@@ -213,21 +163,44 @@ pub async fn open_consumer(
     queue: &str,
     prefetch: u16,
 ) -> Result<Session, AmqpError> {
+    open_session(url, name, topology, Source::Shared(queue), prefetch).await
+}
+
+/// Where a session consumes.
+#[derive(Clone, Copy)]
+enum Source<'a> {
+    /// A queue of the topology, by name.
+    Shared(&'a str),
+    /// The roster's queue of this connection's own.
+    Roster,
+}
+
+async fn open_session(
+    url: &str,
+    name: &str,
+    topology: &Topology,
+    source: Source<'_>,
+    prefetch: u16,
+) -> Result<Session, AmqpError> {
+    let broker = |operation| move |source| AmqpError::Broker { operation, source };
     let session = async {
         let connection = connect(url, name).await?;
-        let broker = |operation| move |source| AmqpError::Broker { operation, source };
         let channel = connection
             .create_channel()
             .await
             .map_err(broker("open channel"))?;
         topology.declare(&channel).await?;
+        let queue = match source {
+            Source::Shared(queue) => queue.into(),
+            Source::Roster => roster_queue(&channel, topology).await?,
+        };
         channel
             .basic_qos(prefetch, lapin::options::BasicQosOptions::default())
             .await
             .map_err(broker("set prefetch"))?;
         let consumer = channel
             .basic_consume(
-                queue.into(),
+                queue,
                 name.into(),
                 lapin::options::BasicConsumeOptions::default(),
                 FieldTable::default(),
@@ -241,11 +214,42 @@ pub async fn open_consumer(
             tag: name.to_string(),
         })
     };
+    let what = match source {
+        Source::Shared(queue) => queue,
+        Source::Roster => "the roster",
+    };
     tokio::time::timeout(SESSION_TIMEOUT, session)
         .await
-        .map_err(|_| {
-            AmqpError::Pool(format!("no consumer on {queue} within {SESSION_TIMEOUT:?}"))
-        })?
+        .map_err(|_| AmqpError::Pool(format!("no consumer on {what} within {SESSION_TIMEOUT:?}")))?
+}
+
+/// Declares this connection's roster queue and binds it to the beacons; its name.
+async fn roster_queue(
+    channel: &Channel,
+    topology: &Topology,
+) -> Result<lapin::types::ShortString, AmqpError> {
+    let broker = |operation| move |source| AmqpError::Broker { operation, source };
+    let mut arguments = FieldTable::default();
+    arguments.insert(
+        "x-message-ttl".into(),
+        AMQPValue::LongLongInt(crate::roster::BEACON_TTL_MS),
+    );
+    arguments.insert("x-max-length".into(), AMQPValue::LongLongInt(10_000));
+    let queue = channel
+        .queue_declare("".into(), super::exclusive_queue(), arguments)
+        .await
+        .map_err(broker("declare roster queue"))?;
+    channel
+        .queue_bind(
+            queue.name().clone(),
+            topology.control().into(),
+            "roster.*".into(),
+            lapin::options::QueueBindOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .map_err(broker("bind roster queue"))?;
+    Ok(queue.name().clone())
 }
 
 /// A consuming connection: its channel, and the consumer on it.
