@@ -6,13 +6,15 @@
 #   axe-core 4.14.1        Deque's accessibility rules, run in the pages by the same test.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# shellcheck source=scripts/lib/apt.sh
+source scripts/lib/apt.sh
 dir="$PWD/.tools/browser"
 version=1.57.0
 axe=4.14.1
 if ! command -v chromium >/dev/null; then
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null
+  apt_install chromium
 fi
-command -v npm >/dev/null || DEBIAN_FRONTEND=noninteractive apt-get install -y -qq npm >/dev/null
+command -v npm >/dev/null || apt_install npm
 if [ -f "$dir/node_modules/playwright-core/package.json" ] &&
   grep -q "\"version\": \"$version\"" "$dir/node_modules/playwright-core/package.json" &&
   grep -qs "\"version\": \"$axe\"" "$dir/node_modules/axe-core/package.json"; then

@@ -10,6 +10,8 @@
 # Needs root, a running Docker engine (scripts/services.sh), Debian's mirror, npm and PyPI.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# shellcheck source=scripts/lib/apt.sh
+source scripts/lib/apt.sh
 export DOCKER_BUILDKIT=0
 force=0
 [ "${1:-}" = "--force" ] && { force=1; shift; }
@@ -22,7 +24,7 @@ trap 'rm -rf "$tmp"' EXIT
 
 if ! docker image inspect "$base" >/dev/null 2>&1; then
   command -v debootstrap >/dev/null ||
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq debootstrap >/dev/null
+    apt_install debootstrap
   echo "building $base with debootstrap" >&2
   root="$tmp/root"
   debootstrap --variant=minbase --include=git,ca-certificates,python3,python3-venv,ripgrep,procps \

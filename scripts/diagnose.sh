@@ -27,7 +27,8 @@ echo "listing queues took $(( ($(date +%s%N) - start) / 1000000 )) ms"
 echo "$queues" | awk '{ n[$2" "$3]++ } END { for (k in n) print n[k], "queues", k }'
 echo "queues not running:"
 echo "$queues" | awk '$3 != "running"' | head -20
-log="$(ls -t /var/log/rabbitmq/rabbit@*.log 2>/dev/null | grep -v upgrade | head -1)"
+log="$(find /var/log/rabbitmq -maxdepth 1 -name 'rabbit@*.log' ! -name '*upgrade*' -printf '%T@ %p\n' 2>/dev/null |
+  sort -rn | head -1 | cut -d' ' -f2-)"
 if [ -n "$log" ]; then
   echo "--- the broker's last errors and warnings ($log)"
   # The first line of each report (a report's lines share its timestamp).

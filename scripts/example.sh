@@ -20,6 +20,9 @@ esac
 
 scripts/services.sh
 scripts/build-images.sh
+if [ ! -x target/release/forgepool ]; then
+  echo "== building forgepool (cargo build --release): the first build takes about 4 minutes on 2 cores" >&2
+fi
 cargo build --release --quiet
 agents=examples/agents.toml
 

@@ -6,11 +6,13 @@
 #   @octokit/openapi 23.0.2       GitHub's own published OpenAPI description of its REST API.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# shellcheck source=scripts/lib/apt.sh
+source scripts/lib/apt.sh
 dir="$PWD/.tools/forge"
 if [ -x "$dir/node_modules/.bin/prism" ] && [ -f "$dir/node_modules/@octokit/openapi/generated/api.github.com.json" ]; then
   exit 0
 fi
-command -v npm >/dev/null || DEBIAN_FRONTEND=noninteractive apt-get install -y -qq npm >/dev/null
+command -v npm >/dev/null || apt_install npm
 mkdir -p "$dir"
 npm install --silent --no-audit --no-fund --prefix "$dir" \
   @stoplight/prism-cli@5.12.0 @octokit/openapi@23.0.2 >/dev/null

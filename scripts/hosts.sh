@@ -6,11 +6,14 @@
 # iptables). On a host, this machine's engine (its socket, data root and containerd) and every
 # host's folders are hidden under empty file systems, so no host can reach another's engine.
 # The rest of the file system is this machine's (binaries, the operator's files, and the
-# tests' repositories, which stand in for a forge). Hosts reach the dispatcher and the broker
+# tests' repositories, which stand in for a forge); the folders a host needs that live under
+# the machine's /tmp (this repository, when cloned there; $CARGO_TARGET_DIR; the folders of
+# $FORGEPOOL_HOSTS_SHARE) are bound read-only into the host's /tmp at the same path. Hosts reach the dispatcher and the broker
 # only over TCP, at this machine's address on the bridge, with a broker user of their own
 # whose password is made at `up` and removed at `down`. tests/hosts.rs, scripts/soak-hosts.py
 # and scripts/bench-hosts.py use it; one set of hosts per machine.
 #   scripts/hosts.sh up N          start hosts 1..N (those not running); prints nothing else
+#   scripts/hosts.sh check         fail, naming it, when a folder the hosts need is one they hide
 #   scripts/hosts.sh exec I CMD…   run CMD on host I (DOCKER_HOST names its engine)
 #   scripts/hosts.sh load I IMAGE… copy images from this machine's engine to host I's
 #   scripts/hosts.sh addr I        host I's address; `addr 0` is this machine's on the bridge
@@ -39,6 +42,44 @@ inside() {
     env DOCKER_HOST="unix://$engine" "$@"
 }
 
+# The folders every host sees at the same path although its /tmp is its own: this repository
+# (its scripts and its cargo target folder), $CARGO_TARGET_DIR when set, and the folders of
+# $FORGEPOOL_HOSTS_SHARE (separated by ':'), each resolved; those outside /tmp are the
+# machine's own on every host anyway.
+shared_folders() {
+  local folder list=()
+  list+=("$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd -P)")
+  [ -z "${CARGO_TARGET_DIR:-}" ] || list+=("$CARGO_TARGET_DIR")
+  if [ -n "${FORGEPOOL_HOSTS_SHARE:-}" ]; then
+    local extra=()
+    IFS=: read -r -a extra <<<"$FORGEPOOL_HOSTS_SHARE"
+    list+=("${extra[@]}")
+  fi
+  for folder in "${list[@]}"; do
+    [ -n "$folder" ] || continue
+    [ -d "$folder" ] || { log "$folder (shared with the hosts) is not a folder"; return 1; }
+    (cd "$folder" && pwd -P)
+  done
+}
+
+# Fails, naming the folder, when a shared folder lives where a host hides the machine's state
+# (its engine's folders, the hosts' own folders): a host could not see it.
+check_folders() {
+  local folder hidden listed shared=()
+  listed="$(shared_folders)" || return 1
+  mapfile -t shared <<<"$listed"
+  for folder in "${shared[@]}"; do
+    for hidden in /run/docker /run/containerd /var/lib/docker /var/lib/containerd "$data" "$run" /tmp/.forgepool-host; do
+      case "$folder/" in
+        "$hidden"/*)
+          log "$folder is under $hidden, which every worker host hides: clone the repository" \
+            "(or set CARGO_TARGET_DIR) somewhere else, such as /root or /tmp/forgepool-clone"
+          return 1 ;;
+      esac
+    done
+  done
+}
+
 make_bridge() {
   ip link show "$bridge" >/dev/null 2>&1 && return 0
   ip link add "$bridge" type bridge
@@ -56,7 +97,8 @@ make_run_folder() {
 }
 
 make_host() {
-  local i="$1" dir="$data/h$i"
+  local i="$1"
+  local dir="$data/h$i"
   if [ ! -e "/run/netns/fph$i" ]; then
     ip netns add "fph$i"
     ip link add "fph$i-out" type veth peer name eth0 netns "fph$i"
@@ -73,17 +115,29 @@ make_host() {
   fi
   if ! findmnt -n "$run/h$i.mnt" >/dev/null 2>&1; then
     touch "$run/h$i.mnt"
-    # Its own /tmp; this machine's engine and the hosts' folders hidden.
-    unshare --mount="$run/h$i.mnt" --propagation private sh -c "
-      set -e
-      mount --bind '$dir/tmp' /tmp
-      mkdir -p '$state'
-      for socket in /run/docker.sock /var/run/docker.sock; do
-        if [ -S \"\$socket\" ]; then mount --bind /dev/null \"\$socket\"; fi
+    # Its own /tmp, with the shared folders that live under the machine's /tmp bound into it
+    # (read-only) first; this machine's engine and the hosts' folders hidden.
+    local listed shared=()
+    listed="$(shared_folders)"
+    mapfile -t shared <<<"$listed"
+    # shellcheck disable=SC2016 # expanded by the inner shell, from its arguments
+    unshare --mount="$run/h$i.mnt" --propagation private bash -c '
+      set -euo pipefail
+      dir="$1" state="$2" data="$3" run="$4"; shift 4
+      for folder in "$@"; do
+        case "$folder" in /tmp/*) ;; *) continue ;; esac
+        mkdir -p "$dir/tmp/${folder#/tmp/}"
+        mount --bind "$folder" "$dir/tmp/${folder#/tmp/}"
+        mount -o remount,bind,ro "$dir/tmp/${folder#/tmp/}"
       done
-      for folder in /run/docker /run/containerd /var/lib/docker /var/lib/containerd '$data' '$run'; do
-        if [ -d \"\$folder\" ]; then mount -t tmpfs -o size=1m,mode=0700 none \"\$folder\"; fi
-      done"
+      mount --rbind "$dir/tmp" /tmp
+      mkdir -p "$state"
+      for socket in /run/docker.sock /var/run/docker.sock; do
+        if [ -S "$socket" ]; then mount --bind /dev/null "$socket"; fi
+      done
+      for folder in /run/docker /run/containerd /var/lib/docker /var/lib/containerd "$data" "$run"; do
+        if [ -d "$folder" ]; then mount -t tmpfs -o size=1m,mode=0700 none "$folder"; fi
+      done' bash "$dir" "$state" "$data" "$run" "${shared[@]}"
   fi
   if ! inside "$i" docker version >/dev/null 2>&1; then
     # cgroupfs: a systemd machine's driver wants a `.slice` parent.
@@ -129,6 +183,7 @@ down() {
     if inside "$i" docker version >/dev/null 2>&1; then
       local left
       left="$(inside "$i" docker ps -aq)"
+      # shellcheck disable=SC2086 # one container id per word
       [ -z "$left" ] || inside "$i" docker rm -f $left >/dev/null 2>&1 || true
     fi
     if [ -f "$data/h$i/tmp/.forgepool-host/docker.pid" ]; then
@@ -149,12 +204,13 @@ down() {
   rm -f "$run/amqp-password"
   # The engines' overlay mounts were in the hosts' mount namespaces, gone with them.
   rm -rf "$data" "$run"/h* 2>/dev/null || true
-  umount "$run" 2>/dev/null && rmdir "$run" 2>/dev/null || true
+  if umount "$run" 2>/dev/null; then rmdir "$run" 2>/dev/null || true; fi
 }
 
 case "${1:-}" in
   up)
     count="${2:?usage: $0 up N}"
+    check_folders
     make_bridge
     make_run_folder
     broker_user
@@ -179,5 +235,6 @@ case "${1:-}" in
     fi
     ;;
   down) down ;;
-  *) log "usage: $0 up N | exec I CMD... | load I IMAGE... | addr I | amqp-url [cluster] | down"; exit 2 ;;
+  check) check_folders ;;
+  *) log "usage: $0 up N | check | exec I CMD... | load I IMAGE... | addr I | amqp-url [cluster] | down"; exit 2 ;;
 esac

@@ -45,7 +45,7 @@ start_all() {
 kill_all() {
   for n in 1 2 3; do
     ctl "$n" stop >/dev/null 2>&1 || true
-    [ -f "$base/n$n/pid" ] && kill -9 "$(cat "$base/n$n/pid")" 2>/dev/null || true
+    if [ -f "$base/n$n/pid" ]; then kill -9 "$(cat "$base/n$n/pid")" 2>/dev/null || true; fi
   done
 }
 

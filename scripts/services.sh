@@ -9,14 +9,8 @@
 set -euo pipefail
 
 log() { echo "services: $*" >&2; }
-
-apt_install() {
-  if [ -z "${APT_UPDATED:-}" ]; then
-    DEBIAN_FRONTEND=noninteractive apt-get update -qq >/dev/null
-    APT_UPDATED=1
-  fi
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$@" >/dev/null
-}
+# shellcheck source=scripts/lib/apt.sh
+source "$(dirname "${BASH_SOURCE[0]}")/lib/apt.sh"
 
 missing=()
 command -v dockerd >/dev/null || missing+=(docker.io)
@@ -93,10 +87,12 @@ if ! rabbitmq-diagnostics -q ping >/dev/null 2>&1; then
 fi
 log "rabbitmq ready ($(rabbitmqctl version 2>/dev/null), $(rabbit_handles) file handles)"
 
+# The newest PostgreSQL installed (its major version).
+pg_version() { find /usr/lib/postgresql -mindepth 1 -maxdepth 1 -printf '%f\n' | sort -n | tail -1; }
 # PostgreSQL: a role and a database `forgepool` (password `forgepool`) on 127.0.0.1:5432. The
 # role may create databases: the store tests make a fresh one per test.
 if ! pg_isready -q -h 127.0.0.1 -p 5432; then
-  version=$(ls /usr/lib/postgresql | sort -n | tail -1)
+  version="$(pg_version)"
   if ! pg_lsclusters -h | awk '{print $1"/"$2}' | grep -qx "$version/main"; then
     log "creating the PostgreSQL $version cluster"
     pg_createcluster "$version" main >/dev/null
@@ -120,7 +116,7 @@ fi
 # name) under /etc/postgresql/forgepool-tls, and a role `forgepool_tls` (password
 # `forgepool`, database `forgepool_tls`) that pg_hba.conf lets in over TLS only.
 tls_dir=/etc/postgresql/forgepool-tls
-version=$(ls /usr/lib/postgresql | sort -n | tail -1)
+version="$(pg_version)"
 if [ ! -f "$tls_dir/server.pem" ]; then
   log "making PostgreSQL's test certificates in $tls_dir"
   mkdir -p "$tls_dir"

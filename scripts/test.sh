@@ -5,13 +5,23 @@
 # Afterwards it checks that no forgepool container is left on the engine.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# A clone where the worker hosts of tests/hosts.rs cannot see it is refused now, not after
+# half an hour.
+scripts/hosts.sh check
 
 scripts/services.sh
+# The scripts themselves: every expansion quoted, so that they work from any folder (a path
+# with a space included).
+# shellcheck source=scripts/lib/apt.sh
+source scripts/lib/apt.sh
+command -v shellcheck >/dev/null || apt_install shellcheck
+shellcheck -x scripts/*.sh scripts/lib/*.sh .ci/run
 # The check after the suite counts this suite's containers: any an earlier run on this machine
 # left (a session or a CI run that was killed) go first.
 stale="$(docker ps -aq --filter label=forgepool.managed=true)"
 if [ -n "$stale" ]; then
   echo "removing $(echo "$stale" | wc -l) forgepool containers an earlier run left"
+  # shellcheck disable=SC2086 # one container id per word
   docker rm -f $stale >/dev/null 2>&1 || true
 fi
 # Three more RabbitMQ nodes in one cluster, for the broker-failover test (tests/brokers.rs).

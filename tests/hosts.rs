@@ -19,7 +19,15 @@ const REVIEW: &str = "---\nmax_retries: 2\n---\n# Check\n";
 /// Runs `scripts/hosts.sh` with `args`; its standard output, trimmed.
 fn hosts(args: &[&str]) -> String {
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/hosts.sh");
-    let output = output_within(Command::new(script).args(args), Duration::from_secs(180));
+    // The hosts' /tmp is their own: the folder of the binary they run is bound into it, wherever
+    // cargo put it (a clone under /tmp, a CARGO_TARGET_DIR).
+    let binary = Path::new(env!("CARGO_BIN_EXE_forgepool"));
+    let output = output_within(
+        Command::new(script)
+            .args(args)
+            .env("FORGEPOOL_HOSTS_SHARE", binary.parent().unwrap()),
+        Duration::from_secs(180),
+    );
     assert!(
         output.status.success(),
         "scripts/hosts.sh {args:?} failed (it needs root, iproute2 and Docker: \
