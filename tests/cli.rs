@@ -261,7 +261,7 @@ async fn the_clients_script_well_and_watch_through_broken_streams() {
     // On a terminal (a pseudo-terminal made by `script`), NO_COLOR keeps escape codes out.
     let watch = format!(
         "{} watch {run_id} --dispatcher-url {url}",
-        env!("CARGO_BIN_EXE_forgepool")
+        shell_quoted(env!("CARGO_BIN_EXE_forgepool"))
     );
     let on_terminal = |no_color: &str| {
         let mut command = Command::new("script");
@@ -351,7 +351,7 @@ async fn a_terminal_shows_the_stage_and_the_queue_position() {
     let on_terminal = |run: &str, seconds: &str| {
         let watch = format!(
             "{} watch {run} --dispatcher-url {url}",
-            env!("CARGO_BIN_EXE_forgepool")
+            shell_quoted(env!("CARGO_BIN_EXE_forgepool"))
         );
         let mut command = Command::new("timeout");
         command
@@ -443,4 +443,10 @@ fn a_store_that_cannot_be_migrated_stops_the_dispatcher_with_its_reason() {
     assert_eq!(code, 1, "{stderr}");
     assert!(stderr.contains("127.0.0.1:5432"), "{stderr}");
     assert!(!stderr.contains("hunter2-secret"), "{stderr}");
+}
+
+/// `text` as one word of a shell command line (`script -c` runs one): a binary path with a
+/// space in it stays one word.
+fn shell_quoted(text: &str) -> String {
+    format!("'{}'", text.replace('\'', "'\\''"))
 }

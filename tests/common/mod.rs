@@ -3,6 +3,15 @@
 //! A [`Fixture`] makes a bare repository with one commit on `main`, a skills folder and an
 //! agents file that use the test agent image; [`Fixture::run`] runs `forgepool run` on it and
 //! returns what a user sees: the exit code, the printed lines, and the stored run.
+//!
+//! A test that cannot reach Docker or the test image fails and says which script to run; none
+//! skips. The harness never waits without a limit: a service's ready line (90 s), each API
+//! request and each client command (120 s), each exchange with the broker (30 s), each docker,
+//! curl, rabbitmqctl, gdb or `forgepool run` command. A stuck service fails its test with a
+//! message that names what did not answer; nextest's 5-minute limit is only the last resort. A
+//! passing test stops its services *before* deleting its queues: a consumer whose quorum queue is
+//! deleted under it declares the topology again, so the queues came back and piled up on the
+//! broker.
 
 #![allow(dead_code)]
 

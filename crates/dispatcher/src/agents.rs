@@ -1,4 +1,6 @@
 //! Agent profiles (SPEC 5): the dispatcher's agents file, loaded and checked once.
+//!
+//! The file holds `[agents.NAME]` tables and `[defaults]`; every key is checked.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -80,6 +82,8 @@ struct ProfileEntry {
     provider: Option<String>,
     #[serde(default)]
     daily_budget: Option<proto::Budget>,
+    #[serde(default)]
+    server_tools: Vec<String>,
     #[serde(default)]
     command: Vec<String>,
     #[serde(default)]
@@ -287,6 +291,7 @@ fn check_profile(
         daily_budget: entry.daily_budget,
         args: entry.args,
         pause_seconds: entry.pause_seconds,
+        server_tools: entry.server_tools,
         env: entry.env,
         network,
         memory_bytes,
@@ -357,6 +362,25 @@ fn check_kind(name: &str, entry: &ProfileEntry) -> Result<(AgentKind, String), S
             key("command"),
             kind.as_str(),
             key("args")
+        ));
+    }
+    if !entry.server_tools.is_empty() && entry.provider.is_none() {
+        return Err(format!(
+            "{} applies to a profile with a {}: only the model gateway can refuse or allow a server-side tool",
+            key("server_tools"),
+            key("provider")
+        ));
+    }
+    if let Some(tool) = entry.server_tools.iter().find(|t| {
+        t.is_empty()
+            || t.len() > 64
+            || !t
+                .bytes()
+                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_')
+    }) {
+        return Err(format!(
+            "{} holds {tool:?}: a tool's name is a-z, 0-9 and '_' (web_search, web_fetch, mcp, google_search, url_context)",
+            key("server_tools")
         ));
     }
     if let Some(seconds) = entry.pause_seconds {

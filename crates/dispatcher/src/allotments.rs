@@ -4,6 +4,10 @@
 //!
 //! The limits are the dispatcher's own agents file's, never a worker's say: a profile the file
 //! does not hold, or holds without a daily budget, is refused.
+//!
+//! `Dispatcher::allot` reads the profile's `daily_budget` from that file and calls
+//! `RunStore::allot`, which grants or refuses under one locked row of `daily_allotments` per
+//! profile and UTC day (migration `V4`).
 
 use proto::allotment::{AllotmentAnswer, AllotmentQuery, Spend};
 use proto::amqp::{self, Delivery};

@@ -2,6 +2,14 @@
 //! questions about executions, gateways' questions about daily budgets, workers' beacons) and
 //! their handlers. Each handler decides a [`Disposition`]; [`Dispatcher::settle`] carries it
 //! out, in one place.
+//!
+//! - events: stored, then acknowledged; unknown runs and malformed events are dead-lettered; a
+//!   store failure is retried in place;
+//! - submissions: the same validation as the API, and an answer on `reply_to` when asked;
+//! - dead letters: a job dead-lettered from the jobs queue (by a worker, or by the broker's
+//!   delivery limit) fails its run with the reason;
+//! - execution questions and allotment questions (`crate::allotments`), answered signed;
+//! - workers' beacons, kept by `crate::roster`.
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;

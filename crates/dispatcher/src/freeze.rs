@@ -2,6 +2,9 @@
 //!
 //! This is the only place where skills, agent profiles and the compatibility environment
 //! variables are read for a run. What it returns is final: later changes never reach the job.
+//!
+//! `Freezer::freeze(RunRequest) -> Frozen { job, warnings }`; a `SubmitError` names the field at
+//! fault.
 
 use std::path::{Path, PathBuf};
 

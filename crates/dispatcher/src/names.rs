@@ -1,4 +1,6 @@
 //! Name rules (SPEC 2): tickets, projects, skills and steps, checked before anything is resolved.
+//!
+//! The rules are written by hand: no regex crate.
 
 use crate::SubmitError;
 

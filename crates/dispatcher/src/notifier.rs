@@ -5,6 +5,11 @@
 //! dispatcher that stopped in the middle, a dropped run), and those are sent again; that read
 //! is not repeated otherwise, since it scans the runs' events. A receiver may so get one notification twice; the
 //! `X-Forgepool-Delivery` header differs, the run id does not.
+//!
+//! A stored terminal state queues its run (`Dispatcher::ended`: bounded, `try_send`), and
+//! `notify_ended` starts one notification per hook. A run the full queue dropped sets
+//! `Ended::dropped`, which brings the read of recently ended runs
+//! (`RunStore::ended_with_webhooks`) forward to within a minute.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::Ordering;

@@ -1,4 +1,6 @@
 //! Reading run requests from JSON (API, AMQP) and from TOML or JSON files (CLI).
+//!
+//! A parse error names the field's path.
 
 use proto::RunRequest;
 

@@ -2,6 +2,9 @@
 //! a checkpoint that carries `resume_at` is scheduled as it is stored, and the schedule is
 //! rebuilt from the paused runs when the dispatcher starts. A manual resume, a cancel or a
 //! later pause of the same run makes the scheduled entry stale; it is then skipped.
+//!
+//! `resume_when_due` rebuilds the schedule at start, then queues each run again at its time if it
+//! is still paused at that checkpoint (`FORGEPOOL_AUTO_RESUME`).
 
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};

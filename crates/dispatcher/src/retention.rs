@@ -3,6 +3,8 @@
 //! and the run itself with everything stored of it (`FORGEPOOL_RETAIN_RUNS`, kept for ever by
 //! default). The dispatcher prunes once an hour; `forgepool prune` does it once, by hand.
 //! Runs that have not ended are never touched.
+//!
+//! `keep_pruning` calls `RunStore::prune` once an hour.
 
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};

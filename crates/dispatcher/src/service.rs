@@ -4,6 +4,9 @@
 //! stored, then published to the jobs queue with a confirm; a run stored but not yet confirmed
 //! is published again by a background task, so a broker outage loses no accepted run. Every
 //! event workers publish is stored before it is acknowledged, and wakes the watchers.
+//!
+//! `run` serves HTTP at once, then declares the topology with retries, then starts the consumers,
+//! the republisher and the gauges; `ready` is called last.
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};

@@ -4,6 +4,11 @@
 //! `default/{skill}/FILE`. An override replaces the default completely. The frontmatter is
 //! optional YAML; every problem in it becomes a warning that names the file and the key, and the
 //! next source in the priority chain is used.
+//!
+//! Names are exact, and a symbolic link that leads out of the skills folder is refused.
+//! `max_retries` is the first of: the frontmatter, `AUTO_REVIEW_MAX_RETRIES`, 3. The frontmatter
+//! wins over the environment, as the priority chain says, so `AUTO_REVIEW_MAX_RETRIES=0` turns
+//! review off for every skill that does not set `max_retries` itself.
 
 use std::path::Path;
 

@@ -1,4 +1,6 @@
 //! The event streams open on each run, capped.
+//!
+//! At most `MAX_STREAMS_PER_RUN` (16) per run; the next is refused with a 429.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};

@@ -2,7 +2,12 @@
 //! run's id, ticket, state, branch, commit, pull request and usage, signed with HMAC-SHA256 in
 //! `X-Forgepool-Signature-256`, retried with back-off; every attempt is an event of the run
 //! (`webhook`), so the record shows what each receiver was told. A dispatcher that restarts
-//! notifies, once more, the runs of the last day whose notification had not ended.
+//! notifies, once more, the runs of the last hour whose notification had not ended.
+//!
+//! For each hook the file names its URL (in the file, or a variable), its HMAC key (a variable)
+//! and the terminal states it is told of. `Webhooks::notify` makes one notification's attempts
+//! (signed body, back-off, `Retry-After`); each attempt is stored as a `webhook` event, never
+//! with the URL.
 
 use std::path::Path;
 use std::sync::Arc;

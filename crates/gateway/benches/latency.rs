@@ -210,6 +210,7 @@ async fn main() {
             spent: Amount::default(),
             lifetime: Duration::from_secs(3600),
             daily_budget: true,
+            server_tools: Vec::new(),
         })
         .unwrap();
     let direct = format!("http://{provider_address}/v1/messages");

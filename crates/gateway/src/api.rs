@@ -181,33 +181,15 @@ impl Api {
         (!kept.is_empty()).then(|| kept.join("&"))
     }
 
-    /// The model a request asks for: in its body, or for Gemini in its path.
-    pub fn requested_model(self, path: &str, body: &Value) -> Option<String> {
+    /// The model a request asks for: for Gemini in its path, else `in_body`.
+    pub fn requested_model(self, path: &str, in_body: Option<String>) -> Option<String> {
         match self {
             Api::Gemini => path
                 .rsplit('/')
                 .next()
                 .and_then(|last| last.split(':').next())
                 .map(str::to_string),
-            _ => body
-                .get("model")
-                .and_then(Value::as_str)
-                .map(str::to_string),
-        }
-    }
-
-    /// The most output tokens a request allows, if it says.
-    pub fn requested_output_limit(self, body: &Value) -> Option<u64> {
-        let field = |v: &Value, name: &str| v.get(name).and_then(Value::as_u64);
-        match self {
-            Api::AnthropicMessages => field(body, "max_tokens"),
-            Api::OpenaiResponses => field(body, "max_output_tokens"),
-            Api::OpenaiChat => {
-                field(body, "max_completion_tokens").or_else(|| field(body, "max_tokens"))
-            }
-            Api::Gemini => body
-                .get("generationConfig")
-                .and_then(|c| field(c, "maxOutputTokens")),
+            _ => in_body,
         }
     }
 
@@ -215,7 +197,11 @@ impl Api {
     /// stream) into `counts`. Streams state usage more than once: Anthropic's input in
     /// `message_start` and a running output count in each `message_delta`, Gemini a running
     /// total in every chunk; each figure is kept at its largest, so a repeat never adds.
-    pub fn observe(self, value: &Value, counts: &mut Counts) {
+    /// Returns whether the value states the answer's final usage (Anthropic's `message_delta`
+    /// or whole message, a Responses answer's end, a Chat Completions usage object, a Gemini
+    /// chunk that ends its candidates): an answer that never does is settled at its
+    /// reservation.
+    pub fn observe(self, value: &Value, counts: &mut Counts) -> bool {
         match self {
             Api::AnthropicMessages => anthropic(value, counts),
             Api::OpenaiResponses => responses(value, counts),
@@ -266,24 +252,27 @@ fn model_of(value: &Value, counts: &mut Counts) {
     }
 }
 
-fn anthropic(value: &Value, counts: &mut Counts) {
+fn anthropic(value: &Value, counts: &mut Counts) -> bool {
     let kind = value.get("type").and_then(Value::as_str);
     let (usage, holder) = match kind {
         Some("message_start") => match value.get("message") {
             Some(message) => (message.get("usage"), message),
-            None => return,
+            None => return false,
         },
         Some("message_delta") | Some("message") => (value.get("usage"), value),
-        _ => return,
+        _ => return false,
     };
     model_of(holder, counts);
-    let Some(usage) = usage else { return };
+    let Some(usage) = usage.filter(|u| u.is_object()) else {
+        return false;
+    };
     counts.keep_max(
         number(usage, &["input_tokens"]),
         number(usage, &["output_tokens"]),
         number(usage, &["cache_read_input_tokens"]),
         number(usage, &["cache_creation_input_tokens"]),
     );
+    kind != Some("message_start")
 }
 
 /// OpenAI and Gemini count cached tokens inside the prompt's; forgepool, like Anthropic,
@@ -306,54 +295,66 @@ fn openai_counts(
     }
 }
 
-fn responses(value: &Value, counts: &mut Counts) {
+fn responses(value: &Value, counts: &mut Counts) -> bool {
     let response = match value.get("type").and_then(Value::as_str) {
         Some("response.completed") | Some("response.incomplete") | Some("response.failed") => {
             match value.get("response") {
                 Some(response) => response,
-                None => return,
+                None => return false,
             }
         }
         Some("response") => value,
         _ if value.get("object").and_then(Value::as_str) == Some("response") => value,
-        _ => return,
+        _ => return false,
     };
     model_of(response, counts);
-    if let Some(usage) = response.get("usage") {
-        openai_counts(
-            counts,
-            number(usage, &["input_tokens"]),
-            number(usage, &["output_tokens"]),
-            number(usage, &["input_tokens_details", "cached_tokens"]),
-        );
-    }
+    let Some(usage) = response.get("usage").filter(|u| u.is_object()) else {
+        return false;
+    };
+    openai_counts(
+        counts,
+        number(usage, &["input_tokens"]),
+        number(usage, &["output_tokens"]),
+        number(usage, &["input_tokens_details", "cached_tokens"]),
+    );
+    true
 }
 
-fn chat(value: &Value, counts: &mut Counts) {
+fn chat(value: &Value, counts: &mut Counts) -> bool {
     model_of(value, counts);
-    if let Some(usage) = value.get("usage").filter(|u| u.is_object()) {
-        openai_counts(
-            counts,
-            number(usage, &["prompt_tokens"]),
-            number(usage, &["completion_tokens"]),
-            number(usage, &["prompt_tokens_details", "cached_tokens"]),
-        );
-    }
+    let Some(usage) = value.get("usage").filter(|u| u.is_object()) else {
+        return false;
+    };
+    openai_counts(
+        counts,
+        number(usage, &["prompt_tokens"]),
+        number(usage, &["completion_tokens"]),
+        number(usage, &["prompt_tokens_details", "cached_tokens"]),
+    );
+    true
 }
 
-fn gemini(value: &Value, counts: &mut Counts) {
+fn gemini(value: &Value, counts: &mut Counts) -> bool {
     if let Some(items) = value.as_array() {
+        let mut stated = false;
         for item in items {
-            gemini(item, counts);
+            stated |= gemini(item, counts);
         }
-        return;
+        return stated;
     }
     if let Some(model) = value.get("modelVersion").and_then(Value::as_str) {
         counts.set_model(model);
     }
-    let Some(usage) = value.get("usageMetadata") else {
-        return;
+    let Some(usage) = value.get("usageMetadata").filter(|u| u.is_object()) else {
+        return false;
     };
+    // Every chunk states the running figures; the last ends its candidates (or says why the
+    // prompt was blocked).
+    let ended = value
+        .get("candidates")
+        .and_then(Value::as_array)
+        .is_some_and(|c| c.iter().any(|c| c.get("finishReason").is_some()))
+        || value.pointer("/promptFeedback/blockReason").is_some();
     let cached = number(usage, &["cachedContentTokenCount"]);
     let output = match (
         number(usage, &["candidatesTokenCount"]),
@@ -363,6 +364,7 @@ fn gemini(value: &Value, counts: &mut Counts) {
         (a, b) => Some(a.unwrap_or(0) + b.unwrap_or(0)),
     };
     openai_counts(counts, number(usage, &["promptTokenCount"]), output, cached);
+    ended
 }
 
 #[cfg(test)]

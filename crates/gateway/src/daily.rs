@@ -1,9 +1,10 @@
 //! Profiles' daily budgets, across the pool: this gateway spends only what the pool's
 //! [`Allotter`] (the dispatcher, in distributed mode) allotted it today, and asks for more when
-//! a request's worst case does not fit in what is left. The allotter grants while the pool's
-//! total is under the limit (`proto::allotment::grant`), so however many gateways race, the
-//! day's spending passes the limit by at most one request's reservation. What a gateway did
-//! not spend goes back when its last stage of the profile ends.
+//! a request's worst case does not fit in what is left (it asks for the shortfall). The
+//! allotter grants only what fits in what remains of the day (`proto::allotment::grant`), so
+//! however many gateways race, the day's spending stays within the limit while reservations
+//! bound what providers bill. What a gateway did not spend goes back when its last stage of
+//! the profile ends.
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -176,11 +177,22 @@ impl DailyBudgets {
                 return Ok(hold);
             }
             let day = day_of(SystemTime::now());
+            // Only what the account lacks: what is left of its allotment counts.
+            let left = self
+                .accounts()
+                .get(profile)
+                .filter(|a| a.day == day)
+                .map(Account::left)
+                .unwrap_or_default();
+            let want = Amount {
+                tokens: worst.tokens.saturating_sub(left.tokens),
+                cost_usd: (worst.cost_usd - left.cost_usd).max(0.0),
+            };
             let query = AllotmentQuery {
                 schema_version: proto::SCHEMA_VERSION,
                 profile: profile.to_string(),
                 day: day.clone(),
-                want: spend(worst),
+                want: spend(want),
                 returned: Spend::default(),
                 nonce: Uuid::new_v4(),
             };

@@ -1,9 +1,10 @@
 //! Budgets, enforced before each call: a request's worst case is **reserved** against its
 //! run's budget before it is forwarded, and **settled** with the metered figure after. A
-//! request is admitted only while the run's spent plus reserved amount is under every limit,
-//! so however many requests race, the run overshoots its budget by at most the reservation of
-//! the one that was admitted last (and not at all when reservations hold the real figures,
-//! which they bound: input tokens are at most the request's bytes, output at most its limit).
+//! request is admitted only when the run's spent and reserved amount plus its own worst case
+//! is within every limit, so however many requests race, the run never passes its budget
+//! while reservations bound what providers bill (input tokens are at most the request's
+//! bytes, output at most every answer's allowance). An answer that never states its usage
+//! (cut short, or a stream not asked for it) is settled at its reservation, never at nothing.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -28,14 +29,17 @@ pub struct Ledger {
     accounts: Mutex<HashMap<Uuid, Account>>,
 }
 
-/// A reserved worst case; settled with the real figure, or with what was metered when it is
-/// dropped unsettled (an answer cut short).
+/// A reserved worst case; settled with the real figure. Dropped unsettled, it is released
+/// when the request never left the gateway, and spent whole once it was sent (the provider
+/// may have billed it: what it cost is unknown).
 #[derive(Debug)]
 pub struct Reservation {
     ledger: Arc<Ledger>,
     run: Uuid,
     amount: Amount,
     settled: bool,
+    /// Whether the request was handed to the provider.
+    sent: bool,
     /// The same worst case held against the profile's daily allotment, when it has one.
     daily: Option<DailyHold>,
 }
@@ -82,18 +86,18 @@ impl Ledger {
             cost_usd: account.spent.cost_usd + account.reserved.cost_usd,
         };
         if let Some(max) = account.limits.max_tokens {
-            if committed.tokens >= max {
+            if committed.tokens.saturating_add(worst.tokens) > max {
                 return Err(Exhausted(format!(
-                    "budget exhausted: the run has spent or reserved {} of its {max} tokens (budget.max_tokens)",
-                    committed.tokens
+                    "budget exhausted: the run has spent or reserved {} of its {max} tokens (budget.max_tokens), and this request may take {} more (every byte of its body and its whole output allowance)",
+                    committed.tokens, worst.tokens
                 )));
             }
         }
         if let Some(max) = account.limits.max_cost_usd {
-            if committed.cost_usd >= max {
+            if committed.cost_usd + worst.cost_usd > max + 1e-12 {
                 return Err(Exhausted(format!(
-                    "budget exhausted: the run has spent or reserved ${:.4} of its ${max:.2} (budget.max_cost_usd)",
-                    committed.cost_usd
+                    "budget exhausted: the run has spent or reserved ${:.4} of its ${max:.2} (budget.max_cost_usd), and this request may cost ${:.4} more (every byte of its body and its whole output allowance)",
+                    committed.cost_usd, worst.cost_usd
                 )));
             }
         }
@@ -104,6 +108,7 @@ impl Ledger {
             run,
             amount: worst,
             settled: false,
+            sent: false,
             daily: None,
         })
     }
@@ -139,15 +144,28 @@ impl Reservation {
     pub fn amount(&self) -> Amount {
         self.amount
     }
+
+    /// Whether the request was handed to the provider: once it was, dropped unsettled, the
+    /// reservation is spent whole.
+    pub fn set_sent(&mut self, sent: bool) {
+        self.sent = sent;
+    }
 }
 
 impl Drop for Reservation {
     fn drop(&mut self) {
         if !self.settled {
-            // Nothing was metered: the request never reached the provider, or its answer
-            // was lost before any usage; what it may have spent is unknown, so the
-            // reservation is released and the next answer's figures count.
-            self.ledger.settle(self.run, self.amount, Amount::default());
+            // Never sent: nothing was spent. Sent, and lost before anything was metered: the
+            // provider may have billed all of it.
+            let spent = if self.sent {
+                self.amount
+            } else {
+                Amount::default()
+            };
+            self.ledger.settle(self.run, self.amount, spent);
+            if let Some(daily) = self.daily.take() {
+                daily.settle(spent);
+            }
         }
     }
 }
@@ -164,7 +182,8 @@ mod tests {
     }
 
     /// Catches: a budget checked against spent figures only (concurrent requests all pass,
-    /// LiteLLM's race), or one that refuses while budget remains.
+    /// LiteLLM's race), a request admitted whose own worst case passes what is left, or one
+    /// refused while it fits.
     #[test]
     fn concurrent_reservations_stop_at_the_budget() {
         let ledger = Arc::new(Ledger::default());
@@ -183,18 +202,22 @@ mod tests {
                 held.push(reservation);
             }
         }
-        // 0, 300, 600, 900 are under 1000: four admitted, the fifth sees 1200.
-        assert_eq!(held.len(), 4);
+        // 300, 600 and 900 fit in 1000; a fourth would make 1200.
+        assert_eq!(held.len(), 3);
         for reservation in held {
             reservation.settle(worst(250));
         }
-        assert_eq!(ledger.spent(run).unwrap().tokens, 1000);
+        assert_eq!(ledger.spent(run).unwrap().tokens, 750);
+        // 750 spent: a request of 250 fits exactly, one of 251 does not.
+        assert!(ledger.reserve(run, worst(251)).is_err());
+        ledger.reserve(run, worst(250)).unwrap().settle(worst(250));
         let refused = ledger.reserve(run, worst(1)).unwrap_err();
         assert!(refused.0.contains("budget.max_tokens"), "{}", refused.0);
     }
 
-    /// Catches: a dropped reservation that keeps holding budget, or earlier spending of the
-    /// run (before a resume) forgotten.
+    /// Catches: a dropped reservation that keeps holding budget, a request lost after it was
+    /// sent settled at nothing (the provider billed it), or earlier spending of the run
+    /// (before a resume) forgotten.
     #[test]
     fn a_dropped_reservation_frees_its_amount_and_past_spending_counts() {
         let ledger = Arc::new(Ledger::default());
@@ -211,13 +234,20 @@ mod tests {
                 cost_usd: 0.5,
             },
         );
-        drop(ledger.reserve(run, worst(600)).unwrap());
-        // Spent 0.5 and nothing reserved: admitted, reserving 0.6.
-        let first = ledger.reserve(run, worst(600)).unwrap();
-        // 0.5 spent + 0.6 reserved is past 1.0.
-        assert!(ledger.reserve(run, worst(1)).is_err());
+        // A request of 0.6 does not fit in the 0.5 left.
+        assert!(ledger.reserve(run, worst(600)).is_err());
+        drop(ledger.reserve(run, worst(400)).unwrap());
+        // Dropped before it was sent: nothing spent, 0.5 left.
+        let first = ledger.reserve(run, worst(400)).unwrap();
+        // 0.5 spent + 0.4 reserved: 0.2 more does not fit.
+        assert!(ledger.reserve(run, worst(200)).is_err());
         first.settle(worst(100));
-        assert!(ledger.reserve(run, worst(1)).is_ok());
+        assert!(ledger.reserve(run, worst(200)).is_ok());
+        // Sent and lost before its usage: spent whole.
+        let mut lost = ledger.reserve(run, worst(100)).unwrap();
+        lost.set_sent(true);
+        drop(lost);
+        assert!((ledger.spent(run).unwrap().cost_usd - 0.7).abs() < 1e-9);
         ledger.close(run);
         assert!(ledger.spent(run).is_none());
     }

@@ -9,19 +9,27 @@
 //! internal network ([`relay`]), which says which container sent it; the gateway checks the
 //! token, its container and the route ([`api`]), reserves the request's worst case against
 //! the run's budget ([`ledger`]), forwards it with the key, and meters the answer as it flows
-//! back ([`meter`]). A provider's rate-limit answer pauses the profile on this gateway and
-//! halts the stage (the engine pauses the run, and the profile across the pool, until the
-//! reset); a spent budget refuses the call and halts the stage. When the stage ends
-//! the engine closes its pass and takes the stage's usage of record from it.
+//! back ([`meter`]). What it reads of a request is only the fields that decide its worst case
+//! and reach ([`request`]); what it forwards either way is by allowlist ([`policy`]), the
+//! key masked in every answer. A provider's rate-limit answer to a spending call pauses the
+//! profile on this gateway and halts the stage (the engine pauses the run, and the profile
+//! across the pool, until the reset); free routes are rate-limited per stage and pause
+//! nothing. A request whose worst case does not fit in what is left of the run's (or the
+//! day's) budget is refused before it is sent, and halts the stage. When the stage ends the
+//! engine closes its pass and takes the stage's usage of record from it.
 
 mod amount;
 pub mod api;
+mod conns;
 pub mod daily;
 pub mod ledger;
+mod listen;
 pub mod meter;
 mod metered;
+pub mod policy;
 pub mod providers;
 pub mod relay;
+pub mod request;
 mod reset;
 mod server;
 
@@ -35,8 +43,8 @@ use uuid::Uuid;
 
 pub use api::Api;
 pub use ledger::{Amount, Limits};
+pub use listen::{serve_tcp, serve_unix};
 pub use providers::{Provider, Providers};
-pub use server::{serve_tcp, serve_unix};
 
 /// The header line the relay sends before each connection's bytes: the sender's address.
 pub const PEER_PREFACE: &str = "FORGEPOOL-PEER ";
@@ -146,6 +154,9 @@ pub struct PassRequest {
     pub lifetime: Duration,
     /// Whether the profile has a daily budget: its calls also spend the pool's allotments.
     pub daily_budget: bool,
+    /// The server-side tools the profile allows by name (`web_search`, `mcp`, …): a request
+    /// naming any other is refused (SPEC 16).
+    pub server_tools: Vec<String>,
 }
 
 /// Finds a container's address on the internal network, so a token is used only from the
@@ -165,6 +176,23 @@ struct GrantState {
     halt: CancellationToken,
     peer: Mutex<Option<IpAddr>>,
     meter: Mutex<StageMeter>,
+    /// The request bodies this stage may hold at once, in bytes.
+    bodies: Arc<tokio::sync::Semaphore>,
+    /// This stage's calls of free routes in the current minute: when it began, how many.
+    free_calls: Mutex<(Instant, u32)>,
+}
+
+impl GrantState {
+    /// Counts a call of a free route; false past [`server::FREE_CALLS_PER_MINUTE`] in the
+    /// current minute.
+    fn free_call(&self) -> bool {
+        let mut window = self.free_calls.lock().unwrap_or_else(|p| p.into_inner());
+        if window.0.elapsed() >= Duration::from_secs(60) {
+            *window = (Instant::now(), 0);
+        }
+        window.1 += 1;
+        window.1 <= server::FREE_CALLS_PER_MINUTE
+    }
 }
 
 /// A stage's pass: its token, and the signal that the gateway halted the stage (a spent
@@ -270,6 +298,8 @@ pub struct Gateway {
     metrics: Option<Arc<telemetry::Metrics>>,
     /// The root the stages reach the gateway at (`http://relay:port`).
     root: String,
+    /// The request bodies every stage together may hold at once, in bytes.
+    bodies: Arc<tokio::sync::Semaphore>,
 }
 
 /// The gateway's settings.
@@ -319,6 +349,7 @@ impl Gateway {
             peers: settings.peers,
             metrics: settings.metrics,
             root: settings.root.trim_end_matches('/').to_string(),
+            bodies: Arc::new(tokio::sync::Semaphore::new(server::MAX_HELD_BODIES)),
         }))
     }
 
@@ -366,6 +397,8 @@ impl Gateway {
             halt: halt.clone(),
             peer: Mutex::new(None),
             meter: Mutex::new(StageMeter::default()),
+            bodies: Arc::new(tokio::sync::Semaphore::new(server::MAX_REQUEST_BODY)),
+            free_calls: Mutex::new((Instant::now(), 0)),
             request,
         };
         self.grants

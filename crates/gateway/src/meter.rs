@@ -25,7 +25,21 @@ pub struct Meter {
     skipping: bool,
     /// A body past the bound: nothing more is read.
     overflowed: bool,
+    /// Whether the answer stated its final usage ([`Api::observe`]).
+    stated: bool,
     counts: Counts,
+}
+
+/// What a finished meter read.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Metered {
+    /// The usage the answer stated.
+    pub counts: Counts,
+    /// Whether part of the answer was too large to read.
+    pub overflowed: bool,
+    /// Whether the answer stated its final usage: one that did not (cut short, or never
+    /// asked to) is settled at its reservation.
+    pub stated: bool,
 }
 
 impl Meter {
@@ -37,6 +51,7 @@ impl Meter {
             held: Vec::new(),
             skipping: false,
             overflowed: false,
+            stated: false,
             counts: Counts::default(),
         }
     }
@@ -87,12 +102,12 @@ impl Meter {
         };
         let data = data.strip_prefix(b" ").unwrap_or(data);
         if let Ok(value) = serde_json::from_slice::<Value>(data) {
-            self.api.observe(&value, &mut self.counts);
+            self.stated |= self.api.observe(&value, &mut self.counts);
         }
     }
 
-    /// The usage the answer stated; `overflowed` when part of it was too large to read.
-    pub fn finish(mut self) -> (Counts, bool) {
+    /// What the answer stated.
+    pub fn finish(mut self) -> Metered {
         if self.stream {
             if !self.held.is_empty() && !self.skipping {
                 let held = std::mem::take(&mut self.held);
@@ -100,10 +115,14 @@ impl Meter {
             }
         } else if !self.overflowed {
             if let Ok(value) = serde_json::from_slice::<Value>(&self.held) {
-                self.api.observe(&value, &mut self.counts);
+                self.stated |= self.api.observe(&value, &mut self.counts);
             }
         }
-        (self.counts, self.overflowed)
+        Metered {
+            counts: self.counts,
+            overflowed: self.overflowed,
+            stated: self.stated,
+        }
     }
 
     /// The usage read so far (an answer cut short is settled with it).
@@ -131,13 +150,13 @@ mod tests {
                 meter.feed(&STREAM.as_bytes()[..cut]);
                 meter.feed(&STREAM.as_bytes()[cut..second]);
                 meter.feed(&STREAM.as_bytes()[second..]);
-                let (counts, overflowed) = meter.finish();
+                let metered = meter.finish();
                 assert_eq!(
-                    (counts.input, counts.output),
+                    (metered.counts.input, metered.counts.output),
                     (321, 45),
                     "cut at {cut}, {second}"
                 );
-                assert!(!overflowed);
+                assert!(!metered.overflowed && metered.stated);
             }
         }
     }
@@ -153,16 +172,16 @@ mod tests {
         }
         assert!(meter.held.len() <= MAX_EVENT_LINE);
         meter.feed(b"\ndata: {\"type\":\"message_delta\",\"usage\":{\"output_tokens\":5}}\n");
-        let (counts, overflowed) = meter.finish();
-        assert_eq!(counts.output, 5);
-        assert!(overflowed);
+        let metered = meter.finish();
+        assert_eq!(metered.counts.output, 5);
+        assert!(metered.overflowed);
 
         let mut meter = Meter::new(Api::OpenaiChat, false);
         for _ in 0..200 {
             meter.feed(&chunk);
         }
         assert!(meter.held.capacity() <= MAX_METERED_BODY * 2);
-        assert!(meter.finish().1);
+        assert!(meter.finish().overflowed);
     }
 
     /// Catches: a whole JSON answer not metered.
@@ -171,10 +190,30 @@ mod tests {
         let mut meter = Meter::new(Api::OpenaiChat, false);
         meter.feed(b"{\"model\":\"gpt\",\"usage\":{\"prompt_tokens\":7,");
         meter.feed(b"\"completion_tokens\":3}}");
-        let (counts, _) = meter.finish();
+        let metered = meter.finish();
+        let counts = &metered.counts;
         assert_eq!(
             (counts.input, counts.output, counts.model.as_deref()),
             (7, 3, Some("gpt"))
+        );
+        assert!(metered.stated);
+    }
+
+    /// Catches: an answer cut before its final usage taken as complete (the 10 Anthropic
+    /// streams dropped after `content_block_stop` recorded $0.0005 of $2.25 billed).
+    #[test]
+    fn a_stream_cut_before_its_usage_has_not_stated_it() {
+        let end = STREAM.find("event: message_delta").unwrap();
+        for cut in 0..end {
+            let mut meter = Meter::new(Api::AnthropicMessages, true);
+            meter.feed(&STREAM.as_bytes()[..cut]);
+            assert!(!meter.finish().stated, "cut at {cut}");
+        }
+        let mut meter = Meter::new(Api::OpenaiChat, true);
+        meter.feed(b"data: {\"choices\":[{\"delta\":{\"content\":\"hi\"}}]}\n\ndata: [DONE]\n\n");
+        assert!(
+            !meter.finish().stated,
+            "a chat stream without a usage chunk"
         );
     }
 }

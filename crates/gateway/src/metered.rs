@@ -1,6 +1,9 @@
-//! A provider's answer on its way back to the stage: its bytes pass through the [`Meter`]
-//! unchanged, and when the answer ends (or the stage hangs up) its usage is settled against
-//! the run's reservation, added to the stage's pass, and counted in the metrics.
+//! A provider's answer on its way back to the stage: its bytes pass through the [`Meter`],
+//! then to the stage with the provider's key masked; when the answer ends (or the stage hangs
+//! up) its usage is settled against the run's reservation, added to the stage's pass, and
+//! counted in the metrics. A successful answer that never stated its final usage (cut short,
+//! a stream not asked for it, a hostile provider) is settled at its reservation: what it
+//! cost is unknown, and the worst case bounds it.
 
 use std::pin::Pin;
 use std::sync::Arc;
@@ -13,7 +16,9 @@ use hyper::body::Frame;
 
 use crate::ledger::{Amount, Reservation};
 use crate::meter::Meter;
+use crate::policy::Redactor;
 use crate::providers::Provider;
+use crate::request::Worst;
 use crate::{Counts, Gateway, GrantState};
 
 /// A provider's answer on its way to the stage: every chunk passes through the meter; the
@@ -21,7 +26,10 @@ use crate::{Counts, Gateway, GrantState};
 pub(crate) struct MeteredBody {
     pub(crate) inner: Pin<Box<dyn Stream<Item = reqwest::Result<Bytes>> + Send>>,
     pub(crate) meter: Option<Meter>,
+    pub(crate) redactor: Option<Redactor>,
     pub(crate) reservation: Option<Reservation>,
+    /// A spending call's worst case.
+    pub(crate) worst: Option<Worst>,
     pub(crate) grant: Arc<GrantState>,
     pub(crate) gateway: Arc<Gateway>,
     pub(crate) price_of: Provider,
@@ -39,6 +47,10 @@ impl Stream for MeteredBody {
                 if let Some(meter) = self.meter.as_mut() {
                     meter.feed(&bytes);
                 }
+                let bytes = match self.redactor.as_mut() {
+                    Some(redactor) => Bytes::from(redactor.feed(&bytes)),
+                    None => bytes,
+                };
                 Poll::Ready(Some(Ok(Frame::data(bytes))))
             }
             Poll::Ready(Some(Err(error))) => {
@@ -47,7 +59,11 @@ impl Stream for MeteredBody {
             }
             Poll::Ready(None) => {
                 self.settle();
-                Poll::Ready(None)
+                let held = self.redactor.as_mut().map(Redactor::finish);
+                match held.filter(|h| !h.is_empty()) {
+                    Some(held) => Poll::Ready(Some(Ok(Frame::data(Bytes::from(held))))),
+                    None => Poll::Ready(None),
+                }
             }
             Poll::Pending => Poll::Pending,
         }
@@ -59,12 +75,32 @@ impl MeteredBody {
         let Some(meter) = self.meter.take() else {
             return;
         };
-        let (counts, _overflowed) = meter.finish();
-        let model = counts
+        let metered = meter.finish();
+        let model = metered
+            .counts
             .model
             .clone()
             .or_else(|| self.requested_model.clone());
-        let cost = self.price_of.price(model.as_deref()).cost(&counts);
+        let success = (200..300).contains(&self.status);
+        let (counts, cost) = match self.worst {
+            // Billed, and not said how much: as much as it could have been.
+            Some(worst) if success && !metered.stated => (
+                Counts {
+                    input: worst.input,
+                    output: worst.output,
+                    model: model.clone(),
+                    ..Counts::default()
+                },
+                worst.cost_usd,
+            ),
+            _ => {
+                let cost = self.price_of.price(model.as_deref()).cost(&metered.counts);
+                (metered.counts, cost)
+            }
+        };
+        if self.worst.is_some() && success && !metered.stated {
+            tracing::info!(profile = %self.grant.request.profile, "an answer ended without stating its usage: settled at its reservation");
+        }
         if let Some(reservation) = self.reservation.take() {
             reservation.settle(Amount {
                 tokens: counts.total(),

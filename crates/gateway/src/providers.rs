@@ -36,6 +36,24 @@ pub const KNOWN_KEY_VARIABLES: &[&str] = &[
 /// not know: no current model writes more in one answer.
 pub const DEFAULT_MAX_OUTPUT_TOKENS: u64 = 128_000;
 
+/// The Anthropic beta features forwarded when a providers file lists none (`betas`): those
+/// Claude Code sends that change neither the price nor what the provider reaches. Features
+/// priced apart (`context-1m-*`, `fast-mode-*`, `extended-cache-ttl-*`) or reaching other
+/// addresses (`mcp-*`, `web-fetch-*`, `web-search-*`, `files-api-*`) are not among them.
+pub const DEFAULT_BETAS: [&str; 11] = [
+    "claude-code-20250219",
+    "interleaved-thinking-2025-05-14",
+    "context-management-2025-06-27",
+    "advanced-tool-use-2025-11-20",
+    "thinking-display-updates-2026-08-18",
+    "thinking-token-count-2026-05-13",
+    "fine-grained-tool-streaming-2025-05-14",
+    "token-efficient-tools-2025-02-19",
+    "effort-2025-11-24",
+    "structured-outputs-2025-12-15",
+    "redact-thinking-2026-02-12",
+];
+
 /// A model's prices in US dollars per million tokens.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -95,6 +113,12 @@ pub struct Provider {
     pub ca_file: Option<PathBuf>,
     /// Prices by model name; `"*"` prices every model not named.
     pub prices: BTreeMap<String, Price>,
+    /// The `anthropic-beta` values a stage may send ([`DEFAULT_BETAS`] unless the file says).
+    pub betas: Vec<String>,
+    /// The organization the gateway names (`openai-organization`); a stage cannot choose one.
+    pub organization: Option<String>,
+    /// The project the gateway names (`openai-project`).
+    pub project: Option<String>,
 }
 
 impl Provider {
@@ -147,6 +171,16 @@ struct ProviderEntry {
     ca_file: Option<PathBuf>,
     #[serde(default)]
     prices: BTreeMap<String, Price>,
+    #[serde(default)]
+    betas: Option<Vec<String>>,
+    #[serde(default)]
+    organization: Option<String>,
+    #[serde(default)]
+    project: Option<String>,
+}
+
+fn default_betas() -> Vec<String> {
+    DEFAULT_BETAS.iter().map(|b| b.to_string()).collect()
 }
 
 impl Providers {
@@ -175,6 +209,9 @@ impl Providers {
                     base_url: "https://api.anthropic.com".into(),
                     key_env: "ANTHROPIC_API_KEY".into(),
                     ca_file: None,
+                    betas: default_betas(),
+                    organization: None,
+                    project: None,
                     prices: table(&[
                         ("claude-opus-4-1", price(15.0, 75.0, 1.5, 18.75, 32_000)),
                         ("claude-sonnet-4-5", price(3.0, 15.0, 0.3, 3.75, 64_000)),
@@ -187,6 +224,9 @@ impl Providers {
                     base_url: "https://api.openai.com".into(),
                     key_env: "OPENAI_API_KEY".into(),
                     ca_file: None,
+                    betas: default_betas(),
+                    organization: None,
+                    project: None,
                     prices: table(&[
                         ("gpt-5", price(1.25, 10.0, 0.125, 0.0, 128_000)),
                         ("gpt-5-mini", price(0.25, 2.0, 0.025, 0.0, 128_000)),
@@ -200,6 +240,9 @@ impl Providers {
                     base_url: "https://api.openai.com".into(),
                     key_env: "OPENAI_API_KEY".into(),
                     ca_file: None,
+                    betas: default_betas(),
+                    organization: None,
+                    project: None,
                     prices: table(&[
                         ("gpt-5", price(1.25, 10.0, 0.125, 0.0, 128_000)),
                         ("gpt-5-mini", price(0.25, 2.0, 0.025, 0.0, 128_000)),
@@ -212,6 +255,9 @@ impl Providers {
                     base_url: "https://generativelanguage.googleapis.com".into(),
                     key_env: "GEMINI_API_KEY".into(),
                     ca_file: None,
+                    betas: default_betas(),
+                    organization: None,
+                    project: None,
                     prices: table(&[
                         ("gemini-2.5-pro", price(1.25, 10.0, 0.31, 0.0, 65_536)),
                         ("gemini-2.5-flash", price(0.3, 2.5, 0.075, 0.0, 65_536)),
@@ -287,6 +333,29 @@ impl Providers {
                     ));
                 }
             }
+            for (field, value) in [
+                ("organization", &entry.organization),
+                ("project", &entry.project),
+            ] {
+                if value.as_ref().is_some_and(|v| {
+                    v.is_empty() || v.len() > 200 || v.bytes().any(|b| !b.is_ascii_graphic())
+                }) {
+                    return Err(format!(
+                        "{}: 1 to 200 printable characters without spaces",
+                        at(field)
+                    ));
+                }
+            }
+            if let Some(beta) = entry.betas.iter().flatten().find(|b| {
+                b.is_empty()
+                    || b.len() > 100
+                    || !b.bytes().all(|c| c.is_ascii_alphanumeric() || c == b'-')
+            }) {
+                return Err(format!(
+                    "{} holds {beta:?}: a beta is letters, digits and '-'",
+                    at("betas")
+                ));
+            }
             let provider = Provider {
                 name: entry.name,
                 api,
@@ -294,6 +363,9 @@ impl Providers {
                 key_env: entry.key_env,
                 ca_file: entry.ca_file,
                 prices: entry.prices,
+                betas: entry.betas.unwrap_or_else(default_betas),
+                organization: entry.organization,
+                project: entry.project,
             };
             match providers.list.iter_mut().find(|p| p.name == provider.name) {
                 // A built-in replaced without prices keeps its list prices.

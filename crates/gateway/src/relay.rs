@@ -5,7 +5,9 @@
 //! network only, with the gateway's socket folder mounted: it accepts a stage's TCP
 //! connection, opens the gateway's Unix socket, sends one preface line naming the stage's
 //! address (which the gateway checks against the token's container), then copies bytes both
-//! ways. It holds no key and no token, and reaches nothing but the socket.
+//! ways. It holds no key and no token, and reaches nothing but the socket. Each sender gets
+//! its share of connections and no more (`conns`): a stage that opens a thousand idle ones
+//! waits on its own, while every other stage's calls go through.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -14,18 +16,15 @@ use std::time::Duration;
 
 use tokio::io::AsyncWriteExt;
 use tokio::net::{TcpListener, UnixStream};
-use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 
+use crate::conns::{first_byte, Senders};
 use crate::PEER_PREFACE;
-
-/// The most connections a relay carries at once.
-const MAX_RELAYED: usize = 1024;
 
 /// Relays connections from `listener` to the gateway's socket until `shutdown`.
 pub async fn relay(listener: TcpListener, socket: PathBuf, shutdown: CancellationToken) {
     let socket = Arc::new(socket);
-    let slots = Arc::new(Semaphore::new(MAX_RELAYED));
+    let senders = Arc::new(Senders::default());
     loop {
         let (mut stream, peer) = tokio::select! {
             () = shutdown.cancelled() => return,
@@ -37,18 +36,21 @@ pub async fn relay(listener: TcpListener, socket: PathBuf, shutdown: Cancellatio
                 }
             },
         };
-        let Ok(permit) = Arc::clone(&slots).try_acquire_owned() else {
-            continue;
-        };
         let _ = stream.set_nodelay(true);
-        let socket = Arc::clone(&socket);
+        let (socket, senders) = (Arc::clone(&socket), Arc::clone(&senders));
         tokio::spawn(async move {
+            if !first_byte(&stream).await {
+                return;
+            }
+            let Some(place) = senders.place(peer.ip()).await else {
+                return;
+            };
             if let Ok(mut gateway) = UnixStream::connect(socket.as_path()).await {
                 if gateway.write_all(preface(peer).as_bytes()).await.is_ok() {
                     let _ = tokio::io::copy_bidirectional(&mut stream, &mut gateway).await;
                 }
             }
-            drop(permit);
+            drop(place);
         });
     }
 }

@@ -1,8 +1,9 @@
 //! The gateway's HTTP side: one connection per relay connection (or a TCP client in tests),
-//! each request checked, reserved, forwarded with the provider's key, and its answer streamed
-//! back through the meter.
+//! each sender held to its share of connections (`conns`), each request checked, its body
+//! held within the stage's and the worker's allowance, its worst case reserved, forwarded
+//! with the provider's key and only the allowed headers, and its answer streamed back through
+//! the meter with the key masked.
 
-use std::convert::Infallible;
 use std::net::IpAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
@@ -10,36 +11,36 @@ use std::time::{Duration, Instant, SystemTime};
 use bytes::Bytes;
 use http::{HeaderMap, HeaderName, HeaderValue, Request, Response, StatusCode};
 use http_body_util::combinators::UnsyncBoxBody;
-use http_body_util::{BodyExt, Full, Limited, StreamBody};
+use http_body_util::{BodyExt, Full, StreamBody};
 use hyper::body::Incoming;
-use hyper_util::rt::TokioIo;
-use serde_json::{json, Value};
-use tokio::io::AsyncReadExt;
-use tokio::net::{TcpListener, UnixListener};
-use tokio::sync::Semaphore;
-use tokio_util::sync::CancellationToken;
+use serde_json::json;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use crate::api::{Api, Call};
 use crate::ledger::{Amount, Reservation};
 use crate::meter::Meter;
 use crate::metered::MeteredBody;
-use crate::providers::{Price, Provider, DEFAULT_MAX_OUTPUT_TOKENS};
-use crate::{reset, Gateway, GrantState, PEER_PREFACE};
+use crate::policy::Redactor;
+use crate::providers::Provider;
+use crate::request::{ask_for_usage, Asked, Worst};
+use crate::{reset, Gateway, GrantState};
 
-/// The largest request body forwarded.
+/// The largest request body forwarded, and the most of them one stage holds at once.
 pub const MAX_REQUEST_BODY: usize = 32 * 1024 * 1024;
+/// The most request body bytes every stage of the worker together holds at once: past it, a
+/// request waits (within its time to send) for others to have been sent on.
+pub const MAX_HELD_BODIES: usize = 48 * 1024 * 1024;
+/// The calls of free routes (token counts, model lists) one stage may make in a minute; past
+/// them the gateway answers 429 itself, and pauses nothing.
+pub const FREE_CALLS_PER_MINUTE: u32 = 60;
 /// The time a client has to send its whole request.
-const REQUEST_TIMEOUT: Duration = Duration::from_secs(60);
+pub(crate) const REQUEST_TIMEOUT: Duration = Duration::from_secs(60);
 /// The time a provider has to accept a connection.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 /// The longest silence within a provider's answer (between its bytes).
 const READ_TIMEOUT: Duration = Duration::from_secs(300);
-/// The most connections served at once.
-const MAX_CONNECTIONS: usize = 1024;
-/// The time the relay has to send its preface.
-const PREFACE_TIMEOUT: Duration = Duration::from_secs(5);
 
-type Body = UnsyncBoxBody<Bytes, std::io::Error>;
+pub(crate) type Body = UnsyncBoxBody<Bytes, std::io::Error>;
 
 /// The HTTP client for one provider: no redirects (a redirect would carry the key
 /// elsewhere), the system roots plus the provider's CA file, bounded connects and silences.
@@ -70,114 +71,6 @@ pub(crate) fn client_for(provider: &Provider) -> Result<reqwest::Client, String>
     builder
         .build()
         .map_err(|e| format!("provider {}: {e}", provider.name))
-}
-
-/// Serves relay connections on a Unix socket until `shutdown`: each starts with the relay's
-/// preface naming the container that connected.
-pub async fn serve_unix(
-    listener: UnixListener,
-    gateway: Arc<Gateway>,
-    shutdown: CancellationToken,
-) {
-    let slots = Arc::new(Semaphore::new(MAX_CONNECTIONS));
-    loop {
-        let stream = tokio::select! {
-            () = shutdown.cancelled() => return,
-            accepted = listener.accept() => match accepted {
-                Ok((stream, _)) => stream,
-                Err(error) => {
-                    tracing::warn!(%error, "the gateway cannot accept a connection");
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                    continue;
-                }
-            },
-        };
-        let Ok(permit) = Arc::clone(&slots).try_acquire_owned() else {
-            continue;
-        };
-        let (gateway, shutdown) = (Arc::clone(&gateway), shutdown.clone());
-        tokio::spawn(async move {
-            let mut stream = stream;
-            let Ok(Some(peer)) = tokio::time::timeout(PREFACE_TIMEOUT, preface(&mut stream)).await
-            else {
-                return;
-            };
-            connection(TokioIo::new(stream), gateway, peer, shutdown).await;
-            drop(permit);
-        });
-    }
-}
-
-/// Serves TCP clients until `shutdown`, each known by its address (tests and benchmarks;
-/// a worker serves stages through [`serve_unix`]).
-pub async fn serve_tcp(listener: TcpListener, gateway: Arc<Gateway>, shutdown: CancellationToken) {
-    let slots = Arc::new(Semaphore::new(MAX_CONNECTIONS));
-    loop {
-        let (stream, address) = tokio::select! {
-            () = shutdown.cancelled() => return,
-            accepted = listener.accept() => match accepted {
-                Ok(accepted) => accepted,
-                Err(_) => {
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                    continue;
-                }
-            },
-        };
-        let Ok(permit) = Arc::clone(&slots).try_acquire_owned() else {
-            continue;
-        };
-        let _ = stream.set_nodelay(true);
-        let (gateway, shutdown) = (Arc::clone(&gateway), shutdown.clone());
-        tokio::spawn(async move {
-            connection(TokioIo::new(stream), gateway, address.ip(), shutdown).await;
-            drop(permit);
-        });
-    }
-}
-
-async fn connection<I>(
-    io: TokioIo<I>,
-    gateway: Arc<Gateway>,
-    peer: IpAddr,
-    shutdown: CancellationToken,
-) where
-    I: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
-{
-    let service = hyper::service::service_fn(move |request| {
-        let gateway = Arc::clone(&gateway);
-        async move { Ok::<_, Infallible>(handle(&gateway, peer, request).await) }
-    });
-    let served = hyper::server::conn::http1::Builder::new()
-        .timer(hyper_util::rt::TokioTimer::new())
-        .header_read_timeout(Some(REQUEST_TIMEOUT))
-        .max_buf_size(64 * 1024)
-        .serve_connection(io, service);
-    tokio::pin!(served);
-    tokio::select! {
-        _ = &mut served => {}
-        () = shutdown.cancelled() => {
-            served.as_mut().graceful_shutdown();
-            let _ = tokio::time::timeout(Duration::from_secs(5), served).await;
-        }
-    }
-}
-
-/// Reads the relay's `FORGEPOOL-PEER address\n` line, byte by byte so that none of the HTTP
-/// request behind it is consumed.
-async fn preface(stream: &mut tokio::net::UnixStream) -> Option<IpAddr> {
-    let mut line = Vec::with_capacity(64);
-    loop {
-        let byte = stream.read_u8().await.ok()?;
-        if byte == b'\n' {
-            break;
-        }
-        if line.len() >= 64 {
-            return None;
-        }
-        line.push(byte);
-    }
-    let text = std::str::from_utf8(&line).ok()?;
-    text.strip_prefix(PEER_PREFACE)?.trim().parse().ok()
 }
 
 /// A refused request, answered in the shape of the API's own errors so that the CLI prints
@@ -236,7 +129,7 @@ fn full(bytes: Bytes) -> Body {
         .boxed_unsync()
 }
 
-async fn handle(
+pub(crate) async fn handle(
     gateway: &Arc<Gateway>,
     peer: IpAddr,
     request: Request<Incoming>,
@@ -249,32 +142,6 @@ async fn handle(
             refusal.response()
         }
     }
-}
-
-/// Headers never forwarded either way: the connection's own, and every credential.
-fn forwarded(name: &HeaderName) -> bool {
-    !matches!(
-        name.as_str(),
-        "host"
-            | "authorization"
-            | "x-api-key"
-            | "x-goog-api-key"
-            | "api-key"
-            | "cookie"
-            | "content-length"
-            | "connection"
-            | "keep-alive"
-            | "proxy-authorization"
-            | "proxy-authenticate"
-            | "proxy-connection"
-            | "te"
-            | "trailer"
-            | "transfer-encoding"
-            | "upgrade"
-            | "accept-encoding"
-            | "forwarded"
-            | "x-forwarded-for"
-    )
 }
 
 async fn forward(
@@ -315,8 +182,74 @@ async fn forward(
             ),
         )
     })?;
-    let profile = grant.request.profile.clone();
-    if let Some(until) = gateway.paused(&profile, &provider.name) {
+    rests(gateway, provider, &grant, call, &rest)?;
+    let key = gateway.keys.get(&provider.name).ok_or_else(|| {
+        refuse(
+            StatusCode::BAD_GATEWAY,
+            "api_error",
+            format!("the worker has no key for {}", provider.name),
+        )
+    })?;
+    let headers = crate::policy::request_headers(provider, request.headers())
+        .map_err(|refused| refuse(StatusCode::BAD_REQUEST, "invalid_request_error", refused.0))?;
+    let call = Admitted {
+        gateway,
+        provider,
+        grant,
+        call,
+        rest,
+        query,
+        started,
+    };
+    let method = request.method().clone();
+    let (body, held) = call.read_body(request).await?;
+    let (body, mut reserved) = call.check_and_reserve(body).await?;
+    if let Some(reserved) = reserved.as_mut() {
+        reserved.reservation.set_sent(true);
+    }
+    let model = reserved.as_ref().and_then(|r| r.model.clone());
+    let sent = call
+        .send(method, headers, body, key, model.as_deref())
+        .await;
+    // The body is gone with the request: its bytes count no more.
+    drop(held);
+    let answer = match sent {
+        Ok(answer) => answer,
+        Err((refusal, reached)) => {
+            if let (false, Some(reserved)) = (reached, reserved.as_mut()) {
+                // The provider was never reached: nothing was spent.
+                reserved.reservation.set_sent(false);
+            }
+            return Err(refusal);
+        }
+    };
+    call.pass_on(answer, reserved, key)
+}
+
+/// Refuses a call the gateway answers itself: a free route called past its rate, or any call
+/// of a profile resting from the provider's rate limit.
+fn rests(
+    gateway: &Gateway,
+    provider: &Provider,
+    grant: &GrantState,
+    call: Call,
+    rest: &str,
+) -> Result<(), Refusal> {
+    let refuse =
+        |status, kind, message: String| Refusal::new(status, Some(provider.api), kind, message);
+    let profile = &grant.request.profile;
+    if call == Call::Free && !grant.free_call() {
+        let mut refusal = refuse(
+            StatusCode::TOO_MANY_REQUESTS,
+            "rate_limit_error",
+            format!(
+                "a stage may call {rest} (a route that spends nothing) {FREE_CALLS_PER_MINUTE} times a minute"
+            ),
+        );
+        refusal.retry_after = Some(60);
+        return Err(refusal);
+    }
+    if let Some(until) = gateway.paused(profile, &provider.name) {
         let wait = until
             .duration_since(SystemTime::now())
             .unwrap_or_default()
@@ -333,27 +266,16 @@ async fn forward(
         refusal.retry_after = Some(wait);
         return Err(refusal);
     }
-    let key = gateway.keys.get(&provider.name).ok_or_else(|| {
-        refuse(
-            StatusCode::BAD_GATEWAY,
-            "api_error",
-            format!("the worker has no key for {}", provider.name),
-        )
-    })?;
-    let call = Admitted {
-        gateway,
-        provider,
-        grant,
-        call,
-        rest,
-        query,
-        started,
-    };
-    let (parts, body, reservation, requested_model) = call.read_and_reserve(request).await?;
-    let answer = call
-        .send(parts, body, key, requested_model.as_deref())
-        .await?;
-    call.pass_on(answer, reservation, requested_model)
+    Ok(())
+}
+
+/// What a spending call holds while it is answered.
+struct Reserved {
+    reservation: Reservation,
+    /// Its worst case: what it is settled at when its answer never states its usage.
+    worst: Worst,
+    /// The model it asked for.
+    model: Option<String>,
 }
 
 /// A request that passed its checks: what it may call, for whom.
@@ -372,82 +294,138 @@ impl Admitted<'_> {
         Refusal::new(status, Some(self.provider.api), kind, message)
     }
 
-    /// Reads the body (bounded in size and time) and, for a call that spends tokens,
-    /// reserves its worst case against the run's budget; a spent budget halts the stage.
-    async fn read_and_reserve(
+    /// Reads the body, bounded in size and time, once the stage's and the worker's allowance
+    /// of held bodies has room for it (its declared length, else the largest body): the
+    /// bytes and the room they take, given back once the request has been sent on.
+    async fn read_body(
         &self,
         request: Request<Incoming>,
-    ) -> Result<
-        (
-            http::request::Parts,
-            Bytes,
-            Option<Reservation>,
-            Option<String>,
-        ),
-        Refusal,
-    > {
-        let (gateway, provider, api) = (self.gateway, self.provider, self.provider.api);
-        let refuse = |status, kind, message| self.refuse(status, kind, message);
-        let rest = &self.rest;
-        let grant = &self.grant;
-        let started = self.started;
-        let profile = grant.request.profile.clone();
-        let (parts, body) = request.into_parts();
-        let body = tokio::time::timeout(
-            REQUEST_TIMEOUT,
-            Limited::new(body, MAX_REQUEST_BODY).collect(),
-        )
-        .await
-        .map_err(|_| {
+    ) -> Result<(Vec<u8>, [OwnedSemaphorePermit; 2]), Refusal> {
+        let refuse = |status, message| self.refuse(status, "invalid_request_error", message);
+        let too_large = || format!("a request's body may hold at most {MAX_REQUEST_BODY} bytes");
+        let declared = request
+            .headers()
+            .get(http::header::CONTENT_LENGTH)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.parse::<usize>().ok());
+        if declared.is_some_and(|length| length > MAX_REQUEST_BODY) {
+            return Err(refuse(StatusCode::PAYLOAD_TOO_LARGE, too_large()));
+        }
+        let room = declared.unwrap_or(MAX_REQUEST_BODY).max(1);
+        let deadline = tokio::time::Instant::now() + REQUEST_TIMEOUT;
+        let late = || {
             refuse(
                 StatusCode::REQUEST_TIMEOUT,
-                "invalid_request_error",
                 "the request's body did not arrive in time".into(),
             )
-        })?
-        .map_err(|_| {
-            refuse(
-                StatusCode::PAYLOAD_TOO_LARGE,
-                "invalid_request_error",
-                format!("a request's body may hold at most {MAX_REQUEST_BODY} bytes"),
-            )
-        })?
-        .to_bytes();
-        let (reservation, requested_model) = match self.call {
-            Call::Free => (None, None),
-            Call::Spending => {
-                let value: Value = serde_json::from_slice(&body).map_err(|e| {
-                    refuse(
+        };
+        let take = |pool: &Arc<Semaphore>| {
+            let pool = Arc::clone(pool);
+            async move {
+                tokio::time::timeout_at(deadline, pool.acquire_many_owned(room as u32))
+                    .await
+                    .ok()
+                    .and_then(Result::ok)
+            }
+        };
+        let stage = take(&self.grant.bodies).await.ok_or_else(late)?;
+        let worker = take(&self.gateway.bodies).await.ok_or_else(late)?;
+        // Room for the few bytes a rewrite adds, so that it moves the bytes in place.
+        let mut bytes = Vec::with_capacity(declared.unwrap_or(64 * 1024) + 64);
+        let mut body = request.into_body();
+        loop {
+            let frame = tokio::time::timeout_at(deadline, body.frame())
+                .await
+                .map_err(|_| late())?;
+            match frame {
+                None => break,
+                Some(Err(_)) => {
+                    return Err(refuse(
                         StatusCode::BAD_REQUEST,
-                        "invalid_request_error",
-                        format!("the request's body is not JSON: {e}"),
-                    )
-                })?;
-                let model = api.requested_model(rest, &value);
-                let price = provider.price(model.as_deref());
-                let worst = worst_case(api, &value, body.len(), &price);
-                match gateway.ledger.reserve(grant.request.run_id, worst) {
-                    Ok(reservation) if grant.request.daily_budget => {
-                        let hold = self.hold_daily(worst).await?;
-                        (Some(reservation.with_daily(hold)), model)
-                    }
-                    Ok(reservation) => (Some(reservation), model),
-                    Err(exhausted) => {
-                        let mut meter = grant.meter.lock().unwrap_or_else(|p| p.into_inner());
-                        meter.exhausted.get_or_insert(exhausted.0.clone());
-                        drop(meter);
-                        grant.halt.cancel();
-                        gateway.observe_request(&profile, provider, None, 403, started);
-                        return Err(refuse(
-                            StatusCode::FORBIDDEN,
-                            "budget_exhausted",
-                            exhausted.0,
-                        ));
+                        "the request's body was cut short".into(),
+                    ))
+                }
+                Some(Ok(frame)) => {
+                    if let Ok(data) = frame.into_data() {
+                        if bytes.len() + data.len() > room.min(MAX_REQUEST_BODY) {
+                            return Err(refuse(StatusCode::PAYLOAD_TOO_LARGE, too_large()));
+                        }
+                        bytes.extend_from_slice(&data);
                     }
                 }
             }
+        }
+        Ok((bytes, [stage, worker]))
+    }
+
+    /// For a call that spends tokens: reads what the body asks for, refuses what the profile
+    /// does not allow, asks a Chat Completions stream for its usage, and reserves the
+    /// request's worst case against the run's budget (and the profile's day); a request that
+    /// does not fit halts the stage.
+    async fn check_and_reserve(
+        &self,
+        mut body: Vec<u8>,
+    ) -> Result<(Vec<u8>, Option<Reserved>), Refusal> {
+        if self.call == Call::Free {
+            return Ok((body, None));
+        }
+        let (gateway, provider, api) = (self.gateway, self.provider, self.provider.api);
+        let grant = &self.grant;
+        let profile = &grant.request.profile;
+        let asked = Asked::read(api, &body)
+            .map_err(|e| self.refuse(StatusCode::BAD_REQUEST, "invalid_request_error", e))?;
+        if let Some(tool) = asked
+            .server_tools
+            .iter()
+            .find(|tool| !grant.request.server_tools.contains(tool))
+        {
+            gateway.observe_request(profile, provider, None, 403, self.started);
+            return Err(self.refuse(
+                StatusCode::FORBIDDEN,
+                "permission_error",
+                format!(
+                    "the request names the server-side tool `{tool}`, which the provider runs against addresses the stage chooses; profile `{profile}` does not allow it (agents.{profile}.server_tools)"
+                ),
+            ));
+        }
+        if let Some(tier) = &asked.dear_tier {
+            return Err(self.refuse(
+                StatusCode::BAD_REQUEST,
+                "invalid_request_error",
+                format!(
+                    "service_tier {tier:?} is priced above the gateway's price table; leave it out"
+                ),
+            ));
+        }
+        if asked.stream && asked.include_usage.is_none() {
+            ask_for_usage(&mut body);
+        }
+        let model = api.requested_model(&self.rest, asked.model.clone());
+        let price = provider.price(model.as_deref());
+        let worst = asked.worst_case(body.len(), &price);
+        let reservation = match gateway.ledger.reserve(grant.request.run_id, worst.amount()) {
+            Ok(reservation) if grant.request.daily_budget => {
+                let hold = self.hold_daily(worst.amount()).await?;
+                reservation.with_daily(hold)
+            }
+            Ok(reservation) => reservation,
+            Err(exhausted) => {
+                let mut meter = grant.meter.lock().unwrap_or_else(|p| p.into_inner());
+                meter.exhausted.get_or_insert(exhausted.0.clone());
+                drop(meter);
+                grant.halt.cancel();
+                gateway.observe_request(profile, provider, None, 403, self.started);
+                return Err(self.refuse(StatusCode::FORBIDDEN, "budget_exhausted", exhausted.0));
+            }
         };
-        Ok((parts, body, reservation, requested_model))
+        Ok((
+            body,
+            Some(Reserved {
+                reservation,
+                worst,
+                model,
+            }),
+        ))
     }
 
     /// Holds a request's worst case against its profile's daily allotment. A spent day
@@ -493,36 +471,33 @@ impl Admitted<'_> {
         }
     }
 
-    /// Forwards the request with the provider's key in place of every client credential.
+    /// Forwards the request with the allowed headers and the provider's key. The error says
+    /// whether the provider may have been reached (anything but a failed connection).
     async fn send(
         &self,
-        parts: http::request::Parts,
-        body: Bytes,
+        method: http::Method,
+        mut headers: HeaderMap,
+        body: Vec<u8>,
         key: &str,
         requested_model: Option<&str>,
-    ) -> Result<reqwest::Response, Refusal> {
+    ) -> Result<reqwest::Response, (Refusal, bool)> {
         let (gateway, provider, api) = (self.gateway, self.provider, self.provider.api);
         let refuse = |status, kind, message| self.refuse(status, kind, message);
         let (rest, query, started) = (&self.rest, &self.query, self.started);
-        let profile = self.grant.request.profile.clone();
+        let profile = &self.grant.request.profile;
         let mut url = format!("{}{rest}", provider.base_url);
         if let Some(query) = api.forwarded_query(query.as_deref()) {
             url.push('?');
             url.push_str(&query);
         }
-        let mut headers = HeaderMap::new();
-        for (name, value) in &parts.headers {
-            if forwarded(name) {
-                headers.append(name.clone(), value.clone());
-            }
-        }
         let (key_name, key_value) = api.key_header(key);
         let mut key_value = HeaderValue::from_str(&key_value).map_err(|_| {
-            refuse(
+            let refusal = refuse(
                 StatusCode::BAD_GATEWAY,
                 "api_error",
                 "the worker's key is not a valid header value".into(),
-            )
+            );
+            (refusal, false)
         })?;
         key_value.set_sensitive(true);
         headers.insert(HeaderName::from_static(key_name), key_value);
@@ -531,15 +506,16 @@ impl Admitted<'_> {
             HeaderValue::from_static("identity"),
         );
         let client = &gateway.clients[&provider.name];
-        let answer = client
-            .request(parts.method, &url)
+        client
+            .request(method, &url)
             .headers(headers)
             .body(body)
             .send()
             .await
             .map_err(|error| {
-                gateway.observe_request(&profile, provider, requested_model, 502, started);
-                refuse(
+                gateway.observe_request(profile, provider, requested_model, 502, started);
+                let reached = !error.is_connect();
+                let refusal = refuse(
                     StatusCode::BAD_GATEWAY,
                     "api_error",
                     format!(
@@ -547,24 +523,25 @@ impl Admitted<'_> {
                         provider.name,
                         error.without_url()
                     ),
-                )
-            })?;
-        Ok(answer)
+                );
+                (refusal, reached)
+            })
     }
 
-    /// Passes the provider's answer on as it arrives, through the meter; a rate-limit answer
-    /// pauses the profile and halts the stage first.
+    /// Passes the provider's answer on as it arrives, through the meter, with only the
+    /// allowed headers and the key masked; a rate-limit answer to a spending call pauses the
+    /// profile and halts the stage first.
     fn pass_on(
         self,
         answer: reqwest::Response,
-        reservation: Option<Reservation>,
-        requested_model: Option<String>,
+        reserved: Option<Reserved>,
+        key: &str,
     ) -> Result<Response<Body>, Refusal> {
         let (gateway, provider, api) = (self.gateway, self.provider, self.provider.api);
         let grant = Arc::clone(&self.grant);
         let started = self.started;
         let status = answer.status();
-        if reset::pauses(status.as_u16()) {
+        if self.call == Call::Spending && reset::pauses(status.as_u16()) {
             let (until, named) = reset::reset_time(answer.headers(), SystemTime::now());
             let reason = format!(
                 "the provider {} answered {}{}",
@@ -579,10 +556,15 @@ impl Admitted<'_> {
             .get(http::header::CONTENT_TYPE)
             .and_then(|v| v.to_str().ok())
             .is_some_and(|v| v.starts_with("text/event-stream"));
+        let redactor = Redactor::new(key);
         let mut response = Response::builder().status(status.as_u16());
         for (name, value) in answer.headers() {
-            if forwarded(name) || name == http::header::CONTENT_LENGTH {
-                response = response.header(name, value);
+            if !crate::policy::answer_header(name) {
+                continue;
+            }
+            match redactor.as_ref().and_then(|r| r.header(value)) {
+                Some(masked) => response = response.header(name, masked),
+                None => response = response.header(name, value),
             }
         }
         grant
@@ -590,10 +572,16 @@ impl Admitted<'_> {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .requests += 1;
+        let (reservation, worst, requested_model) = match reserved {
+            Some(r) => (Some(r.reservation), Some(r.worst), r.model),
+            None => (None, None, None),
+        };
         let metered = MeteredBody {
             inner: Box::pin(answer.bytes_stream()),
             meter: Some(Meter::new(api, stream)),
+            redactor,
             reservation,
+            worst,
             grant,
             gateway: Arc::clone(gateway),
             price_of: provider.clone(),
@@ -665,19 +653,4 @@ async fn authorize(
         }
     }
     Ok(grant)
-}
-
-/// A request's worst case: every byte of its body a prompt token (a token is at least a
-/// byte), its whole output allowance written, each priced at the dearest rate it may take.
-fn worst_case(api: Api, body: &Value, body_bytes: usize, price: &Price) -> Amount {
-    let output = api
-        .requested_output_limit(body)
-        .or(price.max_output_tokens)
-        .unwrap_or(DEFAULT_MAX_OUTPUT_TOKENS);
-    let input = body_bytes as u64;
-    Amount {
-        tokens: input + output,
-        cost_usd: (input as f64 * price.dearest_per_mtok() + output as f64 * price.output_per_mtok)
-            / 1_000_000.0,
-    }
 }

@@ -180,6 +180,7 @@ fn pass_with(
             spent: Amount::default(),
             lifetime: Duration::from_secs(600),
             daily_budget,
+            server_tools: Vec::new(),
         })
         .unwrap()
 }

@@ -128,21 +128,22 @@ pub const SHARES: u64 = 16;
 
 /// What to allot `profile` when `total` is already allotted today against `limits`, for a
 /// request of `want`: at least `want` and at most a [`SHARES`]th of the limit or what remains
-/// (whichever is larger); refused once the total reaches a limit. The error says which.
+/// (whichever is larger); refused when `want` does not fit in what remains of a limit (so
+/// the pool never passes the day's budget). The error says which.
 pub fn grant(profile: &str, limits: &Budget, total: Spend, want: Spend) -> Result<Spend, String> {
     if let Some(max) = limits.max_tokens {
-        if total.tokens >= max {
+        if total.tokens.saturating_add(want.tokens) > max {
             return Err(format!(
-                "daily budget exhausted: the profile {profile} has been allotted {} of its {max} tokens today (agents.{profile}.daily_budget.max_tokens)",
-                total.tokens
+                "daily budget exhausted: the profile {profile} has been allotted {} of its {max} tokens today (agents.{profile}.daily_budget.max_tokens), and a request needs {} more",
+                total.tokens, want.tokens
             ));
         }
     }
     if let Some(max) = limits.max_cost_usd {
-        if total.cost_usd >= max {
+        if total.cost_usd + want.cost_usd > max + 1e-12 {
             return Err(format!(
-                "daily budget exhausted: the profile {profile} has been allotted ${:.4} of its ${max:.2} today (agents.{profile}.daily_budget.max_cost_usd)",
-                total.cost_usd
+                "daily budget exhausted: the profile {profile} has been allotted ${:.4} of its ${max:.2} today (agents.{profile}.daily_budget.max_cost_usd), and a request needs ${:.4} more",
+                total.cost_usd, want.cost_usd
             ));
         }
     }
@@ -239,8 +240,8 @@ mod tests {
         }
     }
 
-    /// Catches: grants that let many workers together pass the day's limit by more than one
-    /// request (a grant of the whole remainder, or grants after the limit is reached).
+    /// Catches: grants that let many workers together pass the day's limit (a grant of the
+    /// whole remainder, a grant larger than what remains, or grants after the limit).
     #[test]
     fn grants_stop_at_the_limit_within_one_request() {
         let limits = Budget {
@@ -257,10 +258,11 @@ mod tests {
         }
         assert_eq!(grants, 16, "a sixteenth at a time");
         assert_eq!(total.tokens, 1600);
-        // Near the end, a request larger than what remains gets its worst case, once.
-        let near = grant("p", &limits, tokens(1590), tokens(300)).unwrap();
+        // Near the end, a request that fits in what remains gets it; a larger one nothing.
+        let near = grant("p", &limits, tokens(1300), tokens(300)).unwrap();
         assert_eq!(near.tokens, 300);
-        let refused = grant("p", &limits, tokens(1890), tokens(1)).unwrap_err();
+        assert!(grant("p", &limits, tokens(1590), tokens(11)).is_err());
+        let refused = grant("p", &limits, tokens(1600), tokens(1)).unwrap_err();
         assert!(
             refused.contains("agents.p.daily_budget.max_tokens"),
             "{refused}"

@@ -2,6 +2,13 @@
 //! and what a final review leaves (its receipt). Both cross the broker and the store inside
 //! versioned messages: a checkpoint inside its job and event, a receipt as a message of its
 //! own with its `schema_version`.
+//!
+//! A `Checkpoint` holds the base commit, the tree the paused phase starts from, the change as an
+//! all-binary git patch, and the typed `LoopState` (the run machine's `MachineState`, `Phase`,
+//! `RoundReason`, `Limits`, and the rounds, checks, cycles and history). Checkpoints live in the
+//! run store (as an event), not in the user's repository: resuming needs no push rights and
+//! leaves no stray refs. The patch is capped at 3 MiB so the resumed job fits a queue message; a
+//! larger change pauses without a checkpoint, and the reason says to submit a new run.
 
 use serde::{Deserialize, Serialize};
 

@@ -1,4 +1,8 @@
 //! Events: what a worker reports about a run, stored by the dispatcher and streamed to watchers.
+//!
+//! Kinds: state changes, stage start and finish, log chunks, check results, cycle files,
+//! heartbeats, checkpoints, cancel requests, pull requests, webhook attempts, transcripts and
+//! the result.
 
 use crate::Checkpoint;
 use serde::{Deserialize, Serialize};

@@ -1,4 +1,6 @@
 //! The frozen job: a validated run request with every file and setting resolved at submission.
+//!
+//! A job holds the names of secret variables, never their values.
 
 use serde::{Deserialize, Serialize};
 use uuid::Uuid;
@@ -151,6 +153,11 @@ pub struct AgentProfile {
     /// provider named the reset; the worker's default (300 s) when absent.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pause_seconds: Option<u64>,
+    /// With a `provider`: the server-side tools (run by the provider, reaching addresses the
+    /// request names) the gateway lets the profile's requests name, by name (`web_search`,
+    /// `web_fetch`, `mcp`, `google_search`, `url_context`, …); none when empty.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub server_tools: Vec<String>,
 }
 
 /// A profile's `disk` when it sets none: 4 GiB.
@@ -434,6 +441,7 @@ mod tests {
             daily_budget: None,
             args: vec![],
             pause_seconds: None,
+            server_tools: vec![],
         }
     }
 

@@ -4,6 +4,13 @@
 //! travels to a worker, and the worker answers with [`Event`]s that the dispatcher stores and
 //! streams. Only the types in this crate are serialized; each message carries
 //! [`SCHEMA_VERSION`] so that a reader can refuse what it does not understand.
+//!
+//! What is here: [`RunRequest`] (what a submitter sends), [`Job`] (the frozen job, secret *names*
+//! only), [`Event`] and its kinds, [`Checkpoint`] and `ReviewReceipt` (`checkpoint`), `Control`,
+//! [`RunState`] with its CLI exit codes and its transition rule, `Publication`, the execution and
+//! allotment questions with their signed answers (`execution`, `allotment`), workers' beacons and
+//! the pool by host (`roster`), usage and pauses (`usage`), agent kinds and transcripts (`agent`),
+//! and the name rules (`names`). Each type has a round-trip test; nothing here does I/O.
 
 mod agent;
 pub mod allotment;

@@ -1,4 +1,6 @@
 //! The run request (SPEC 4): what a submitter sends to the dispatcher, before validation.
+//!
+//! Unknown fields are refused.
 
 use serde::{Deserialize, Serialize};
 

@@ -7,6 +7,10 @@
 //! `forgepool_*`. Label values are bounded: skills and steps come from the frozen job (names
 //! the dispatcher validated against the skills folder, never from files an agent wrote),
 //! verdicts, stages and outcomes from closed sets, queue names from the topology.
+//!
+//! A worker feeds it through `ObservedSink`, which wraps the AMQP sink per run. Gauges: queue
+//! depths (both services read them every 5 s with passive declares, `Publisher::queue_depths`),
+//! runs by state (the dispatcher, from its store), slots and containers (a worker).
 
 use prometheus::{
     Encoder, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts,

@@ -3,6 +3,11 @@
 //! This file is wiring: it builds the worker's parts ([`crate::amqp`]), starts its loops
 //! (jobs, cancel requests, the sweep, queue depths), and drains on shutdown: no new jobs,
 //! in-flight runs get the drain time to finish, then they are interrupted and handed back.
+//!
+//! It is generic over the runtime. At SIGTERM it stops consuming, and each run finishes the stage
+//! it is in and is handed back at that boundary (`RunControl`'s `handover`, checked by the
+//! engine's loop before each stage; a run with only its delivery left delivers); runs still in a
+//! stage when the drain time is over are interrupted and handed back.
 
 use std::sync::Arc;
 use std::time::Duration;

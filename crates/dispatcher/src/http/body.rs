@@ -1,4 +1,6 @@
 //! Request bodies: read within a time and a size, refused bodies drained briefly.
+//!
+//! A body must arrive within 15 s and 1 MiB.
 
 use std::time::Duration;
 

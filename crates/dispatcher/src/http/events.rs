@@ -1,4 +1,10 @@
 //! A run's events as Server-Sent Events: stored events page by page, then live ones.
+//!
+//! A stream opens with a comment, so its response begins at once. Stored events are paged 256 at
+//! a time from `Last-Event-ID`; then live events come from the dispatcher's broadcast
+//! (`Dispatcher::events_stored`, 1,024 events, sent in position order under `event_order`); a
+//! stream that falls behind reads from the store again. At most 16 streams per run; a stream ends
+//! at a terminal state, a pause or shutdown.
 
 use std::convert::Infallible;
 use std::sync::Arc;

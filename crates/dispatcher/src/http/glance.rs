@@ -1,5 +1,10 @@
 //! What the web view reads besides the runs themselves: the pool at a glance, and a run's
 //! timeline with the tail of its log. Both are bounded whatever the pool or the run hold.
+//!
+//! `GET /v1/pool` answers the pool as `refresh_gauges` last sampled it.
+//! `GET /v1/runs/{id}/timeline` holds a run's stage, state, check and cycle events and its
+//! log's tail, each read by kind through the `(run, kind, position)` index (migration `V3`), so
+//! a run's 100,000 log lines are never read.
 
 use std::sync::Arc;
 

@@ -2,6 +2,10 @@
 //! readiness, and the OpenAPI document. Every error, the framework's own included (unknown
 //! routes, wrong methods, bodies it refuses), is RFC 9457 problem details
 //! (`application/problem+json`, [`proto::Problem`]).
+//!
+//! This file holds the routes, the bearer-token middleware on `/v1` (answering with
+//! `WWW-Authenticate`), and the health, readiness and metrics routes; each other file holds one
+//! part of the API.
 
 mod body;
 mod events;

@@ -1,4 +1,10 @@
 //! Problem details (RFC 9457): every error answer of the API, the framework's own included.
+//!
+//! `Failure` renders them, and a response layer (`problems_everywhere`) turns every other error
+//! answer (the router's 404 and 405, an extractor's plain-text refusal) into one, keeping its
+//! status and headers. `400` is a request that breaks its documented shape; `422` one that has it
+//! but names what this dispatcher does not have or allow, which a schema cannot say (SPEC 12 asks
+//! only for a 4xx).
 
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};

@@ -1,4 +1,7 @@
 //! The runs: submit, list, show (with an entity tag), cancel, resume.
+//!
+//! A submission is answered with `Location`; the list takes a checked cursor; a run comes with
+//! its `ETag`.
 
 use std::sync::Arc;
 

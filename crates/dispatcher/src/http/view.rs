@@ -9,6 +9,15 @@
 //! connections, and no image, frame, form or plugin: what an agent wrote is put on the page
 //! as text, and were a bug ever to let markup through, the browser would still refuse to run
 //! or load it.
+//!
+//! The page, its script (about 800 lines of plain JavaScript) and its style are three files in
+//! `crates/dispatcher/assets/`, built in with `include_str!` and addressed by their hash, so they
+//! are cached for good. No framework (htmx, Preact, React): it would add a dependency to keep
+//! current, a CDN or a vendored bundle, and for React a Node.js build, none of it needed for two
+//! pages that read a JSON API. The Markdown renderer is twenty lines that only ever make text
+//! nodes: a general-purpose renderer plus a sanitizer would be more code to trust with agent
+//! text. The event stream is read with `fetch`, not `EventSource`, which cannot send the token as
+//! a header.
 
 use std::sync::LazyLock;
 

@@ -6,6 +6,20 @@
 //! In both, recording an event is idempotent (keyed by its `event_id`), a cycle file is stored
 //! once per `(run, step, file)`, and a terminal state is never left, so a redelivered job never
 //! produces duplicate records.
+//!
+//! `RunRow::into_record` builds every `RunRecord`, and a state is taken only when
+//! `RunState::accepts` it. A `published` flag marks runs whose job the broker confirmed; the
+//! republisher sends the others again. `tests/store.rs` holds both backends to one contract.
+//!
+//! The schema is versioned migrations per backend
+//! (`crates/dispatcher/migrations/{sqlite,postgres}`), embedded and run by refinery. `V1` is
+//! the schema of the release before migrations, all `IF NOT EXISTS`, so an old store takes it
+//! as applied. `forgepool dispatcher` runs them in a short-lived child,
+//! `forgepool migrate-store` (hidden; the store's URL in its environment, never on its command
+//! line), and waits for it before it opens the store without migrating (`Schema::Migrated`):
+//! refinery parses migration names with a Unicode regex whose 512 KiB automaton and tables
+//! would otherwise stay in the long-lived process (docs/BENCHMARKS.md, "Memory"). The embedded
+//! mode and `forgepool prune` migrate in-process.
 
 use std::future::Future;
 

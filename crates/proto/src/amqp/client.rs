@@ -1,4 +1,11 @@
 //! Connections and the confirming publisher.
+//!
+//! `Publisher` has a connection of its own (opened again through `brokers::connect` when lost)
+//! and a channel in confirm mode: publishes are persistent and `mandatory`, with a confirm
+//! timeout. `publish_reliably` retries through a broker restart, `publish_optional` is for
+//! cancels (not `mandatory`), and `dead_letter` sends a message on with its reason and
+//! signature.
+//! `queue_depths` reads queue depths with passive declares, for the gauges.
 
 use std::time::Duration;
 

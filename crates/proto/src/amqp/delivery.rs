@@ -1,4 +1,10 @@
 //! Taking messages: headers, consumers that reconnect, and settling a delivery.
+//!
+//! The headers a message carries (`Carried`: `x-forgepool-lost`, `x-forgepool-holds` and the
+//! others); `Consume` and `consume`, the one reconnecting consumer loop both services use;
+//! `declare_with_retry`; and `settle`, the one function that carries out a handler's
+//! `Disposition` (`Ack`, `Requeue`, `Retry`, `DeadLetter(reason)`). Every delivery of a
+//! consumed work queue (jobs, events, submissions, dead letters) is settled here.
 
 use std::future::Future;
 use std::time::Duration;

@@ -1,4 +1,7 @@
 //! The names of forgepool's queues and exchanges, their arguments, and their declaration.
+//!
+//! `Topology` holds every queue and exchange name with its arguments, as tables. Both services
+//! declare it whole at start; declarations are idempotent.
 
 use lapin::options::{ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions};
 use lapin::types::{AMQPValue, FieldTable, LongString};

@@ -14,6 +14,17 @@
 //! Everything a CLI prints is untrusted: lines are bounded, JSON is parsed with serde (no
 //! recursion past its limit, no panic), and nothing here fails on unexpected shapes.
 //! One file per kind; each holds its command line and its reader.
+//!
+//! A rate limit with no named reset pauses for the profile's `pause_seconds`. `fixtures/` holds
+//! each real CLI's output against the fake model (success, rate limit, reviewer, retry
+//! recovered), read back by `tests.rs`; the end of a kind's stage is `crate::engine`'s
+//! (`engine/agent.rs`).
+//!
+//! Why the CLIs' own machine output (stream-JSON, `exec --json`, trajectories), rather than a
+//! script of ours wrapping each CLI in its image: the images stay the vendors' CLIs plus a user,
+//! the output is parsed here, where it is bounded and redacted, and a version bump is one line in
+//! `docker/agents/versions`. CLI retries are cut to one or two, so a rate-limited container ends
+//! and the pool pauses the profile instead of holding a slot.
 
 mod aider;
 mod claude;

@@ -1,5 +1,8 @@
 //! What every kind's reader shares: bounded text, JSON lookups that never fail, the readable
 //! forms of messages and tool calls, and the wait a provider's message names.
+//!
+//! `Transcript` entries are cut at 8 KiB; the rate-limit and reset phrases every reader looks for
+//! are here.
 
 use std::time::Duration;
 

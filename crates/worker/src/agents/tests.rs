@@ -34,6 +34,7 @@ fn profile(kind: AgentKind) -> AgentProfile {
         daily_budget: None,
         args: vec!["--extra".into()],
         pause_seconds: None,
+        server_tools: Vec::new(),
     }
 }
 

@@ -2,6 +2,29 @@
 //! life from its delivery to its settlement (done marker, claim, lease, execution, heartbeats).
 //!
 //! A job is acknowledged only after its final event is confirmed by the broker.
+//!
+//! The prefetch is the worker's slots. A job message passes `trusted_job` (size, signature,
+//! schema version, fields, repository URL, profiles equal to the worker's own, the
+//! publication's expiry). Then, in order: the run's done marker is checked (a durable queue
+//! `{prefix}.done.{key}`, kept an hour; the key is the run id, plus `.{checkpoint}` for a
+//! resumed run, so a paused execution's marker never settles the resumed one); the run is
+//! claimed in the process; its lease is taken; `execution::ask` asks the dispatcher whether the
+//! job's epoch is still live (not live: acknowledged unrun; no answer in 10 s: parked); the
+//! engine runs with heartbeats beside it; the done marker is declared; the delivery is settled
+//! as decided (`Disposition`); then the lease, the claim and the slot are given back, in that
+//! order.
+//!
+//! A job whose lease another live worker holds (the broker redelivered it after a consumer
+//! timeout) is parked in `{prefix}.jobs.waiting` (a quorum queue; 3 s TTL, dead-lettered at least
+//! once back to the jobs queue) until the holder finishes. A job the broker delivers again after
+//! its holder lost it is counted (`x-forgepool-lost`) and parked at once, with the waits it has
+//! left in `x-forgepool-holds` (`proto::amqp::Carried`; four waits of 3 s cover the 10 s
+//! `REDELIVERY_GRACE`, two sweeps), so the worker still running it, if it lives, takes its lease
+//! again first, and a worker that dies holding the parked copy never held the job. Every move of
+//! a job to another queue (parked, waiting for a cap, handed over) is `republish`: a fresh copy
+//! confirmed before the delivery is acknowledged. A run whose execution was lost ten times is
+//! failed by the dispatcher when the next copy asks whether it is live (`MAX_LOST_EXECUTIONS`).
+//! docs/RELIABILITY.md tells the whole story with its tests.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;

@@ -1,5 +1,9 @@
 //! Cancel requests: a consumer of the control exchange that cancels the runs this worker
 //! holds.
+//!
+//! The same consumer takes profile pauses (`pause.*`) into the `PauseBook`, and catches up from
+//! the pause stream's start each time it connects, so a worker that starts later knows every pause
+//! in force.
 
 use std::sync::Arc;
 

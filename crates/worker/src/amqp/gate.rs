@@ -4,9 +4,19 @@
 //! - a **cap slot** of a profile with `max_concurrent = N` is one of the exclusive queues
 //!   `{prefix}.cap.{profile}.{0..N}`: a worker declares one to start a stage and deletes it
 //!   when the stage ends; one held by a worker that dies goes with its connection;
-//! - a **pause** is a message on the stream `{prefix}.pauses`; every worker reads the stream
-//!   from the start of its retention (two days; a pause lasts at most one), so a worker that
-//!   starts later knows the pauses in force too.
+//! - a **pause** is published, signed, to the control exchange as `pause.{profile}`, which
+//!   reaches every worker's control queue and the stream `{prefix}.pauses`; a worker reads the
+//!   stream from the start of its retention (two days; a pause lasts at most one) only to catch
+//!   up each time its control consumer connects, so a worker that starts later knows the
+//!   pauses in force too.
+//!
+//! A cap slot is taken on the lease connection (`Leases::acquire_slot`, which also refuses a
+//! slot this process holds, since exclusivity is per connection; slots are declared again after
+//! a reconnection) and deleted when its `Ticket` is released, awaited before the run's next
+//! stage asks. `PauseBook` takes pauses into `Pauses` from the control consumer
+//! (`super::control`) and keeps `forgepool_profile_paused` true. A job that waits for a cap is
+//! parked with `x-forgepool-waits-for`; its next delivery takes a slot (`AmqpGate::reserve`)
+//! before the run starts, and goes back silently while none is free.
 
 use std::collections::{BTreeSet, HashMap};
 use std::sync::Arc;

@@ -8,6 +8,24 @@
 //!   final events are confirmed, so a redelivered finished job is acknowledged without running;
 //! - a **presence** queue per worker instance lets the other workers find and remove the
 //!   containers of a worker that died.
+//!
+//! `Leases` owns the lease connection (leases, done markers, presence). A lost connection is
+//! opened again and the leases of the runs `InFlight` are taken again before the worker consumes:
+//! a broker restart drops every lease at once and offers every unacknowledged job again. A run
+//! whose lease another worker took, or every run when the broker stays out of reach for
+//! `CLAIM_GRACE`, is abandoned: its `Claim`'s `lost` token stops it. `sweep` removes dead
+//! workers' containers. Cap slots are taken on this connection too (`acquire_slot`, see
+//! `super::gate`).
+//!
+//! Why on the broker, not in the dispatcher: RabbitMQ 3.10 cannot raise the consumer timeout per
+//! queue, so a long run loses its delivery when the broker closes its channel. Exclusive queues
+//! give a lock that dies with its holder, and a durable marker queue settles every copy of a
+//! finished job, with no extra service.
+//!
+//! The sweep removes another instance's containers only after its presence queue has been missing
+//! for 30 s while this worker's own connection was steady: a broker restart drops every presence
+//! at once, and live workers declare theirs again within one 5-second sweep, so a restart never
+//! kills a live worker's stages.
 
 use std::collections::HashMap;
 use std::future::Future;

@@ -1,4 +1,13 @@
 //! The final review ledger on the broker, shared by every worker of the cluster.
+//!
+//! One durable queue per intent and per receipt, kept seven days; a receipt is a versioned
+//! `proto::ReviewReceipt`. Every message is signed with the job key over its queue and body; one
+//! that does not verify is ignored. The ledger lives on the broker, like leases and done markers:
+//! every worker already reaches it, it survives any worker, and it needs no new service.
+//!
+//! The run's progress is here too: after each completed stage a `proto::Progress` is kept in
+//! `{prefix}.progress.{run_id}`, a one-message queue (`x-max-length` 1 with `drop-head`), so a
+//! later progress is one confirmed publish.
 
 use std::collections::HashSet;
 use std::sync::Arc;

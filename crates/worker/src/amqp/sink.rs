@@ -1,5 +1,9 @@
 //! Events out: the run's events published with confirms, counted in the metrics, and
 //! heartbeats beside the run.
+//!
+//! Events are published with a confirm; heartbeats get one attempt each, so a broker outage never
+//! holds the run up. `ObservedSink` wraps the sink per run and feeds the run's events to the
+//! metrics.
 
 use std::collections::HashSet;
 use std::sync::{Arc, Mutex};

@@ -5,6 +5,17 @@
 //! `known_hosts` go into an ssh configuration of forgepool's own; an extra CA file is scoped
 //! to the host. Nothing of this reaches a stage container: stages get a `.git` with no remote
 //! and only their profile's variables.
+//!
+//! `Forges::load` checks every entry (host, kind, API root, token variable set, files present);
+//! its errors name the file, the entry and the key. `git_config` is what every git process of
+//! forgepool gets after `credential.helper=`: a credential helper scoped to each HTTPS host that
+//! prints the user and `"$VARIABLE"` (the variable's name is on the command line, its value only
+//! in the worker's environment), the host's `sslCAInfo`, and `core.sshCommand` naming
+//! forgepool's ssh configuration (one `Host` block per forge with a deploy key and pinned
+//! `known_hosts`, `StrictHostKeyChecking yes`). The variables that would outrank them
+//! (`GIT_SSL_CAINFO`, `GIT_SSH_COMMAND`, `GIT_SSH`) are taken from forgepool's git. `explain`
+//! turns a refused token, key, host key or certificate in git's error into the host and the
+//! setting at fault. Token values are redacted from every event of every run.
 
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;

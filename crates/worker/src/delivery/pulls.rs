@@ -9,6 +9,10 @@
 //! `Retry-After` is honoured (up to a minute), a 5xx is tried again, and any other refusal
 //! ends this step with a reason that names the host and the status. The branch stays
 //! delivered whatever happens here.
+//!
+//! One `Api` serves the three, its authorization and headers following the forge's kind. A run
+//! `delivered_with_warnings` gets a draft. `crate::engine` calls this once the run is delivered,
+//! and puts the address in the result, a `pull_request` event and the report.
 
 use std::time::Duration;
 

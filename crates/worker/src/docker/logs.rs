@@ -1,4 +1,8 @@
 //! A stage's output as it is read: captured, redacted, capped, and forwarded in chunks.
+//!
+//! A stopped container's log stream gets `LOG_DRAIN` (5 s) for each read: a follow request that
+//! races the container's exit can stay open for ever on Docker 20.10, and must not hold a finished
+//! stage. Forwarding what was read is never cut short.
 
 use bollard::query_parameters::LogsOptions;
 use bollard::Docker;

@@ -5,6 +5,12 @@
 //! time limit, and labels naming the run, stage, worker and a deadline. Every API call is
 //! bounded by a timeout, and a container is removed on every path, including when the future
 //! running it is dropped.
+//!
+//! `mod.rs` creates, runs and removes a stage; `config.rs` is the hardened container
+//! configuration; `logs.rs` the capped, redacted output; `egress.rs` the egress proxies and their
+//! network; `janitor.rs` orphans and dead instances; `gateway.rs` the model gateway's relay. A
+//! created container that is never run is removed when it is dropped, and its deadline label also
+//! covers the longest clone. bollard appears in no other module of forgepool.
 
 use std::collections::HashSet;
 use std::sync::Mutex;

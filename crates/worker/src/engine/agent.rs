@@ -32,6 +32,7 @@ pub(super) async fn settle_agent<S: EventSink>(
         }
     }
     run.pause = None;
+    run.pause_pool = false;
     if let StageExit::Exited(code) = output.exit {
         // A rate limit whose end nobody named pauses as long as the profile says.
         let unnamed_pause = profile_of(run.job, stage)
@@ -44,6 +45,7 @@ pub(super) async fn settle_agent<S: EventSink>(
         }
         output.exit = StageExit::Exited(settled.exit_code);
         run.pause = settled.pause;
+        run.pause_pool = pool_pauses(run.job, stage);
     }
     output.stdout = std::mem::take(&mut report.final_text);
     let usage = report.usage.take().map(|mut usage| {
@@ -69,6 +71,14 @@ pub(super) async fn settle_agent<S: EventSink>(
 }
 
 /// The profile a stage of the run uses.
+/// Whether an agent's own claim of a pause (`pause.json`, its CLI's rate-limit line) pauses
+/// the stage's profile across the pool: only for a profile without a `provider`. A gateway
+/// profile's pool-wide pause comes from the gateway's own view of the provider's answers, so
+/// a stage cannot stop every run of its profile by saying so (SPEC 6, 16).
+pub(super) fn pool_pauses(job: &Job, stage: Stage) -> bool {
+    profile_of(job, stage).is_some_and(|p| p.provider.is_none())
+}
+
 fn profile_of(job: &Job, stage: Stage) -> Option<&proto::AgentProfile> {
     match stage {
         Stage::Implement | Stage::Verify => Some(&job.implementer),

@@ -35,6 +35,10 @@ pub(super) struct RunContext<'a> {
     /// The provider's pause the last paused stage asked for (`pause.json`), or the pause of
     /// its profile across the pool: the run resumes by itself at its end.
     pub(super) pause: Option<proto::PauseRequest>,
+    /// Whether [`Self::pause`] pauses the profile across the pool: only the gateway's own view
+    /// of a provider's answer does, or an agent's claim for a profile without a `provider`
+    /// (SPEC 6). An agent's claim for a gateway profile pauses its own run only.
+    pub(super) pause_pool: bool,
     /// When a pause of the run's profile ends: the paused run resumes by itself then.
     pub(super) resume_at: Option<String>,
     /// The delivered branch's pull request.
@@ -72,6 +76,7 @@ impl<'a> RunContext<'a> {
             final_unknown: false,
             usage: None,
             pause: None,
+            pause_pool: false,
             resume_at: None,
             waiting: None,
             pull_request: None,

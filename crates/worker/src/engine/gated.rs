@@ -101,8 +101,12 @@ impl<R: ContainerRuntime> Engine<R> {
             keep_progress(ledger, run_id, progress.take()),
         );
         if let (Some(pause), Some(profile)) = (run.pause.take(), profile) {
-            info!(profile = %profile.name, until = %pause.until, reason = %pause.reason, "the provider paused the profile");
-            self.config.gate.pause(run_id, &profile.name, &pause).await;
+            if std::mem::take(&mut run.pause_pool) {
+                info!(profile = %profile.name, until = %pause.until, reason = %pause.reason, "the provider paused the profile");
+                self.config.gate.pause(run_id, &profile.name, &pause).await;
+            } else {
+                info!(profile = %profile.name, until = %pause.until, reason = %pause.reason, "the stage's agent paused its own run; the profile goes on across the pool");
+            }
             run.resume_at = Some(pause.until);
         }
         input

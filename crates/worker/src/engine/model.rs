@@ -58,6 +58,7 @@ impl<R: ContainerRuntime> Engine<R> {
             spent,
             lifetime: Duration::from_secs(timeout_seconds) + TOKEN_MARGIN,
             daily_budget: profile.daily_budget.is_some(),
+            server_tools: profile.server_tools.clone(),
         };
         Some(
             gateway
@@ -194,6 +195,8 @@ pub(super) fn gateway_verdict(
         reason: reason.clone(),
         until: humantime::format_rfc3339_seconds(*until).to_string(),
     });
+    // The gateway saw the provider's answer itself: the profile rests across the pool.
+    run.pause_pool = true;
     if let Ok(output) = outcome {
         output.exit = StageExit::Exited(crate::agents::EXIT_PAUSED);
         output.tail = format!("{}\n{reason}", output.tail.trim_end())

@@ -78,6 +78,7 @@ async fn take_outputs<S: EventSink>(
         .await?;
     }
     run.pause = pause;
+    run.pause_pool = super::agent::pool_pauses(run.job, stage);
     Ok(usage)
 }
 

@@ -7,6 +7,9 @@
 //! pause ends; [`Admission::Busy`] hands the run back to wait without holding a run slot.
 //! [`LocalGate`] serves one process (the embedded mode, the engine's tests); the worker's
 //! gate keeps caps and pauses on the broker (`amqp::gate`).
+//!
+//! `Role` says which of the job's profiles a phase uses, and is its code in the
+//! `x-forgepool-waits-for` header; `Pauses` holds the pauses known (the latest end wins).
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -275,6 +278,7 @@ mod tests {
             daily_budget: None,
             args: vec![],
             pause_seconds: None,
+            server_tools: Vec::new(),
         }
     }
 

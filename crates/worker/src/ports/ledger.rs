@@ -9,6 +9,10 @@
 //!
 //! [`MemoryLedger`] serves the embedded mode (one process, no redelivery); the worker keeps its
 //! ledger on the broker (`amqp::AmqpLedger`), where every worker of the cluster sees it.
+//!
+//! An unknown outcome ends the run `blocked`, not in a state of its own: SPEC 10's states are a
+//! contract clients switch on. The reason starts with "unknown outcome" and says what to do; the
+//! result's `review` is `unknown`.
 
 use std::collections::HashMap;
 use std::future::Future;

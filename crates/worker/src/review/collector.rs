@@ -4,6 +4,13 @@
 //! so a file written just before exit is never missed. A file is reported when it is new or its
 //! content changed; temporary files and anything that is not `{step}/review_cycle_{N}.json` with
 //! a JSON object holding `cycle` and `verdict` are ignored until they become valid.
+//!
+//! Only the files containers wrote are collected, never the ones forgepool owns, and every read
+//! goes through `crate::workspace::confined`; `write_atomically` writes forgepool's own files into
+//! the workspace the same way. Polling every 100 ms (`AUTO_REVIEW_POLL_INTERVAL`) instead of
+//! inotify: it works the same for bind mounts, Docker-in-Docker and network file systems, and
+//! costs one small directory read per tick. Median latency from rename to event is half an
+//! interval (docs/BENCHMARKS.md, "Cycle file to event").
 
 use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};

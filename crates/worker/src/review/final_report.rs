@@ -4,6 +4,8 @@
 //! regular file, `review.json`, in its output folder. Every finding must point at real source:
 //! an existing relative path, an existing line, and evidence quoted from that file. Anything
 //! else refuses the report, and a refused report blocks the run.
+//!
+//! The shape is exact, and a report holding credential-like text is refused too.
 
 use std::collections::HashSet;
 use std::os::unix::fs::MetadataExt;

@@ -3,6 +3,9 @@
 //! The markers are whole ASCII words, matched case-insensitively; the first one wins; text in
 //! fenced code blocks never counts; letters that merely look like ASCII (Cyrillic, fullwidth)
 //! never match, and a marker glued to any letter or digit is not a whole word.
+//!
+//! The feedback of a `REJECTED` verdict is the text after the marker (trimmed, a leading `:` or
+//! `-` removed); when nothing follows the marker, the text before it.
 
 /// The longest feedback kept from a reviewer: 64 KiB.
 pub const MAX_FEEDBACK_BYTES: usize = 64 * 1024;

@@ -9,6 +9,11 @@
 //! to the worker's host, a private network, or a link-local (cloud metadata) address, so DNS
 //! cannot smuggle a stage inside; an entry that is an IP address is the operator's explicit
 //! choice and is allowed, except link-local ones, which never are.
+//!
+//! Why a proxy of forgepool's own, in a container per allowlist on an internal network without a
+//! host address: the worker may run in a pod without `NET_ADMIN`, so no firewall rules are
+//! needed, and Docker's own isolation carries the boundary. A token per proxy keeps one profile
+//! from borrowing another's allowlist.
 
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;

@@ -5,6 +5,11 @@
 //! starts, streams, waits for, kills on timeout and always removes the container. Beside the
 //! seam: the egress proxy a stage with `network = "egress"` goes out through ([`egress`]),
 //! and the scripted runtime of the engine's tests (`fake`).
+//!
+//! The seam is whole in `mod.rs`: `create_stage` and `run_created` (or both at once with
+//! `run_stage`), and the cleanup the worker service needs (`remove_orphans`, `instance`,
+//! `other_instances`, `remove_instance`, `close`); beside it `StageSpec`, the labels, and
+//! redaction (every byte read back from a container passes `redact`).
 
 pub mod egress;
 #[cfg(test)]

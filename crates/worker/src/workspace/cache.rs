@@ -23,6 +23,9 @@
 //! writes ever reaches them. A stage's copies share their object files by hard link; those
 //! files are read-only and never handed to the stage user (a file with other links is not
 //! chowned), so a stage cannot change them.
+//!
+//! A mirror is `{dir}/{sha256(url, ref)[..32]}.git`; the size limit is `FORGEPOOL_CACHE_MAX_GIB`.
+//! A commit id (rather than a ref) takes the direct path: no mirror.
 
 use std::os::fd::AsFd;
 use std::path::{Path, PathBuf};

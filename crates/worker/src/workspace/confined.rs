@@ -11,6 +11,8 @@
 //! whatever entry (a symlink included) was there.
 //!
 //! Every call is blocking: call it from a blocking task.
+//!
+//! `disk_usage` measures a stage's writable folders the same way.
 
 use std::ffi::OsStr;
 use std::io::{self, Read, Write};

@@ -9,6 +9,11 @@
 //! or an fsmonitor, with `protocol.allow` limited to the allowed schemes, and never in a
 //! folder an agent could have prepared: so no `core.fsmonitor`, filter, `diff.external`,
 //! `url.*.insteadOf`, `core.worktree`, gitfile or alternate an agent writes is ever honoured.
+//!
+//! The git folder is `{run}/repo.git`, the work tree `{run}/src`, and every call names both. A
+//! branch or tag is cloned with `--single-branch --separate-git-dir` and checked out in one
+//! process, then HEAD is detached and `base` set in one `update-ref`; a commit id takes the
+//! general path.
 
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;

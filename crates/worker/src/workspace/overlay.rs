@@ -13,6 +13,11 @@
 //! turns it on for a root worker when a `dockerd` runs in its mount namespace and a probe
 //! mount works. Elsewhere (a Kubernetes pod, a Docker-in-Docker sidecar) the engine would see
 //! the empty folder under the mount, so `auto` stays off there.
+//!
+//! `remove_folder` detaches every mount under a folder before removing it; handing a layered
+//! folder to the stage user walks only its upper layer. Everything else falls back to
+//! checked-out folders. Overlays, not reflinks or worktrees: ext4 (Debian's default) has no
+//! reflinks, and a worktree still writes every file.
 
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;

@@ -12,6 +12,22 @@
 //! checkout; removing one takes that lock exclusively, so a checkout in use is never removed.
 //! A mirror keeps its [`KEPT_TREES`] most recently used checkouts, and evicting a mirror
 //! removes its checkouts no run holds.
+//!
+//! When the worker is root, git runs as the stage user through `setpriv` with
+//! `CAP_DAC_READ_SEARCH` alone, so it reaches a cache under a closed work folder; when neither
+//! works, the worker checks out and walks the files once to hand them over. The cached index is
+//! refreshed once after the checkout (1.3 s less per warm run on 50,000 files), dated two seconds
+//! ahead so that git's racy-entry rule does not make it wait for the second to turn: safe only
+//! because the checkout's files are never written again. A run's own index is a copy dated when
+//! made, so the rule still guards every file a stage can write. Checkouts under 5,000 entries
+//! skip the refresh.
+//!
+//! `BaseTree::lay_work_tree` mounts the run's work tree and gives the run's git folder the
+//! checkout's index. `BaseTree::lay_copy` makes a reviewer's or verifier's copy of a candidate:
+//! an overlay of the base, where `git read-tree --reset -u` with a copy of the index writes only
+//! the changed files (`core.checkStat=minimal`, since the overlay does not keep every stat field
+//! the index recorded). A copy that cannot be laid or linked says why; a work tree on another
+//! file system is not linked, and checking out instead is no fault.
 
 use super::*;
 use crate::workspace::overlay;
