@@ -11,6 +11,13 @@ use crate::providers::Provider;
 /// Request headers forwarded for every API: what the body is and what the client takes.
 const REQUEST_HEADERS: [&str; 3] = ["content-type", "accept", "user-agent"];
 
+/// Request headers that choose the account a key acts for: refused from a stage.
+const CHOSEN_BY_THE_OPERATOR: [&str; 3] = [
+    "openai-organization",
+    "openai-project",
+    "x-goog-user-project",
+];
+
 /// Answer headers passed back: the body's type and length, and what a CLI reads to back off.
 const ANSWER_HEADERS: [&str; 7] = [
     "content-type",
@@ -31,6 +38,13 @@ pub struct Refused(pub String);
 /// The headers forwarded for a request of `provider`, before the key is added: the allowed
 /// ones of `headers`, and the operator's organization and project.
 pub fn request_headers(provider: &Provider, headers: &HeaderMap) -> Result<HeaderMap, Refused> {
+    for name in CHOSEN_BY_THE_OPERATOR {
+        if headers.contains_key(name) {
+            return Err(Refused(format!(
+                "a stage may not send {name}: the account the key acts for is the operator's choice (provider.organization, provider.project in the providers file)"
+            )));
+        }
+    }
     let mut forwarded = HeaderMap::new();
     for name in REQUEST_HEADERS {
         for value in headers.get_all(name) {
