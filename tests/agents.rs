@@ -521,12 +521,12 @@ async fn claude_code_and_codex_run_in_the_pool_with_their_transcripts_shown() {
     }
 }
 
-/// A run whose budget is 100 tokens: the first call is admitted (nothing was spent), the
-/// provider answers with more than the budget, and the CLI's next call is refused by the
-/// gateway before it reaches the provider; the stage ends "budget exhausted" and the run
-/// fails with that reason, its usage what the one answer stated.
-/// Catches: a budget checked after the fact or not at all, a refusal the CLI retries into,
-/// a stage that goes on after its budget is spent.
+/// A run whose budget is 100 tokens: the CLI's first call may take far more (its body and its
+/// whole `max_tokens`), so the gateway refuses it before it reaches the provider; the stage
+/// ends "budget exhausted" and the run fails with that reason, having spent nothing.
+/// Catches: a budget checked after the fact (the call would be answered and billed), a
+/// request admitted whose own worst case is more than what is left, a refusal the CLI
+/// retries into, a stage that goes on after its budget is spent.
 async fn stops_at_its_budget_with(kind: AgentKind) {
     let model = FakeModel::start(script(0)).await;
     let fixture = fixture(kind, &model);
@@ -543,26 +543,20 @@ async fn stops_at_its_budget_with(kind: AgentKind) {
     assert_eq!(outcome.code, 1, "{context}");
     assert!(outcome.stdout.contains("budget exhausted"), "{context}");
     assert!(outcome.stdout.contains("budget.max_tokens"), "{context}");
-    assert_eq!(
-        requests.len(),
-        1,
-        "only the first call reached the provider: {:?}",
+    assert!(
+        requests.is_empty(),
+        "no call reached the provider: {:?}",
         requests.iter().map(|r| &r.answer).collect::<Vec<_>>()
     );
-    let usage = outcome
+    let spent = outcome
         .record()
         .result
         .as_ref()
         .and_then(|r| r.usage.clone())
-        .expect("the failed run keeps its usage");
-    assert_eq!(
-        (
-            usage.input_tokens + usage.cache_read_tokens,
-            usage.output_tokens
-        ),
-        (INPUT_TOKENS, OUTPUT_TOKENS),
-        "{context}"
-    );
+        .map_or(0, |u| {
+            u.input_tokens + u.output_tokens + u.cache_read_tokens
+        });
+    assert_eq!(spent, 0, "{context}");
     model.stop();
     outcome.assert_no_containers_left();
     drop(fixture);

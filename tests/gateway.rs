@@ -396,8 +396,76 @@ async fn a_providers_rate_limit_pauses_the_profile_across_the_pool() {
     model.stop();
 }
 
-/// A profile with a daily budget of one token: the first run's only call is admitted (the
-/// day had nothing spent) and spends past the day's budget on the first worker. That worker
+/// A stage of a gateway profile that claims a provider pause itself (`pause.json`, exit 75)
+/// while the provider never said 429: its own run pauses, and another run of the same profile
+/// is delivered meanwhile without a pause.
+/// Catches: an agent's claim taken for the provider's (one stage could rest its profile across
+/// the pool for up to a day).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stages_own_pause_claim_pauses_only_its_run() {
+    let model = FakeModel::start(Script::writing("hello.txt", "hi", 0)).await;
+    let provider = format!("fake{}-anthropic-messages", model.port);
+    let review = "---\nmax_retries: 1\n---\n# Review\nCheck the change.\n";
+    let fixture = Fixture::new(Some(review), &["forge-pause", "FORGE-1"], &["approve"]);
+    std::fs::write(fixture.providers_file(), providers(&[&model])).unwrap();
+    let agents = std::fs::read_to_string(&fixture.agents).unwrap().replace(
+        "timeout_seconds = 120\n",
+        &format!("timeout_seconds = 120\nprovider = \"{provider}\"\n"),
+    );
+    std::fs::write(&fixture.agents, agents).unwrap();
+    let options = common::cluster::Options {
+        env: vec![
+            (
+                "FORGEPOOL_PROVIDERS_FILE".into(),
+                fixture.providers_file().display().to_string(),
+            ),
+            ("ANTHROPIC_API_KEY".into(), MARKER.into()),
+        ],
+        ..Default::default()
+    };
+    let cluster =
+        common::cluster::Cluster::start_with(fixture, 1, 1, Some(FLEET_TOKEN), options).await;
+    let forger = cluster.submit("FORGE-1").await;
+    let deadline = Instant::now() + Duration::from_secs(120);
+    loop {
+        let view = cluster.run(&forger).await;
+        if view["state"] == "paused" {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the forging run never paused: {view}\n{}",
+            cluster.logs()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let other = cluster.submit("FORGE-2").await;
+    let views = cluster
+        .wait_terminal(std::slice::from_ref(&other), Duration::from_secs(120))
+        .await;
+    assert_eq!(
+        views[0]["state"],
+        "delivered",
+        "{}\n{}",
+        views[0],
+        cluster.logs()
+    );
+    assert!(
+        !common::cluster::state_names(&views[0]).contains(&"paused"),
+        "the other run of the profile was paused: {}",
+        views[0]
+    );
+    assert_eq!(cluster.run(&forger).await["state"], "paused");
+    assert!(
+        model.requests().iter().all(|r| r.answer != "429"),
+        "the provider never rate-limited anyone"
+    );
+    model.stop();
+}
+
+/// A profile with a daily budget of 200 tokens: the first run's only call is admitted (its
+/// worst case, 100 bytes and 16 output tokens, fits in the day) and the provider states more
+/// than the day's budget (366 tokens) on the first worker. That worker
 /// then stops; the second run goes to a fresh worker, whose gateway knows nothing of the
 /// first, so only the dispatcher's store can refuse it: the second call is refused at its
 /// gateway, the run pauses until the next UTC day with the reason, and the provider sees one
@@ -419,7 +487,7 @@ async fn a_profiles_daily_budget_is_one_across_the_pool() {
     let agents = std::fs::read_to_string(&fixture.agents).unwrap().replace(
         "timeout_seconds = 120\n",
         &format!(
-            "timeout_seconds = 120\nprovider = \"{provider}\"\ndaily_budget = {{ max_tokens = 1 }}\n"
+            "timeout_seconds = 120\nprovider = \"{provider}\"\ndaily_budget = {{ max_tokens = 200 }}\n"
         ),
     );
     std::fs::write(&fixture.agents, agents).unwrap();

@@ -16,6 +16,8 @@
 #               in /forge/output/usage.json
 #   quota-until EPOCH  before the Unix time EPOCH the provider's quota is spent: writes
 #               /forge/output/pause.json with the seconds left and exits 75; then like change
+#   forge-pause TICKET  for the ticket TICKET: writes /forge/output/pause.json (rest 600 s) and
+#               exits 75, a stage's own claim of a provider pause; other tickets like change
 #   sleep-from N S  like change, but from round N on it first sleeps S seconds unless
 #               $SLEEP_DONE is set (a test drains its workers meanwhile)
 #   model-call HOST:PORT SECONDS  a profile with a provider: calls the model through the
@@ -70,6 +72,14 @@ if [ "$mode" = quota-until ]; then
   if [ "$now" -lt "$2" ]; then
     printf '{"reason": "rate_limit", "retry_after_seconds": %s}' "$(( $2 - now ))" > /forge/output/pause.json
     echo "429 quota spent until $2" >&2
+    exit 75
+  fi
+  mode=change
+fi
+if [ "$mode" = forge-pause ]; then
+  if [ "$FORGE_TICKET" = "${2:-}" ]; then
+    printf '{"reason": "rate_limit", "retry_after_seconds": 600}' > /forge/output/pause.json
+    echo "429 rate limited (says the stage)" >&2
     exit 75
   fi
   mode=change
