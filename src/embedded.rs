@@ -2,6 +2,7 @@
 //! engine in one process, joined by an in-process queue and event channel.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use dispatcher::store::{RunStore, Store};
 use dispatcher::{AgentBook, Freezer};
@@ -139,11 +140,16 @@ async fn resumed_job(store: &Store, mut job: proto::Job) -> Result<proto::Job, i
     Ok(job)
 }
 
-/// Executes the job; when the run pauses until a time within `--pause-wait` (a provider's
-/// rate limit with its reset), waits for it here and resumes the run, as a pool would.
+/// Executes the job; when the run pauses, waits out the pause here and resumes the run, as a
+/// pool would, for at most `--pause-wait` (`FORGEPOOL_PAUSE_WAIT`) in all: every pause of the
+/// run together. A pause that comes again waits at least twice as long as the one before, so
+/// a provider that never recovers is not called in a loop; past the allowance the command
+/// exits 75 with the command that resumes the run. SIGINT or SIGTERM during a wait cancels
+/// the run.
 async fn execute_waiting(store: &Store, job: proto::Job, local: &LocalArgs) -> i32 {
     let run_id = job.run_id;
     let mut code = execute(store, job, local).await;
+    let (mut waited, mut last) = (Duration::ZERO, Duration::ZERO);
     while code == EXIT_PAUSED {
         let Ok(Some(record)) = store.get_run(run_id).await else {
             return code;
@@ -151,30 +157,71 @@ async fn execute_waiting(store: &Store, job: proto::Job, local: &LocalArgs) -> i
         let events = store.events(run_id, 0).await.unwrap_or_default();
         let until = proto::latest_checkpoint(events.iter().map(|(_, event)| event))
             .and_then(|checkpoint| checkpoint.resume_at)
-            .and_then(|at| proto::parse_time(&at).map(|time| (at, time)));
-        let Some((at, time)) = until else {
+            .and_then(|at| proto::parse_time(&at));
+        let Some(time) = until else {
             return code;
         };
-        let wait = time
+        let named = time
             .duration_since(std::time::SystemTime::now())
             .unwrap_or_default();
-        if wait > local.pause_wait {
-            println!("Paused until {at}: continue then with `forgepool resume {run_id} --local`");
+        let wait = named.max(last * 2).max(Duration::from_secs(1));
+        let resume = format!("forgepool resume {run_id} --local");
+        if waited + wait > local.pause_wait {
+            println!(
+                "Paused: the next wait ({} s) would pass the {} s this command waits in all (FORGEPOOL_PAUSE_WAIT, {} s waited); continue later with `{resume}`",
+                wait.as_secs(),
+                local.pause_wait.as_secs(),
+                waited.as_secs()
+            );
             return code;
         }
         println!(
-            "Paused until {at}: resuming then in this process (Ctrl-C stops; `forgepool resume {run_id} --local` continues later)"
+            "Paused: resuming in {} s in this process (Ctrl-C or SIGTERM cancels the run; `{resume}` continues later)",
+            wait.as_secs()
         );
-        tokio::select! {
-            () = tokio::time::sleep(wait) => {}
-            _ = tokio::signal::ctrl_c() => return code,
+        if wait_or_signal(wait).await {
+            return cancel_paused(store, run_id).await;
         }
+        (waited, last) = (waited + wait, wait);
         code = match resumed_job(store, record.job).await {
             Ok(job) => execute(store, job, local).await,
             Err(code) => code,
         };
     }
     code
+}
+
+/// Sleeps for `wait`; true when SIGINT or SIGTERM came first.
+async fn wait_or_signal(wait: Duration) -> bool {
+    let terminate = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate());
+    let Ok(mut terminate) = terminate else {
+        tokio::select! {
+            () = tokio::time::sleep(wait) => return false,
+            _ = tokio::signal::ctrl_c() => return true,
+        }
+    };
+    tokio::select! {
+        () = tokio::time::sleep(wait) => false,
+        _ = tokio::signal::ctrl_c() => true,
+        _ = terminate.recv() => true,
+    }
+}
+
+/// Records the cancellation of a run paused in this process (no container runs).
+async fn cancel_paused(store: &Store, run_id: uuid::Uuid) -> i32 {
+    let reason = "cancelled by a signal while the run waited out a pause".to_string();
+    let cancelled = proto::Event::new(
+        run_id,
+        EventKind::State {
+            state: RunState::Cancelled,
+            reason: reason.clone(),
+        },
+    );
+    if let Err(error) = store.record_event(&cancelled).await {
+        eprintln!("error: {error}");
+    }
+    println!("Run cancelled: {reason}");
+    EXIT_FAILED
 }
 
 /// Runs a stored job in this process, recording and printing its events; returns the exit

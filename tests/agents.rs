@@ -225,7 +225,9 @@ async fn pauses_on_a_rate_limit_with(kind: AgentKind, refused: usize) {
         "the pause lasts the provider's 2 s (not the profile's {PROFILE_PAUSE} s), not {wait:?}\n{context}"
     );
     assert!(
-        outcome.stdout.contains("resuming then in this process"),
+        outcome
+            .stdout
+            .contains("in this process (Ctrl-C or SIGTERM cancels the run"),
         "{context}"
     );
     assert_eq!(outcome.code, 0, "the resumed run delivered\n{context}");

@@ -889,3 +889,90 @@ fn a_paused_run_resumes_where_it_stopped_with_its_frozen_budget() {
         refused.stderr
     );
 }
+
+/// A provider that never recovers: each pause asks for 1 s, and `forgepool run` waits them
+/// out (1 s, then 2 s: each wait at least twice the last) until the next would pass
+/// `FORGEPOOL_PAUSE_WAIT` (4 s in all), then exits 75 printing how to resume.
+/// Catches: a command that resumes forever against a provider that never recovers (28 cycles
+/// in 14 minutes), a bound applied to each pause instead of all of them, waits that never
+/// grow.
+#[test]
+fn a_run_stops_waiting_at_its_pause_allowance_and_exits_75() {
+    let fixture = Fixture::new(None, &["pause-for", "1"], &["approve"]);
+    let outcome = fixture.run_with("", &[("FORGEPOOL_PAUSE_WAIT", "4")]);
+    assert_eq!(outcome.code, 75, "{}", outcome.printed());
+    let starts = outcome
+        .events
+        .iter()
+        .filter(|e| {
+            matches!(
+                e.kind,
+                EventKind::StageStarted {
+                    stage: proto::Stage::Implement,
+                    ..
+                }
+            )
+        })
+        .count();
+    assert_eq!(
+        starts,
+        3,
+        "the first try and two resumes\n{}",
+        outcome.printed()
+    );
+    assert!(
+        outcome.stdout.contains("FORGEPOOL_PAUSE_WAIT")
+            && outcome.stdout.contains("forgepool resume"),
+        "{}",
+        outcome.printed()
+    );
+    assert_eq!(outcome.record().state, RunState::Paused);
+}
+
+/// `forgepool run` under `timeout 8` while it waits out a long pause: SIGTERM cancels the run
+/// at once and the command exits 1.
+/// Catches: SIGTERM ignored while the command waits (only SIGINT stopped it), a paused run left
+/// paused when its command was stopped.
+#[test]
+fn sigterm_during_a_pause_cancels_the_run() {
+    let fixture = Fixture::new(None, &["pause-for", "600"], &["approve"]);
+    let file = fixture.dir.path().join("request.toml");
+    std::fs::write(
+        &file,
+        format!(
+            "ticket = \"TEST-1\"\nskill = \"implement-task\"\nbrief = \"Add the feature\"\n[repository]\nurl = \"file://{}\"\nref = \"main\"\n",
+            fixture.bare.display()
+        ),
+    )
+    .unwrap();
+    let command = fixture.command();
+    let binary = command.get_program().to_os_string();
+    let mut timed = std::process::Command::new("timeout");
+    timed
+        .args(["--preserve-status", "-s", "TERM", "-k", "20", "8"])
+        .arg(binary)
+        .arg("run")
+        .arg(&file)
+        .arg("--skills")
+        .arg(&fixture.skills)
+        .arg("--agents")
+        .arg(&fixture.agents)
+        .envs(command.get_envs().filter_map(|(k, v)| Some((k, v?))))
+        .env("FORGEPOOL_PAUSE_WAIT", "900");
+    for (name, _) in command.get_envs().filter(|(_, v)| v.is_none()) {
+        timed.env_remove(name);
+    }
+    let outcome = fixture.outcome(timed);
+    assert_eq!(outcome.code, 1, "{}", outcome.printed());
+    assert!(
+        outcome.stdout.contains("Run cancelled"),
+        "{}",
+        outcome.printed()
+    );
+    assert_eq!(
+        outcome.record().state,
+        RunState::Cancelled,
+        "{}",
+        outcome.printed()
+    );
+}

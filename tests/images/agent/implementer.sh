@@ -16,6 +16,8 @@
 #               in /forge/output/usage.json
 #   quota-until EPOCH  before the Unix time EPOCH the provider's quota is spent: writes
 #               /forge/output/pause.json with the seconds left and exits 75; then like change
+#   pause-for S writes /forge/output/pause.json (rest S seconds) and exits 75, every time: a
+#               provider that never recovers
 #   forge-pause TICKET  for the ticket TICKET: writes /forge/output/pause.json (rest 600 s) and
 #               exits 75, a stage's own claim of a provider pause; other tickets like change
 #   sleep-from N S  like change, but from round N on it first sleeps S seconds unless
@@ -75,6 +77,11 @@ if [ "$mode" = quota-until ]; then
     exit 75
   fi
   mode=change
+fi
+if [ "$mode" = pause-for ]; then
+  printf '{"reason": "rate_limit", "retry_after_seconds": %s}' "${2:-1}" > /forge/output/pause.json
+  echo "429 rate limited" >&2
+  exit 75
 fi
 if [ "$mode" = forge-pause ]; then
   if [ "$FORGE_TICKET" = "${2:-}" ]; then
