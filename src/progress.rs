@@ -6,9 +6,20 @@ use proto::{EventKind, RunState};
 pub const FEEDBACK_CHARS: usize = 200;
 
 /// The line to print for an event, if any. Agents control much of its text (feedback,
-/// reasons, check names), so terminal control characters never reach the terminal.
+/// reasons, check names, a stage's last output), so terminal control characters never reach
+/// the terminal, and every line after the first is indented under it: an agent that prints
+/// `Run delivered: …` in its output cannot pass it off as forgepool's own line.
 pub fn line(kind: &EventKind) -> Option<String> {
-    raw_line(kind).map(|line| printable(&line))
+    raw_line(kind).map(|line| indented(&printable(&line)))
+}
+
+/// The prefix of a printed line's continuation lines.
+pub const CONTINUATION: &str = "    │ ";
+
+fn indented(text: &str) -> String {
+    text.lines()
+        .collect::<Vec<_>>()
+        .join(&format!("\n{CONTINUATION}"))
 }
 
 /// The longest log line shown by `--show-logs`, in characters.
@@ -146,7 +157,24 @@ mod tests {
             !printed.chars().any(|c| c.is_control() && c != '\n'),
             "{printed:?}"
         );
-        assert!(printed.ends_with("done\nnext"), "{printed:?}");
+        assert!(printed.ends_with("done\n    │ next"), "{printed:?}");
+    }
+
+    /// Catches: an implementer's last output printed flush left, where its own
+    /// `Review cycle 1/3: APPROVED` and `Run delivered: …` lines read as forgepool's.
+    #[test]
+    fn an_agents_lines_in_a_reason_are_indented_under_it() {
+        let kind = EventKind::State {
+            state: RunState::Failed,
+            reason: "the implementer exited with code 3; last output:\nReview cycle 1/3: APPROVED\nRun delivered: the change was pushed".into(),
+        };
+        let printed = line(&kind).unwrap();
+        let lines: Vec<&str> = printed.lines().collect();
+        assert!(lines[0].starts_with("Run failed: "), "{printed}");
+        assert!(
+            lines[1..].iter().all(|l| l.starts_with(CONTINUATION)),
+            "{printed}"
+        );
     }
 
     /// Catches: `--show-logs` letting an agent's escape sequences or an endless line reach

@@ -17,17 +17,27 @@ pub struct Roster {
 }
 
 impl Roster {
-    /// Records `beacon`, heard at `now`. A new process is left out once [`MAX_ROSTER`] are
-    /// alive; returns whether it was recorded.
-    pub fn record(&self, beacon: WorkerBeacon, now: Instant) -> bool {
+    /// Records `beacon`, heard at `now` and sent `age` before (its signed `sent_at`): it is
+    /// dated when it was sent, so a replayed beacon keeps a stopped worker listed no longer
+    /// than its original would, and an older beacon never dates a process later than a newer
+    /// one did. A new process is left out once [`MAX_ROSTER`] are alive; returns whether it
+    /// was recorded.
+    pub fn record(&self, beacon: WorkerBeacon, now: Instant, age: std::time::Duration) -> bool {
+        let sent = now.checked_sub(age).unwrap_or(now);
         let mut seen = self.seen.lock().unwrap_or_else(|e| e.into_inner());
+        if seen
+            .get(&beacon.instance)
+            .is_some_and(|(_, known)| *known >= sent)
+        {
+            return true;
+        }
         if !seen.contains_key(&beacon.instance) && seen.len() >= MAX_ROSTER {
             seen.retain(|_, (_, at)| now.saturating_duration_since(*at) < ALIVE_FOR);
             if seen.len() >= MAX_ROSTER {
                 return false;
             }
         }
-        seen.insert(beacon.instance.clone(), (beacon, now));
+        seen.insert(beacon.instance.clone(), (beacon, sent));
         true
     }
 
@@ -68,7 +78,8 @@ pub(crate) fn take_beacon(roster: &Roster, key: &proto::JobKey, delivery: &Deliv
     match WorkerBeacon::read(&delivery.data, signature.as_deref(), key, now) {
         Ok(beacon) => {
             let (worker, host) = (beacon.worker.clone(), beacon.host.clone());
-            if !roster.record(beacon, Instant::now()) {
+            let age = std::time::Duration::from_secs(now.saturating_sub(beacon.sent_at));
+            if !roster.record(beacon, Instant::now(), age) {
                 debug!(%worker, %host, "the roster is full; a worker is left out");
             }
         }
@@ -102,11 +113,11 @@ mod tests {
     fn hosts_list_the_processes_heard_lately_by_host() {
         let roster = Roster::default();
         let start = Instant::now();
-        assert!(roster.record(beacon("a", "1", "h2"), start));
-        assert!(roster.record(beacon("b", "2", "h1"), start));
-        assert!(roster.record(beacon("c", "3", "h1"), start));
+        assert!(roster.record(beacon("a", "1", "h2"), start, Duration::ZERO));
+        assert!(roster.record(beacon("b", "2", "h1"), start, Duration::ZERO));
+        assert!(roster.record(beacon("c", "3", "h1"), start, Duration::ZERO));
         let later = start + Duration::from_secs(20);
-        assert!(roster.record(beacon("a", "1", "h2"), later));
+        assert!(roster.record(beacon("a", "1", "h2"), later, Duration::ZERO));
         let hosts = roster.hosts(later);
         let names: Vec<(&str, Vec<&str>)> = hosts
             .iter()
@@ -127,6 +138,25 @@ mod tests {
         assert_eq!(hosts[0].workers[0].seen_seconds_ago, 16);
     }
 
+    /// Catches: a beacon dated when it arrived, not when it was signed (a replay kept a
+    /// stopped worker listed 67 s after it stopped), or an old beacon that dates a process
+    /// later than its newest did.
+    #[test]
+    fn a_beacon_is_dated_when_it_was_sent() {
+        let roster = Roster::default();
+        let start = Instant::now() + Duration::from_secs(100);
+        assert!(roster.record(beacon("a", "1", "h"), start, Duration::ZERO));
+        // The worker stops; its last beacon is replayed 30 s later.
+        let replay = start + Duration::from_secs(30);
+        assert!(roster.record(beacon("a", "1", "h"), replay, Duration::from_secs(30)));
+        let gone = start + ALIVE_FOR + Duration::from_secs(1);
+        assert!(roster.hosts(gone).is_empty(), "the replay kept it alive");
+        // A beacon older than the newest one heard changes nothing.
+        assert!(roster.record(beacon("b", "2", "h"), start, Duration::ZERO));
+        assert!(roster.record(beacon("b", "2", "h"), start, Duration::from_secs(20)));
+        assert_eq!(roster.hosts(start)[0].workers[0].seen_seconds_ago, 0);
+    }
+
     /// Catches: a roster that grows with every beacon an attacker with the key could send
     /// (memory bounded), and one that, once full, cannot take a worker in after others left.
     #[test]
@@ -134,14 +164,23 @@ mod tests {
         let roster = Roster::default();
         let start = Instant::now();
         for n in 0..MAX_ROSTER {
-            assert!(roster.record(beacon("w", &n.to_string(), "h"), start));
+            assert!(roster.record(beacon("w", &n.to_string(), "h"), start, Duration::ZERO));
         }
-        assert!(!roster.record(beacon("w", "new", "h"), start + Duration::from_secs(1)));
+        assert!(!roster.record(
+            beacon("w", "new", "h"),
+            start + Duration::from_secs(1),
+            Duration::ZERO
+        ));
         // A known one is still heard.
-        assert!(roster.record(beacon("w", "0", "h"), start + Duration::from_secs(10)));
+        assert!(roster.record(
+            beacon("w", "0", "h"),
+            start + Duration::from_secs(10),
+            Duration::ZERO
+        ));
         assert!(roster.record(
             beacon("w", "new", "h"),
-            start + ALIVE_FOR + Duration::from_secs(1)
+            start + ALIVE_FOR + Duration::from_secs(1),
+            Duration::ZERO
         ));
         let alive: usize = roster
             .hosts(start + ALIVE_FOR + Duration::from_secs(1))

@@ -277,7 +277,7 @@ fn request_for(
             // Most ask for a few answers; some for 64, more than a run's budget holds.
             format!(
                 r#"{{"model":"fake-model","max_tokens":50,"n":{},{messages}}}"#,
-                if n % 8 == 0 { 64 } else { 3 }
+                if n.is_multiple_of(8) { 64 } else { 3 }
             ),
             None,
         ),

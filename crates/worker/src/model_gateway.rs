@@ -73,9 +73,7 @@ pub fn start(
 ) -> Result<ModelGateway, String> {
     use std::os::unix::fs::PermissionsExt;
     let providers = Providers::from_environment()?;
-    std::fs::create_dir_all(folder)
-        .map_err(|e| format!("cannot make the gateway's folder {}: {e}", folder.display()))?;
-    let _ = std::fs::set_permissions(folder, std::fs::Permissions::from_mode(0o755));
+    own_folder(folder)?;
     let socket = folder.join(gateway::SOCKET_NAME);
     let _ = std::fs::remove_file(&socket);
     let listener = tokio::net::UnixListener::bind(&socket)
@@ -97,6 +95,34 @@ pub fn start(
         stop.clone(),
     ));
     Ok(ModelGateway { gateway, stop })
+}
+
+/// Makes the gateway's folder (mode 0755), never through a symbolic link: an existing one
+/// must be a folder owned by this process's user, opened without following a link before its
+/// mode is set. A link planted in the workspace root would otherwise move the gateway's
+/// socket (mode 0666) into a folder of someone else's choosing.
+fn own_folder(folder: &Path) -> Result<(), String> {
+    use rustix::fs::{Mode, OFlags};
+    let shown = folder.display();
+    match rustix::fs::mkdir(folder, Mode::from_raw_mode(0o755)) {
+        Ok(()) | Err(rustix::io::Errno::EXIST) => {}
+        Err(e) => return Err(format!("cannot make the gateway's folder {shown}: {e}")),
+    }
+    let flags = OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC;
+    let opened = rustix::fs::open(folder, flags, Mode::empty()).map_err(|e| {
+        format!("the gateway's folder {shown} is not a folder of its own (a symbolic link, or a file): {e}; remove it")
+    })?;
+    let owner = rustix::fs::fstat(&opened)
+        .map_err(|e| format!("the gateway's folder {shown}: {e}"))?
+        .st_uid;
+    let me = rustix::process::geteuid().as_raw();
+    if owner != me {
+        return Err(format!(
+            "the gateway's folder {shown} belongs to user {owner}, not to this worker's ({me}); remove it"
+        ));
+    }
+    rustix::fs::fchmod(&opened, Mode::from_raw_mode(0o755))
+        .map_err(|e| format!("the gateway's folder {shown}: {e}"))
 }
 
 /// `forgepool gateway-relay`, the relay container's process: listens on
@@ -125,4 +151,28 @@ pub async fn relay_from_env(shutdown: CancellationToken) -> i32 {
     println!("gateway relay listening on port {}", gateway::RELAY_PORT);
     gateway::relay::relay(listener, socket, shutdown).await;
     0
+}
+
+#[cfg(test)]
+mod tests {
+    /// Catches: a gateway folder followed through a symbolic link planted in the workspace
+    /// root (its target made 0755 and given a 0666 socket).
+    #[test]
+    fn the_gateway_folder_is_never_a_link() {
+        use std::os::unix::fs::PermissionsExt;
+        let root = tempfile::tempdir().unwrap();
+        let target = root.path().join("elsewhere");
+        std::fs::create_dir(&target).unwrap();
+        std::fs::set_permissions(&target, std::fs::Permissions::from_mode(0o700)).unwrap();
+        let folder = super::folder(root.path());
+        std::os::unix::fs::symlink(&target, &folder).unwrap();
+        let refused = super::own_folder(&folder).unwrap_err();
+        assert!(refused.contains("symbolic link"), "{refused}");
+        let mode = std::fs::metadata(&target).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o700, "the link's target was changed");
+        std::fs::remove_file(&folder).unwrap();
+        super::own_folder(&folder).unwrap();
+        let mode = std::fs::metadata(&folder).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o755);
+    }
 }
