@@ -11,6 +11,23 @@ use crate::providers::Provider;
 /// Request headers forwarded for every API: what the body is and what the client takes.
 const REQUEST_HEADERS: [&str; 3] = ["content-type", "accept", "user-agent"];
 
+/// Beta families that reach addresses a request names, or are priced apart from the price
+/// table: a request naming one the providers file does not list is refused, not stripped.
+const REFUSED_BETAS: [&str; 12] = [
+    "mcp-",
+    "web-fetch-",
+    "web-search-",
+    "files-api-",
+    "code-execution-",
+    "context-1m-",
+    "fast-mode-",
+    "extended-cache-ttl-",
+    "computer-use-",
+    "managed-agents-",
+    "environments-",
+    "skills-",
+];
+
 /// Request headers that choose the account a key acts for: refused from a stage.
 const CHOSEN_BY_THE_OPERATOR: [&str; 3] = [
     "openai-organization",
@@ -61,13 +78,15 @@ pub fn request_headers(provider: &Provider, headers: &HeaderMap) -> Result<Heade
                 .to_str()
                 .map_err(|_| Refused("the anthropic-beta header is not text".into()))?;
             for beta in text.split(',').map(str::trim).filter(|b| !b.is_empty()) {
-                if !provider.betas.iter().any(|allowed| allowed == beta) {
+                if provider.betas.iter().any(|allowed| allowed == beta) {
+                    betas.push(beta);
+                } else if REFUSED_BETAS.iter().any(|family| beta.starts_with(family)) {
                     return Err(Refused(format!(
-                        "the beta feature {beta:?} is not one the providers file allows for {} (provider.betas lists them)",
+                        "the beta feature {beta:?} reaches other addresses or is priced apart; the providers file does not allow it for {} (provider.betas)",
                         provider.name
                     )));
                 }
-                betas.push(beta);
+                // Any other beta is left out: it does not reach the provider.
             }
         }
         if !betas.is_empty() {

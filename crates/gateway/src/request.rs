@@ -101,7 +101,8 @@ impl Asked {
                     .tools
                     .unwrap_or_default()
                     .iter()
-                    .filter_map(|tool| server_tool(api, tool.kind.as_deref()))
+                    .flat_map(Tool::kinds)
+                    .filter_map(|kind| server_tool(api, kind))
                     .collect();
                 if api == Api::AnthropicMessages && body.mcp_servers.is_some() {
                     server_tools.push("mcp".into());
@@ -161,33 +162,35 @@ impl Asked {
     }
 }
 
-/// The normalized name of a server-side tool of `api` (one the provider runs, which may
-/// reach the network or bill beside the tokens); `None` for a tool the client runs.
-fn server_tool(api: Api, kind: Option<&str>) -> Option<String> {
-    let kind = kind.unwrap_or("");
-    let client = match api {
-        // Anthropic's own client tools carry a dated type (`bash_20250124`); custom tools none.
-        Api::AnthropicMessages => {
-            kind.is_empty()
-                || kind == "custom"
-                || ["bash_", "text_editor_", "computer_", "memory_"]
-                    .iter()
-                    .any(|prefix| kind.starts_with(prefix))
-        }
-        Api::OpenaiResponses => matches!(
-            kind,
-            "function"
-                | "custom"
-                | "local_shell"
-                | "shell"
-                | "apply_patch"
-                | "computer"
-                | "computer_use_preview"
-        ),
-        Api::OpenaiChat => matches!(kind, "function" | "custom"),
-        Api::Gemini => true,
-    };
-    (!client).then(|| undated(kind))
+/// Tool types (undated) the provider runs itself, reaching addresses a request names or
+/// billing beside the tokens: refused unless a profile allows them by name.
+const SERVER_TOOLS: [&str; 14] = [
+    "web_search",
+    "web_search_preview",
+    "web_fetch",
+    "code_execution",
+    "bash_code_execution",
+    "text_editor_code_execution",
+    "mcp",
+    "mcp_toolset",
+    "file_search",
+    "code_interpreter",
+    "image_generation",
+    "url_context",
+    "google_search",
+    "google_search_retrieval",
+];
+
+/// The normalized name of a server-side tool, when `kind` is one (any API's spelling, dated
+/// or not: `web_search_20250305`, `web_search_preview_2025_03_11`); `None` for a client's tool.
+fn server_tool(_api: Api, kind: Option<&str>) -> Option<String> {
+    let name = undated(kind?);
+    let known = SERVER_TOOLS.contains(&name.as_str())
+        || SERVER_TOOLS
+            .iter()
+            .any(|tool| name.starts_with(&format!("{tool}_")))
+        || name.contains("mcp");
+    known.then_some(name)
 }
 
 /// `web_search_20250305` → `web_search`; `web_search_preview` stays.
@@ -200,8 +203,8 @@ fn undated(kind: &str) -> String {
     }
 }
 
-/// A Gemini tool's key, when it is a server-side tool: every key but function declarations,
-/// in snake case (the API takes `googleSearch` and `google_search` alike).
+/// A Gemini tool's key, when it is a server-side tool, in snake case (the API takes
+/// `googleSearch` and `google_search` alike).
 fn gemini_server_tool(key: &str) -> Option<String> {
     let mut name = String::with_capacity(key.len() + 4);
     for c in key.chars() {
@@ -212,7 +215,17 @@ fn gemini_server_tool(key: &str) -> Option<String> {
             name.push(c);
         }
     }
-    (name != "function_declarations").then_some(name)
+    const GEMINI: [&str; 8] = [
+        "google_search",
+        "google_search_retrieval",
+        "url_context",
+        "code_execution",
+        "google_maps",
+        "enterprise_web_search",
+        "file_search",
+        "retrieval",
+    ];
+    (GEMINI.contains(&name.as_str()) || name.contains("mcp")).then_some(name)
 }
 
 #[derive(Deserialize)]
@@ -263,6 +276,19 @@ struct ThinkingConfig {
 struct Tool {
     kind: Option<String>,
     keys: Vec<String>,
+    /// Tools grouped inside this one (Codex's `namespace`), read the same way.
+    nested: Vec<Tool>,
+}
+
+impl Tool {
+    /// This tool's type and its nested tools' types.
+    fn kinds(&self) -> Vec<Option<&str>> {
+        let mut kinds = vec![self.kind.as_deref()];
+        for tool in &self.nested {
+            kinds.extend(tool.kinds());
+        }
+        kinds
+    }
 }
 
 impl<'de> Deserialize<'de> for Tool {
@@ -277,6 +303,7 @@ impl<'de> Deserialize<'de> for Tool {
                 let mut tool = Tool {
                     kind: None,
                     keys: Vec::new(),
+                    nested: Vec::new(),
                 };
                 while let Some(key) = map.next_key::<String>()? {
                     if key == "type" {
@@ -284,6 +311,8 @@ impl<'de> Deserialize<'de> for Tool {
                             return Err(serde::de::Error::duplicate_field("type"));
                         }
                         tool.kind = Some(map.next_value::<String>()?);
+                    } else if key == "tools" {
+                        tool.nested = map.next_value::<Vec<Tool>>()?;
                     } else {
                         map.next_value::<IgnoredAny>()?;
                     }
@@ -397,10 +426,19 @@ mod tests {
         assert_eq!(anthropic.server_tools, ["mcp", "web_fetch"]);
         let responses = Asked::read(
             Api::OpenaiResponses,
-            br#"{"tools":[{"type":"function","name":"f"},{"type":"mcp","server_url":"https://x"},{"type":"web_search"}]}"#,
+            br#"{"tools":[{"type":"function","name":"f"},{"type":"mcp","server_url":"https://x"},{"type":"web_search"},{"type":"namespace","tools":[{"type":"function"},{"type":"web_search_preview"}]}]}"#,
         )
         .unwrap();
-        assert_eq!(responses.server_tools, ["mcp", "web_search"]);
+        assert_eq!(
+            responses.server_tools,
+            ["mcp", "web_search", "web_search_preview"]
+        );
+        let codex = Asked::read(
+            Api::OpenaiResponses,
+            br#"{"tools":[{"type":"namespace","name":"n","tools":[{"type":"function","name":"f"}]},{"type":"local_shell"},{"type":"custom","name":"apply_patch"}]}"#,
+        )
+        .unwrap();
+        assert!(codex.server_tools.is_empty(), "{:?}", codex.server_tools);
         let gemini = Asked::read(
             Api::Gemini,
             br#"{"tools":[{"functionDeclarations":[]},{"urlContext":{}},{"google_search":{}}]}"#,

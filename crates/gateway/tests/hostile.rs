@@ -614,7 +614,10 @@ async fn requests_that_reach_the_network_through_the_provider_reach_no_upstream(
         "/v1/messages",
         passes["anthropic"].token(),
         &[
-            ("anthropic-beta", "claude-code-20250219,interleaved-thinking-2025-05-14"),
+            (
+                "anthropic-beta",
+                "claude-code-20250219,some-new-beta-2026-12-01,interleaved-thinking-2025-05-14",
+            ),
             ("anthropic-version", "2023-06-01"),
             ("x-stage-note", "exfiltrated"),
             ("cookie", "a=b"),

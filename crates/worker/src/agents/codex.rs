@@ -36,6 +36,9 @@ pub(super) fn invocation(profile: &AgentProfile, role: Role, prompt: &str) -> In
         "analytics.enabled=false".to_string(),
         // Otherwise it syncs "curated plugins" from GitHub and chatgpt.com at start.
         "features.plugins=false".to_string(),
+        // Its hosted web search is a server-side tool: the gateway refuses a request naming
+        // one unless the profile allows it (server_tools), so Codex does not offer it.
+        "web_search=\"disabled\"".to_string(),
     ];
     let mut command: Vec<String> = [
         "codex",
