@@ -891,8 +891,8 @@ fn a_paused_run_resumes_where_it_stopped_with_its_frozen_budget() {
 }
 
 /// A provider that never recovers: each pause asks for 1 s, and `forgepool run` waits them
-/// out (1 s, then 2 s: each wait at least twice the last) until the next would pass
-/// `FORGEPOOL_PAUSE_WAIT` (4 s in all), then exits 75 printing how to resume.
+/// out (each wait at least twice the last) until the next would pass `FORGEPOOL_PAUSE_WAIT`
+/// (4 s in all), then exits 75 printing how to resume.
 /// Catches: a command that resumes forever against a provider that never recovers (28 cycles
 /// in 14 minutes), a bound applied to each pause instead of all of them, waits that never
 /// grow.
@@ -914,10 +914,27 @@ fn a_run_stops_waiting_at_its_pause_allowance_and_exits_75() {
             )
         })
         .count();
+    // The waits it took, as it printed them: each at least twice the one before, all within
+    // the allowance, and one resume per wait.
+    let waits: Vec<u64> = outcome
+        .stdout
+        .lines()
+        .filter_map(|l| l.strip_prefix("Paused: resuming in "))
+        .filter_map(|rest| rest.split(' ').next()?.parse().ok())
+        .collect();
+    assert!(!waits.is_empty(), "it never waited\n{}", outcome.printed());
+    assert!(
+        waits.windows(2).all(|w| w[1] >= 2 * w[0]),
+        "waits that do not grow: {waits:?}"
+    );
+    assert!(
+        waits.iter().sum::<u64>() <= 4,
+        "waited past the allowance: {waits:?}"
+    );
     assert_eq!(
         starts,
-        3,
-        "the first try and two resumes\n{}",
+        waits.len() + 1,
+        "one resume per wait\n{}",
         outcome.printed()
     );
     assert!(
