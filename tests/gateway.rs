@@ -308,29 +308,7 @@ async fn a_providers_rate_limit_pauses_the_profile_across_the_pool() {
     let mut script = Script::writing("hello.txt", "hi", 1);
     script.retry_after = 5;
     let model = FakeModel::start(script).await;
-    let provider = format!("fake{}-anthropic-messages", model.port);
-    let review = "---\nmax_retries: 1\n---\n# Review\nCheck the change.\n";
-    let fixture = Fixture::new(
-        Some(review),
-        &["model-call", "127.0.0.1:9", "0"],
-        &["approve"],
-    );
-    std::fs::write(fixture.providers_file(), providers(&[&model])).unwrap();
-    let agents = std::fs::read_to_string(&fixture.agents).unwrap().replace(
-        "timeout_seconds = 120\n",
-        &format!("timeout_seconds = 120\nprovider = \"{provider}\"\n"),
-    );
-    std::fs::write(&fixture.agents, agents).unwrap();
-    let options = common::cluster::Options {
-        env: vec![
-            (
-                "FORGEPOOL_PROVIDERS_FILE".into(),
-                fixture.providers_file().display().to_string(),
-            ),
-            ("ANTHROPIC_API_KEY".into(), MARKER.into()),
-        ],
-        ..Default::default()
-    };
+    let (fixture, options) = through_the_gateway(&model, &["model-call", "127.0.0.1:9", "0"], "");
     let cluster =
         common::cluster::Cluster::start_with(fixture, 2, 1, Some(FLEET_TOKEN), options).await;
     let first = cluster.submit("GW-1").await;
@@ -404,25 +382,7 @@ async fn a_providers_rate_limit_pauses_the_profile_across_the_pool() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stages_own_pause_claim_pauses_only_its_run() {
     let model = FakeModel::start(Script::writing("hello.txt", "hi", 0)).await;
-    let provider = format!("fake{}-anthropic-messages", model.port);
-    let review = "---\nmax_retries: 1\n---\n# Review\nCheck the change.\n";
-    let fixture = Fixture::new(Some(review), &["forge-pause", "FORGE-1"], &["approve"]);
-    std::fs::write(fixture.providers_file(), providers(&[&model])).unwrap();
-    let agents = std::fs::read_to_string(&fixture.agents).unwrap().replace(
-        "timeout_seconds = 120\n",
-        &format!("timeout_seconds = 120\nprovider = \"{provider}\"\n"),
-    );
-    std::fs::write(&fixture.agents, agents).unwrap();
-    let options = common::cluster::Options {
-        env: vec![
-            (
-                "FORGEPOOL_PROVIDERS_FILE".into(),
-                fixture.providers_file().display().to_string(),
-            ),
-            ("ANTHROPIC_API_KEY".into(), MARKER.into()),
-        ],
-        ..Default::default()
-    };
+    let (fixture, options) = through_the_gateway(&model, &["forge-pause", "FORGE-1"], "");
     let cluster =
         common::cluster::Cluster::start_with(fixture, 1, 1, Some(FLEET_TOKEN), options).await;
     let forger = cluster.submit("FORGE-1").await;
@@ -476,31 +436,11 @@ async fn a_stages_own_pause_claim_pauses_only_its_run() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_profiles_daily_budget_is_one_across_the_pool() {
     let model = FakeModel::start(Script::writing("hello.txt", "hi", 0)).await;
-    let provider = format!("fake{}-anthropic-messages", model.port);
-    let review = "---\nmax_retries: 1\n---\n# Review\nCheck the change.\n";
-    let fixture = Fixture::new(
-        Some(review),
+    let (fixture, options) = through_the_gateway(
+        &model,
         &["model-call", "127.0.0.1:9", "0"],
-        &["approve"],
+        "daily_budget = { max_tokens = 200 }\n",
     );
-    std::fs::write(fixture.providers_file(), providers(&[&model])).unwrap();
-    let agents = std::fs::read_to_string(&fixture.agents).unwrap().replace(
-        "timeout_seconds = 120\n",
-        &format!(
-            "timeout_seconds = 120\nprovider = \"{provider}\"\ndaily_budget = {{ max_tokens = 200 }}\n"
-        ),
-    );
-    std::fs::write(&fixture.agents, agents).unwrap();
-    let options = common::cluster::Options {
-        env: vec![
-            (
-                "FORGEPOOL_PROVIDERS_FILE".into(),
-                fixture.providers_file().display().to_string(),
-            ),
-            ("ANTHROPIC_API_KEY".into(), MARKER.into()),
-        ],
-        ..Default::default()
-    };
     let mut cluster =
         common::cluster::Cluster::start_with(fixture, 1, 1, Some(FLEET_TOKEN), options).await;
     let first = cluster.submit("DAY-1").await;
@@ -550,4 +490,34 @@ async fn a_profiles_daily_budget_is_one_across_the_pool() {
         "the refused call never reached the provider"
     );
     model.stop();
+}
+
+/// A fixture whose implementer (running `implementer`) and reviewer profiles call `model`
+/// through the gateway, with `extra` lines in each profile, and the cluster options that give
+/// the workers the providers file and the key.
+fn through_the_gateway(
+    model: &FakeModel,
+    implementer: &[&str],
+    extra: &str,
+) -> (Fixture, common::cluster::Options) {
+    let provider = format!("fake{}-anthropic-messages", model.port);
+    let review = "---\nmax_retries: 1\n---\n# Review\nCheck the change.\n";
+    let fixture = Fixture::new(Some(review), implementer, &["approve"]);
+    std::fs::write(fixture.providers_file(), providers(&[model])).unwrap();
+    let agents = std::fs::read_to_string(&fixture.agents).unwrap().replace(
+        "timeout_seconds = 120\n",
+        &format!("timeout_seconds = 120\nprovider = \"{provider}\"\n{extra}"),
+    );
+    std::fs::write(&fixture.agents, agents).unwrap();
+    let options = common::cluster::Options {
+        env: vec![
+            (
+                "FORGEPOOL_PROVIDERS_FILE".into(),
+                fixture.providers_file().display().to_string(),
+            ),
+            ("ANTHROPIC_API_KEY".into(), MARKER.into()),
+        ],
+        ..Default::default()
+    };
+    (fixture, options)
 }
