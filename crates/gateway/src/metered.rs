@@ -48,8 +48,10 @@ impl Stream for MeteredBody {
                     meter.feed(&bytes);
                 }
                 let bytes = match self.redactor.as_mut() {
-                    Some(redactor) => Bytes::from(redactor.feed(&bytes)),
-                    None => bytes,
+                    Some(redactor) if !redactor.passes(&bytes) => {
+                        Bytes::from(redactor.feed(&bytes))
+                    }
+                    _ => bytes,
                 };
                 Poll::Ready(Some(Ok(Frame::data(bytes))))
             }

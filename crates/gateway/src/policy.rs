@@ -141,6 +141,16 @@ impl Redactor {
         })
     }
 
+    /// Whether `chunk` can pass as it is: nothing is held, it holds no key, and it ends with
+    /// no beginning of one (the usual case: no copy on the way).
+    pub fn passes(&self, chunk: &[u8]) -> bool {
+        self.held.is_empty()
+            && !chunk
+                .windows(self.key.len())
+                .any(|w| w == self.key.as_slice())
+            && !(1..self.key.len()).any(|n| chunk.ends_with(&self.key[..n]))
+    }
+
     /// The next bytes to pass on for `chunk`.
     pub fn feed(&mut self, chunk: &[u8]) -> Vec<u8> {
         let mut bytes = std::mem::take(&mut self.held);
@@ -210,6 +220,9 @@ mod tests {
             }
         }
         let mut redactor = Redactor::new(KEY).unwrap();
+        assert!(redactor.passes(b"data: {}\n\n"));
+        assert!(!redactor.passes(format!("x{KEY}").as_bytes()));
+        assert!(!redactor.passes(b"data: sk-ant"));
         assert_eq!(redactor.feed(b"data: {}\n\n"), b"data: {}\n\n");
         let value = HeaderValue::from_str(&format!("Bearer {KEY}")).unwrap();
         assert!(!redactor

@@ -63,6 +63,17 @@ async fn provider(
         .push((uri.to_string(), headers.clone(), body.clone()));
     let value: serde_json::Value = serde_json::from_str(&body).unwrap_or_default();
     let path = uri.path();
+    // The free route is rate-limited by the provider: a stage can provoke 429s there at will.
+    if path.ends_with("/count_tokens") {
+        return Response::builder()
+            .status(429)
+            .header("retry-after", "86400")
+            .header("content-type", "application/json")
+            .body(Body::from(
+                r#"{"type":"error","error":{"type":"rate_limit_error","message":"slow down"}}"#,
+            ))
+            .unwrap();
+    }
     let key = headers
         .get("x-api-key")
         .or_else(|| headers.get("authorization"))
@@ -722,8 +733,9 @@ async fn an_echoed_key_never_reaches_the_stage() {
     }
 }
 
-/// A stage that provokes 429s on the free `count_tokens` route pauses nothing: its pass holds
-/// no rate limit, it is not halted, and the profile's spending calls still go through.
+/// A stage that provokes the provider's 429s on the free `count_tokens` route pauses nothing:
+/// its pass holds no rate limit, it is not halted, and the profile's spending calls still go
+/// through; past 60 calls a minute the gateway answers them itself.
 /// Catches: a free route's 429 taken for the provider's view of the profile (a stage could
 /// rest its profile across the pool for a day).
 #[tokio::test]
@@ -736,10 +748,11 @@ async fn a_free_routes_429_pauses_nothing() {
         Limits::default(),
         false,
     );
-    // The fake answers count_tokens like any path; past the stage's rate, the gateway says 429.
-    let mut statuses = Vec::new();
+    // The provider answers count_tokens 429 (a day's reset); past the stage's rate, the
+    // gateway answers 429 itself without asking it.
+    let mut ours = 0;
     for _ in 0..70 {
-        let (status, headers, _) = call(
+        let (status, headers, text) = call(
             setup.address,
             "anthropic",
             "/v1/messages/count_tokens",
@@ -748,15 +761,15 @@ async fn a_free_routes_429_pauses_nothing() {
             r#"{"model":"fake-model","messages":[]}"#,
         )
         .await;
-        statuses.push(status);
-        if status == 429 {
-            assert!(headers.contains_key("retry-after"));
-        }
+        assert_eq!(status, 429, "{text}");
+        assert!(headers.contains_key("retry-after"));
+        ours += usize::from(text.contains("forgepool gateway"));
     }
+    assert_eq!(ours, 10, "the gateway answered past 60 calls a minute");
     assert_eq!(
-        statuses.iter().filter(|s| **s == 429).count(),
-        10,
-        "{statuses:?}"
+        setup.billing.requests.lock().unwrap().len(),
+        60,
+        "the provider saw the stage's first 60 calls only"
     );
     assert!(
         !pass.halted().is_cancelled(),
