@@ -374,6 +374,119 @@ async fn a_providers_rate_limit_pauses_the_profile_across_the_pool() {
     model.stop();
 }
 
+/// Two runs on one worker, each implementer listening on its own addresses after calling
+/// the model: from the host, each stage container tries to connect to every address of the
+/// other (`docker exec`, busybox `nc`); nothing arrives, both calls reached the provider
+/// through the relay, and the two containers share no network.
+/// Catches: provider stages of different runs on one shared network (a `network = "none"`
+/// stage listened and another run's stage connected to it), a stage network the relay is not
+/// on (the model call would fail).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stages_of_two_runs_cannot_reach_each_other() {
+    let model = FakeModel::start(Script::writing("hello.txt", "hi", 0)).await;
+    let (fixture, options) = through_the_gateway(&model, &["listen", "25"], "");
+    let provider = format!("fake{}-anthropic-messages", model.port);
+    let cluster =
+        common::cluster::Cluster::start_with(fixture, 1, 2, Some(FLEET_TOKEN), options).await;
+    let runs = [cluster.submit("NET-1").await, cluster.submit("NET-2").await];
+    let stages = tokio::task::spawn_blocking(move || {
+        let deadline = Instant::now() + Duration::from_secs(120);
+        while Instant::now() < deadline {
+            let found = running_stages(&provider);
+            if found.len() == 2 {
+                return found;
+            }
+            std::thread::sleep(Duration::from_millis(200));
+        }
+        panic!("two implement stages were never seen running at once");
+    })
+    .await
+    .unwrap();
+    let knocks = tokio::task::spawn_blocking(move || {
+        let networks: Vec<_> = stages.iter().map(|id| stage_networks(id)).collect();
+        let shared = networks[0]
+            .iter()
+            .any(|(name, _)| networks[1].iter().any(|(other, _)| other == name));
+        let mut knocks = Vec::new();
+        for (from, to) in [(0, 1), (1, 0)] {
+            for (_, address) in &networks[to] {
+                let knock = docker(&[
+                    "exec",
+                    &stages[from],
+                    "sh",
+                    "-c",
+                    &format!(
+                        "echo knock | nc -w 3 {address} 7777 && echo connected || echo refused"
+                    ),
+                ]);
+                knocks.push(format!(
+                    "{from} -> {address}: {}",
+                    String::from_utf8_lossy(&knock.stdout).trim()
+                ));
+            }
+        }
+        (format!("{networks:?}"), shared, knocks)
+    })
+    .await
+    .unwrap();
+    let views = cluster.wait_terminal(&runs, Duration::from_secs(180)).await;
+    let (networks, shared, knocks) = knocks;
+    assert!(
+        knocks.len() >= 2 && knocks.iter().all(|k| k.ends_with("refused")),
+        "a stage reached another: {knocks:?} ({networks})"
+    );
+    assert!(!shared, "the stages share a network: {networks}");
+    for view in &views {
+        assert_eq!(view["state"], "delivered", "{view}\n{}", cluster.logs());
+    }
+    for ticket in ["net-1", "net-2"] {
+        let branch = format!("forge/{ticket}");
+        let fixture = &cluster.fixture;
+        assert_eq!(
+            fixture.branch_file(&branch, "knocked.txt"),
+            "",
+            "something reached the stage of {ticket}"
+        );
+        assert!(
+            fixture
+                .branch_file(&branch, "model-answer.txt")
+                .contains("message_start"),
+            "the stage of {ticket} reached the gateway"
+        );
+    }
+    assert_eq!(model.requests().len(), 2, "{:?}", model.requests());
+    model.stop();
+}
+
+/// The running implement stages whose environment names `provider`.
+fn running_stages(provider: &str) -> Vec<String> {
+    let listed = docker(&["ps", "-q", "--filter", "label=forgepool.stage=implement"]);
+    String::from_utf8_lossy(&listed.stdout)
+        .split_whitespace()
+        .filter(|id| {
+            let env = docker(&["inspect", "--format", "{{json .Config.Env}}", id]);
+            String::from_utf8_lossy(&env.stdout).contains(provider)
+        })
+        .map(String::from)
+        .collect()
+}
+
+/// A container's networks and its address on each.
+fn stage_networks(id: &str) -> Vec<(String, String)> {
+    let inspected = docker(&[
+        "inspect",
+        "--format",
+        "{{range $name, $net := .NetworkSettings.Networks}}{{$name}} {{$net.IPAddress}}\n{{end}}",
+        id,
+    ]);
+    String::from_utf8_lossy(&inspected.stdout)
+        .lines()
+        .filter_map(|line| line.split_once(' '))
+        .filter(|(_, address)| !address.is_empty())
+        .map(|(name, address)| (name.to_string(), address.to_string()))
+        .collect()
+}
+
 /// A stage of a gateway profile that claims a provider pause itself (`pause.json`, exit 75)
 /// while the provider never said 429: its own run pauses, and another run of the same profile
 /// is delivered meanwhile without a pause.

@@ -8,6 +8,11 @@
 //! Figures: p50/p99 per request of both paths at 1 and at 8 concurrent clients (closed loop,
 //! so the rate is what this machine sustains), time to the first streamed byte, and the
 //! resident memory growth while 200 streams are held open.
+//!
+//! With `LITELLM` naming a `litellm` executable (PyPI `litellm[proxy]`;
+//! `scripts/bench-gateway.sh` installs it), the same load generator also drives one LiteLLM
+//! proxy process in its plain mode (no database, no keys of its own) in front of the same fake,
+//! so that the two are compared as a user would: what each adds to the same call.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -228,8 +233,11 @@ async fn main() {
         println!("| gateway | {clients} | {g_rate:.0} | {g50:.3} | {g99:.3} |");
         added.push((clients, g50 - d50, g99 - d99));
     }
-    for (clients, p50, p99) in added {
+    for (clients, p50, p99) in &added {
         println!("added by the gateway, {clients} client(s): p50 {p50:.3} ms, p99 {p99:.3} ms");
+    }
+    if let Ok(litellm) = std::env::var("LITELLM") {
+        compare_litellm(&litellm, provider_address, &direct).await;
     }
     let mut d = first_bytes(&direct, "k").await;
     let mut g = first_bytes(&through, pass.token()).await;
@@ -272,6 +280,71 @@ async fn main() {
         meter.counts.total()
     );
     stop.cancel();
+}
+
+/// One LiteLLM proxy process in front of the same fake: its rows beside the direct ones, and
+/// what it adds.
+async fn compare_litellm(litellm: &str, provider: std::net::SocketAddr, direct: &str) {
+    let folder = tempfile::tempdir().unwrap();
+    let config = folder.path().join("litellm.yaml");
+    std::fs::write(
+        &config,
+        format!(
+            "model_list:\n  - model_name: fake-model\n    litellm_params:\n      model: anthropic/fake-model\n      api_base: http://{provider}\n      api_key: k\n"
+        ),
+    )
+    .unwrap();
+    let port = {
+        let probe = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        probe.local_addr().unwrap().port()
+    };
+    let log = std::fs::File::create(folder.path().join("litellm.log")).unwrap();
+    let mut child = tokio::process::Command::new(litellm)
+        .args(["--config", config.to_str().unwrap(), "--host", "127.0.0.1"])
+        .args(["--port", &port.to_string(), "--num_workers", "1"])
+        // Offline: the price list bundled with the package, no telemetry.
+        .env("LITELLM_LOCAL_MODEL_COST_MAP", "True")
+        .env("LITELLM_TELEMETRY", "False")
+        .stdout(log.try_clone().unwrap())
+        .stderr(log)
+        .kill_on_drop(true)
+        .spawn()
+        .expect("LITELLM names the litellm executable");
+    let through = format!("http://127.0.0.1:{port}/v1/messages");
+    let client = reqwest::Client::new();
+    let deadline = Instant::now() + Duration::from_secs(120);
+    loop {
+        let ready = client
+            .get(format!("http://127.0.0.1:{port}/health/liveliness"))
+            .send()
+            .await
+            .is_ok_and(|r| r.status().is_success());
+        if ready {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the LiteLLM proxy did not start within 120 s: {}",
+            std::fs::read_to_string(folder.path().join("litellm.log")).unwrap_or_default()
+        );
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    println!("| path | clients | rate (req/s) | p50 ms | p99 ms |");
+    println!("|---|---|---|---|---|");
+    let mut added = Vec::new();
+    for clients in [1, 8] {
+        let (mut d, d_rate) = drive(direct, "k", clients, false).await;
+        let (mut l, l_rate) = drive(&through, "sk-anything", clients, false).await;
+        let (d50, d99) = (percentile(&mut d, 0.5), percentile(&mut d, 0.99));
+        let (l50, l99) = (percentile(&mut l, 0.5), percentile(&mut l, 0.99));
+        println!("| direct | {clients} | {d_rate:.0} | {d50:.3} | {d99:.3} |");
+        println!("| LiteLLM proxy | {clients} | {l_rate:.0} | {l50:.3} | {l99:.3} |");
+        added.push((clients, l50 - d50, l99 - d99));
+    }
+    for (clients, p50, p99) in added {
+        println!("added by LiteLLM, {clients} client(s): p50 {p50:.3} ms, p99 {p99:.3} ms");
+    }
+    let _ = child.kill().await;
 }
 
 fn telemetry_metrics() -> telemetry::Metrics {

@@ -176,6 +176,16 @@ case "$mode" in
     echo "round $FORGE_ROUND" >> feature.txt
     sleep "${3:-1}"
     ;;
+  listen)
+    # Calls the model through the gateway, then listens on its own addresses for a while and
+    # keeps whatever another stage sent it (tests/gateway.rs knocks from the other stage).
+    body='{"model":"fake-model","max_tokens":16,"stream":true,"messages":[{"role":"user","content":"say hi"}]}'
+    timeout 20 wget -q -O model-answer.txt --header "x-api-key: $ANTHROPIC_API_KEY" \
+      --header "anthropic-version: 2023-06-01" --header "content-type: application/json" \
+      --post-data "$body" "$ANTHROPIC_BASE_URL/v1/messages" 2>model-error.txt || true
+    timeout "${2:-20}" nc -l -p 7777 > knocked.txt 2>/dev/null || true
+    echo "round $FORGE_ROUND" >> feature.txt
+    ;;
   egress-probe)
     gw="$2"; allowed="$3"; decoy="$4"
     out=egress-results.txt

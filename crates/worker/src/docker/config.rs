@@ -8,6 +8,7 @@ use crate::runtime::LABEL_DEADLINE;
 use bollard::models::ContainerCreateBody as Config;
 use bollard::models::{HostConfig, ResourcesUlimits};
 
+use super::stage_network::stage_network_name;
 use super::DockerRuntime;
 use crate::runtime::StageSpec;
 
@@ -49,11 +50,12 @@ impl DockerRuntime {
             host_config: Some(HostConfig {
                 binds: Some(binds),
                 network_mode: Some(match spec.network {
-                    // A stage with a provider reaches the gateway's relay, and nothing else.
-                    proto::Network::None if spec.gateway => self.egress_network(),
+                    // A stage with a provider reaches the gateway's relay, and nothing else,
+                    // on its own network (an egress stage its proxy, there too).
+                    proto::Network::None if spec.gateway => stage_network_name(&spec.name),
                     proto::Network::None => "none".to_string(),
                     proto::Network::Bridge => "bridge".to_string(),
-                    proto::Network::Egress => self.egress_network(),
+                    proto::Network::Egress => stage_network_name(&spec.name),
                 }),
                 cap_drop: Some(vec!["ALL".to_string()]),
                 security_opt: Some(vec!["no-new-privileges".to_string()]),

@@ -41,8 +41,9 @@ impl DockerRuntime {
         self
     }
 
-    /// The internal network of this process's egress stages: no route out, and no address of
-    /// the host on it (`inhibit_ipv4`), so its members reach each other and nothing else.
+    /// The internal network of this process's egress proxies and the gateway's relay: no
+    /// route out, and no address of the host on it (`inhibit_ipv4`). No stage is on it: each
+    /// stage has its own network, which the proxy or relay it needs joins.
     pub fn egress_network(&self) -> String {
         format!(
             "forgepool-egress-{}",
@@ -50,9 +51,13 @@ impl DockerRuntime {
         )
     }
 
-    /// The proxy URL for a stage allowed `hosts`: the egress network exists and a proxy for
-    /// exactly that allowlist runs on it (made on first use, then shared).
-    pub(super) async fn egress_proxy(&self, hosts: &[String]) -> Result<String, RuntimeError> {
+    /// The proxy URL for a stage allowed `hosts`, and the proxy's container: the egress
+    /// network exists and a proxy for exactly that allowlist runs on it (made on first use,
+    /// then shared; each stage's own network is joined to it by [`super::stage_network`]).
+    pub(super) async fn egress_proxy(
+        &self,
+        hosts: &[String],
+    ) -> Result<(String, String), RuntimeError> {
         let mut key = hosts.to_vec();
         key.sort();
         key.dedup();
@@ -63,7 +68,7 @@ impl DockerRuntime {
         }
         if let Some((name, token)) = state.proxies.get(&key) {
             if self.running(name).await {
-                return Ok(proxy_url(name, token));
+                return Ok((proxy_url(name, token), name.clone()));
             }
             // It died (or was removed): made again below.
             tracing::warn!(proxy = %name, "the egress proxy is gone; starting it again");
@@ -83,8 +88,8 @@ impl DockerRuntime {
         );
         self.start_proxy(&name, &token, &key).await?;
         let url = proxy_url(&name, &token);
-        state.proxies.insert(key, (name, token));
-        Ok(url)
+        state.proxies.insert(key, (name.clone(), token));
+        Ok((url, name))
     }
 
     /// Whether a container is running. Only a clear answer counts as gone (no such container,
@@ -122,34 +127,12 @@ impl DockerRuntime {
     }
 
     pub(super) async fn create_egress_network(&self) -> Result<(), RuntimeError> {
-        let labels = self.owner_labels();
-        let options = bollard::models::NetworkCreateRequest {
-            name: self.egress_network(),
-            driver: Some("bridge".to_string()),
-            internal: Some(true),
-            options: Some(HashMap::from([(
-                "com.docker.network.bridge.inhibit_ipv4".to_string(),
-                "true".to_string(),
-            )])),
-            labels: Some(labels),
-            ..Default::default()
-        };
-        match bounded(
-            "create network",
-            API_TIMEOUT,
-            self.docker.create_network(options),
-        )
-        .await?
-        {
-            Ok(_) => Ok(()),
-            Err(bollard::errors::Error::DockerResponseServerError {
-                status_code: 409, ..
-            }) => Ok(()),
-            Err(e) => Err(RuntimeError::CreateContainer {
+        self.create_internal_network(&self.egress_network(), self.owner_labels())
+            .await
+            .map_err(|detail| RuntimeError::CreateContainer {
                 image: self.egress_image.clone(),
-                detail: format!("cannot create the egress network: {e}"),
-            }),
-        }
+                detail: format!("cannot create the egress network: {detail}"),
+            })
     }
 
     /// Starts a proxy container for one allowlist: on the default bridge (its way out) and on
@@ -305,6 +288,11 @@ impl DockerRuntime {
                 && (label(LABEL_WORKER) == self.identity.worker
                     || label(LABEL_HOST) == self.identity.host)
                 && super::janitor::left_behind(&self.identity, &labels);
+            let stage = label(super::stage_network::LABEL_STAGE_NETWORK);
+            if !gone && label(LABEL_INSTANCE) == self.identity.instance && !stage.is_empty() {
+                self.sweep_stage_network(&network, stage).await;
+                continue;
+            }
             if !gone {
                 continue;
             }

@@ -1,7 +1,7 @@
 //! The model gateway's relay container (see [`gateway::relay`]): on this process's internal
-//! egress network only, under the name stages reach it by ([`RELAY_HOST`]), with the
-//! gateway's socket folder mounted read-only. A stage whose profile has a `provider` joins
-//! that network; nothing else of the host is on it.
+//! egress network, with the gateway's socket folder mounted read-only. A stage whose profile
+//! has a `provider` gets a network of its own ([`super::stage_network`]) which the relay joins
+//! under the name stages reach it by ([`RELAY_HOST`]); nothing else of the host is on it.
 
 use std::net::IpAddr;
 use std::path::PathBuf;
@@ -32,8 +32,9 @@ impl DockerRuntime {
         self
     }
 
-    /// Makes sure the egress network and the relay on it run (made on first use).
-    pub(super) async fn gateway_relay(&self) -> Result<(), RuntimeError> {
+    /// Makes sure the egress network and the relay on it run (made on first use); the relay's
+    /// container name.
+    pub(super) async fn gateway_relay(&self) -> Result<String, RuntimeError> {
         let folder = self
             .gateway_folder
             .clone()
@@ -48,7 +49,7 @@ impl DockerRuntime {
         }
         if let Some(name) = &state.relay {
             if self.running(name).await {
-                return Ok(());
+                return Ok(name.clone());
             }
             tracing::warn!(relay = %name, "the gateway's relay is gone; starting it again");
             let _ = self.remove(name).await;
@@ -61,8 +62,8 @@ impl DockerRuntime {
             &uuid::Uuid::new_v4().simple().to_string()[..8]
         );
         self.start_relay(&name, folder).await?;
-        state.relay = Some(name);
-        Ok(())
+        state.relay = Some(name.clone());
+        Ok(name)
     }
 
     async fn start_relay(&self, name: &str, folder: PathBuf) -> Result<(), RuntimeError> {
@@ -142,27 +143,8 @@ impl DockerRuntime {
         ready
     }
 
-    /// Connects a created stage container to the egress network, where the relay is (for a
-    /// `bridge` stage, whose own network is the default bridge).
-    pub(super) async fn join_gateway_network(&self, container: &str) -> Result<(), RuntimeError> {
-        let connect = bollard::models::NetworkConnectRequest {
-            container: container.to_string(),
-            endpoint_config: Some(EndpointSettings::default()),
-        };
-        bounded(
-            "connect network",
-            API_TIMEOUT,
-            self.docker.connect_network(&self.egress_network(), connect),
-        )
-        .await?
-        .map_err(|e| RuntimeError::CreateContainer {
-            image: String::new(),
-            detail: format!("cannot connect the stage to the gateway's network: {e}"),
-        })
-    }
-
-    /// A container's address on the egress network, while it runs.
-    pub async fn address_on_egress_network(&self, container: &str) -> Option<IpAddr> {
+    /// A stage container's address on its own network, while it runs.
+    pub async fn address_on_stage_network(&self, container: &str) -> Option<IpAddr> {
         let inspected = bounded(
             "inspect container",
             API_TIMEOUT,
@@ -172,7 +154,7 @@ impl DockerRuntime {
         .ok()?
         .ok()?;
         let networks = inspected.network_settings?.networks?;
-        let endpoint = networks.get(&self.egress_network())?;
+        let endpoint = networks.get(&super::stage_network::stage_network_name(container))?;
         endpoint.ip_address.as_deref()?.parse().ok()
     }
 }
@@ -187,6 +169,6 @@ impl gateway::PeerCheck for ContainerPeers {
         container: &str,
     ) -> std::pin::Pin<Box<dyn std::future::Future<Output = Option<IpAddr>> + Send + '_>> {
         let container = container.to_string();
-        Box::pin(async move { self.0.address_on_egress_network(&container).await })
+        Box::pin(async move { self.0.address_on_stage_network(&container).await })
     }
 }

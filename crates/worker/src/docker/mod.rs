@@ -8,7 +8,8 @@
 //!
 //! `mod.rs` creates, runs and removes a stage; `config.rs` is the hardened container
 //! configuration; `logs.rs` the capped, redacted output; `egress.rs` the egress proxies and their
-//! network; `janitor.rs` orphans and dead instances; `gateway.rs` the model gateway's relay. A
+//! network; `stage_network.rs` each stage's own network; `janitor.rs` orphans and dead instances;
+//! `gateway.rs` the model gateway's relay. A
 //! created container that is never run is removed when it is dropped, and its deadline label also
 //! covers the longest clone. bollard appears in no other module of forgepool.
 
@@ -29,6 +30,7 @@ mod egress;
 mod gateway;
 mod janitor;
 mod logs;
+mod stage_network;
 
 use egress::EgressState;
 pub use egress::DEFAULT_EGRESS_IMAGE;
@@ -308,27 +310,18 @@ impl ContainerRuntime for DockerRuntime {
     async fn create_stage(&self, mut spec: StageSpec) -> Result<CreatedStage, RuntimeError> {
         let began = Instant::now();
         self.ensure_image(&spec.image).await?;
-        if spec.network == proto::Network::Egress {
-            let url = self.egress_proxy(&spec.egress).await?;
-            for name in ["HTTPS_PROXY", "HTTP_PROXY", "https_proxy", "http_proxy"] {
-                spec.env.push(format!("{name}={url}"));
-            }
-            if let Some(token) = url
-                .split_once(':')
-                .and_then(|(_, rest)| rest.rsplit_once('@'))
-                .and_then(|(credentials, _)| credentials.rsplit_once(':'))
-                .map(|(_, token)| token.to_string())
-            {
-                spec.redact.push(token);
-            }
-            spec.redact.push(url);
-        }
-        if spec.gateway {
-            self.gateway_relay().await?;
-            // The gateway is reached directly, never through the egress proxy.
-            for name in ["NO_PROXY", "no_proxy"] {
-                spec.env.push(format!("{name}={RELAY_HOST}"));
-            }
+        // The stage's own network, with the proxy or relay it needs on it; it goes with the
+        // guard (a failure below removes it).
+        let mut guard = RemoveOnDrop {
+            docker: self.docker.clone(),
+            id: None,
+            network: None,
+        };
+        if spec.gateway || spec.network == proto::Network::Egress {
+            let mut network = self.create_stage_network(&spec.name).await?;
+            let joined = self.stage_network_members(&mut spec, &mut network).await;
+            guard.network = Some(network);
+            joined?;
         }
         let options = CreateContainerOptions {
             name: Some(spec.name.clone()),
@@ -361,12 +354,11 @@ impl ContainerRuntime for DockerRuntime {
                 }
             }
         })?;
-        let guard = RemoveOnDrop {
-            docker: self.docker.clone(),
-            id: Some(created.id),
-        };
-        if spec.gateway && spec.network == proto::Network::Bridge {
-            self.join_gateway_network(&spec.name).await?;
+        guard.id = Some(created.id);
+        if let (Some(network), proto::Network::Bridge) = (&guard.network, spec.network) {
+            // A `bridge` stage keeps the default bridge and reaches the relay on its own network.
+            self.join_stage_network(&network.name, &spec.name, None)
+                .await?;
         }
         Ok(CreatedStage {
             spec,
@@ -391,6 +383,9 @@ impl ContainerRuntime for DockerRuntime {
         let driven = self.drive(&id, &spec, logs, cancel).await;
         let removed = self.remove(&id).await;
         guard.id = None;
+        if let Some(network) = guard.network.take() {
+            stage_network::release(&self.docker, &network).await;
+        }
         let (exit, stdout, combined, agent) = driven?;
         removed?;
         Ok(StageOutput {
@@ -428,14 +423,20 @@ impl ContainerRuntime for DockerRuntime {
 struct RemoveOnDrop {
     docker: Docker,
     id: Option<String>,
+    /// The stage's own network, removed after the container.
+    network: Option<stage_network::StageNetwork>,
 }
 
 impl Drop for RemoveOnDrop {
     fn drop(&mut self) {
-        if let Some(id) = self.id.take() {
-            let docker = self.docker.clone();
-            if let Ok(handle) = tokio::runtime::Handle::try_current() {
-                handle.spawn(async move {
+        let (id, network) = (self.id.take(), self.network.take());
+        if id.is_none() && network.is_none() {
+            return;
+        }
+        let docker = self.docker.clone();
+        if let Ok(handle) = tokio::runtime::Handle::try_current() {
+            handle.spawn(async move {
+                if let Some(id) = id {
                     let options = RemoveContainerOptions {
                         force: true,
                         v: true,
@@ -446,8 +447,11 @@ impl Drop for RemoveOnDrop {
                         docker.remove_container(&id, Some(options)),
                     )
                     .await;
-                });
-            }
+                }
+                if let Some(network) = network {
+                    stage_network::release(&docker, &network).await;
+                }
+            });
         }
     }
 }
