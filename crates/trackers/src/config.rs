@@ -559,10 +559,7 @@ mod tests {
                 format!("{GOOD}min_permission = \"read\"\n"),
                 "`min_permission`: is \"read\"",
             ),
-            (
-                format!("{GOOD}{}", GOOD.replace("[[tracker]]", "[[tracker]]")),
-                "entry 2), `name`",
-            ),
+            (format!("{GOOD}{GOOD}"), "entry 2), `name`"),
             (
                 GOOD.replace("kind = \"github\"", "kind = \"jira\""),
                 "`email_env`",
