@@ -282,6 +282,9 @@ async fn main() {
     stop.cancel();
 }
 
+/// The LiteLLM proxy's master key, which the load generator sends as its `x-api-key`.
+const LITELLM_KEY: &str = "sk-forgepool-bench-0123456789abcdef";
+
 /// One LiteLLM proxy process in front of the same fake: its rows beside the direct ones, and
 /// what it adds.
 async fn compare_litellm(litellm: &str, provider: std::net::SocketAddr, direct: &str) {
@@ -305,6 +308,9 @@ async fn compare_litellm(litellm: &str, provider: std::net::SocketAddr, direct: 
         // Offline: the price list bundled with the package, no telemetry.
         .env("LITELLM_LOCAL_MODEL_COST_MAP", "True")
         .env("LITELLM_TELEMETRY", "False")
+        // Its plain mode still wants a master key (it refuses to start without one); no
+        // database, so no per-key budgets or spend logs.
+        .env("LITELLM_MASTER_KEY", LITELLM_KEY)
         .stdout(log.try_clone().unwrap())
         .stderr(log)
         .kill_on_drop(true)
@@ -322,8 +328,9 @@ async fn compare_litellm(litellm: &str, provider: std::net::SocketAddr, direct: 
         if ready {
             break;
         }
+        let exited = child.try_wait().ok().flatten().is_some();
         assert!(
-            Instant::now() < deadline,
+            Instant::now() < deadline && !exited,
             "the LiteLLM proxy did not start within 120 s: {}",
             std::fs::read_to_string(folder.path().join("litellm.log")).unwrap_or_default()
         );
@@ -334,7 +341,7 @@ async fn compare_litellm(litellm: &str, provider: std::net::SocketAddr, direct: 
     let mut added = Vec::new();
     for clients in [1, 8] {
         let (mut d, d_rate) = drive(direct, "k", clients, false).await;
-        let (mut l, l_rate) = drive(&through, "sk-anything", clients, false).await;
+        let (mut l, l_rate) = drive(&through, LITELLM_KEY, clients, false).await;
         let (d50, d99) = (percentile(&mut d, 0.5), percentile(&mut d, 0.99));
         let (l50, l99) = (percentile(&mut l, 0.5), percentile(&mut l, 0.99));
         println!("| direct | {clients} | {d_rate:.0} | {d50:.3} | {d99:.3} |");
