@@ -34,6 +34,9 @@ pub const ENV_OVERLAY_WORKSPACES: &str = "FORGEPOOL_OVERLAY_WORKSPACES";
 pub const ENV_FORGES_FILE: &str = "FORGEPOOL_FORGES_FILE";
 
 /// `forgepool run FILE`.
+/// The trackers file's variable.
+pub const ENV_TRACKERS_FILE: &str = "FORGEPOOL_TRACKERS_FILE";
+
 #[derive(Debug, Args)]
 pub struct RunArgs {
     /// The run request: a TOML or JSON file.
@@ -316,6 +319,9 @@ pub struct DispatcherArgs {
     /// The webhooks told of runs that end (SPEC 9).
     #[arg(long = "webhooks", env = "FORGEPOOL_WEBHOOKS_FILE")]
     pub webhooks_file: Option<PathBuf>,
+    /// The issue trackers tickets come from and progress goes back to (SPEC 17).
+    #[arg(long = "trackers", env = ENV_TRACKERS_FILE)]
+    pub trackers_file: Option<PathBuf>,
     /// How long the heartbeat and log events of a run that ended are kept (`7d`, `36h`…, at
     /// least an hour, or `never` to keep them for ever).
     #[arg(long = "retain-logs", env = "FORGEPOOL_RETAIN_LOGS", default_value = "7d", value_parser = |v: &str| dispatcher::retention::parse_horizon("FORGEPOOL_RETAIN_LOGS", v).map(Horizon))]

@@ -28,6 +28,17 @@ struct Cli {
 }
 
 #[derive(Debug, Subcommand)]
+enum TrackersAction {
+    /// Read the trackers file and reach each tracker's API with its token: says what is wrong,
+    /// naming the entry and the setting (exit 1), or that all is well.
+    Check {
+        /// The trackers file.
+        #[arg(long = "trackers", env = config::ENV_TRACKERS_FILE)]
+        file: std::path::PathBuf,
+    },
+}
+
+#[derive(Debug, Subcommand)]
 enum Command {
     /// Run one request on this machine: dispatcher and worker in one process (embedded mode).
     Run(config::RunArgs),
@@ -102,6 +113,11 @@ enum Command {
     /// exits; `forgepool dispatcher` runs it as a short-lived child.
     #[command(hide = true)]
     MigrateStore,
+    /// The issue trackers of FORGEPOOL_TRACKERS_FILE (SPEC 17).
+    Trackers {
+        #[command(subcommand)]
+        action: TrackersAction,
+    },
     /// Cancel a run.
     Cancel {
         /// The run id.
@@ -218,6 +234,9 @@ fn main() -> ExitCode {
                 }
             }
             Command::Cancel { run_id, client } => client::cancel(&client, &run_id).await,
+            Command::Trackers {
+                action: TrackersAction::Check { file },
+            } => services::check_trackers(&file).await,
             Command::Prune(args) => services::prune(args).await,
             Command::MigrateStore => services::migrate_store().await,
             Command::EgressProxy => {

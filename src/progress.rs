@@ -128,6 +128,16 @@ fn raw_line(kind: &EventKind) -> Option<String> {
             outcome,
             ..
         } => Some(format!("Webhook {hook}: attempt {attempt}, {outcome}")),
+        EventKind::Tracker {
+            tracker,
+            action,
+            status,
+            error,
+        } => Some(match (status, error) {
+            (_, Some(error)) => format!("Tracker {tracker}: {action} failed: {}", printable(error)),
+            (Some(status), None) => format!("Tracker {tracker}: {action} ({status})"),
+            (None, None) => format!("Tracker {tracker}: {action}"),
+        }),
         EventKind::Checkpoint { checkpoint } => Some(format!(
             "Progress saved (checkpoint {}, tree {})",
             checkpoint.sequence,

@@ -1,6 +1,8 @@
 //! `forgepool dispatcher` and `forgepool worker`: validate settings, bind, and hand over to
 //! the library services with a shutdown token tied to SIGTERM and Ctrl-C.
 
+use dispatcher::trackers::set::Trackers;
+use dispatcher::webhooks::Webhooks;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -118,12 +120,9 @@ pub async fn dispatcher(args: DispatcherArgs) -> i32 {
             }
         },
     };
-    let webhooks = match &args.webhooks_file {
-        None => None,
-        Some(path) => match dispatcher::webhooks::Webhooks::load(path, |n| std::env::var(n).ok()) {
-            Ok(webhooks) => Some(webhooks),
-            Err(message) => return invalid(message),
-        },
+    let (webhooks, trackers) = match webhooks_and_trackers(&args) {
+        Ok(both) => both,
+        Err(message) => return invalid(message),
     };
     // The migrations run in a short-lived child: the regex engine refinery brings along (a
     // 512 KiB automaton and its Unicode tables) never lives in the dispatcher.
@@ -146,6 +145,7 @@ pub async fn dispatcher(args: DispatcherArgs) -> i32 {
         auto_resume: args.auto_resume,
         shared_store: args.shared_store,
         webhooks,
+        trackers,
         retention: dispatcher::retention::Retention {
             logs: args.retain_logs.0,
             runs: args.retain_runs.0,
@@ -385,4 +385,47 @@ pub async fn prune(args: crate::config::PruneArgs) -> i32 {
             1
         }
     }
+}
+
+/// The webhooks file and the trackers file of a dispatcher, each validated.
+fn webhooks_and_trackers(
+    args: &DispatcherArgs,
+) -> Result<(Option<Webhooks>, Option<Arc<Trackers>>), String> {
+    let webhooks = match &args.webhooks_file {
+        None => None,
+        Some(path) => Some(Webhooks::load(path, |n| std::env::var(n).ok())?),
+    };
+    let trackers = match &args.trackers_file {
+        None => None,
+        Some(path) => Some(Arc::new(Trackers::load(path, &|n| std::env::var(n).ok())?)),
+    };
+    Ok((webhooks, trackers))
+}
+
+/// `forgepool trackers check`: the file validated (secrets present), then each tracker's API
+/// reached with its token; every problem printed, naming the entry and the setting.
+pub async fn check_trackers(path: &std::path::Path) -> i32 {
+    let file = match trackers::config::load(path, &|n| std::env::var(n).ok()) {
+        Ok(file) => file,
+        Err(error) => {
+            eprintln!("error: {error}");
+            return 1;
+        }
+    };
+    let mut problems = Vec::new();
+    let count = file.trackers.len();
+    for config in file.trackers {
+        match trackers::AnyTracker::new(config) {
+            Ok(tracker) => problems.extend(tracker.check().await),
+            Err(message) => problems.push(message),
+        }
+    }
+    if problems.is_empty() {
+        println!("trackers: {count} checked, each reached with its token; all is well");
+        return 0;
+    }
+    for problem in &problems {
+        eprintln!("error: {problem}");
+    }
+    1
 }

@@ -131,6 +131,8 @@ pub struct Dispatcher {
     pub(crate) resumes: crate::schedule::Schedule,
     /// Runs that ended, for the webhooks (`FORGEPOOL_WEBHOOKS_FILE`).
     pub(crate) ended: Option<crate::webhooks::Ended>,
+    /// The trackers tickets come from (`FORGEPOOL_TRACKERS_FILE`).
+    pub trackers: Option<Arc<crate::trackers::set::Trackers>>,
 }
 
 impl Dispatcher {

@@ -22,6 +22,7 @@ pub mod service;
 pub mod skills;
 pub mod store;
 pub mod streams;
+pub mod trackers;
 pub mod webhooks;
 
 use std::path::PathBuf;

@@ -62,6 +62,8 @@ pub struct DispatcherConfig {
     pub shared_store: bool,
     /// The webhooks told of runs that end (`FORGEPOOL_WEBHOOKS_FILE`).
     pub webhooks: Option<crate::webhooks::Webhooks>,
+    /// The trackers tickets come from (`FORGEPOOL_TRACKERS_FILE`).
+    pub trackers: Option<std::sync::Arc<crate::trackers::set::Trackers>>,
     /// What the store keeps of runs that ended (`FORGEPOOL_RETAIN_LOGS`,
     /// `FORGEPOOL_RETAIN_RUNS`).
     pub retention: crate::retention::Retention,
@@ -152,7 +154,9 @@ pub async fn run(
         amqp_url: config.amqp_url,
         resumes: crate::schedule::Schedule::new(config.auto_resume),
         ended,
+        trackers: config.trackers,
     });
+    crate::trackers::start(Arc::clone(&dispatcher));
     // The API answers from the start, so that nobody waits on a bound socket while RabbitMQ is
     // set up: `/readyz` says 503 until the events consumer is connected, and a run submitted
     // before the topology exists is stored and published by the republisher afterwards.

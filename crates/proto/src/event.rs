@@ -150,6 +150,18 @@ pub enum EventKind {
         /// `delivered`, `retrying` (another attempt follows) or `gave_up`.
         outcome: String,
     },
+    /// What the dispatcher did on the run's tracker (SPEC 17): a comment written or edited,
+    /// a reaction, a refusal answered.
+    Tracker {
+        /// The tracker's name in the trackers file.
+        tracker: String,
+        /// `comment`, `edit`, `react`.
+        action: String,
+        /// The tracker's HTTP status, when it answered.
+        status: Option<u16>,
+        /// Why it failed, when it did (never the token).
+        error: Option<String>,
+    },
     /// What an agent kind's stage said and did (SPEC 16), read from its CLI's output when
     /// the stage ended; published just before its `stage_finished`.
     Transcript {
@@ -185,6 +197,7 @@ impl EventKind {
             EventKind::Checkpoint { .. } => "checkpoint",
             EventKind::CancelRequested { .. } => "cancel_requested",
             EventKind::Webhook { .. } => "webhook",
+            EventKind::Tracker { .. } => "tracker",
             EventKind::PullRequest { .. } => "pull_request",
             EventKind::Transcript { .. } => "transcript",
             EventKind::Result { .. } => "result",

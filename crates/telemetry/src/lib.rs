@@ -75,6 +75,8 @@ pub struct Metrics {
     model_tokens: IntCounterVec,
     model_cost: prometheus::CounterVec,
     model_latency: HistogramVec,
+    tracker_deliveries: IntCounterVec,
+    tracker_requests: IntCounterVec,
 }
 
 /// The buckets of the gateway's request durations: a refusal in microseconds to a long
@@ -313,6 +315,18 @@ impl Metrics {
                 &["profile", "provider"],
                 &MODEL_BUCKETS,
             ),
+            tracker_deliveries: counter(
+                r,
+                "forgepool_tracker_deliveries_total",
+                "Tracker webhook deliveries and poll findings, by what became of them.",
+                &["tracker", "outcome"],
+            ),
+            tracker_requests: counter(
+                r,
+                "forgepool_tracker_requests_total",
+                "Calls to trackers' APIs, by the status answered (0: none).",
+                &["tracker", "code"],
+            ),
             registry,
         };
         metrics.register_plain_metrics();
@@ -477,6 +491,7 @@ impl Metrics {
             | EventKind::Checkpoint { .. }
             | EventKind::CancelRequested { .. }
             | EventKind::Webhook { .. }
+            | EventKind::Tracker { .. }
             | EventKind::Transcript { .. }
             | EventKind::PullRequest { .. } => {}
         }
@@ -594,6 +609,20 @@ impl Metrics {
     pub fn broker_reconnected(&self, connection: &str) {
         self.broker_reconnects
             .with_label_values(&[connection])
+            .inc();
+    }
+
+    /// Counts a tracker delivery by its outcome (`started`, `duplicate`, `ignored`, …).
+    pub fn tracker_delivery(&self, tracker: &str, outcome: &str) {
+        self.tracker_deliveries
+            .with_label_values(&[tracker, outcome])
+            .inc();
+    }
+
+    /// Counts a call to a tracker's API by its answer's status.
+    pub fn tracker_request(&self, tracker: &str, code: u16) {
+        self.tracker_requests
+            .with_label_values(&[tracker, &code.to_string()])
             .inc();
     }
 

@@ -131,7 +131,18 @@ fn default_follow_ups() -> u32 {
 #[serde(deny_unknown_fields)]
 struct File {
     #[serde(default)]
+    run_url: Option<String>,
+    #[serde(default)]
     tracker: Vec<Entry>,
+}
+
+/// The trackers file, validated.
+#[derive(Debug, Clone)]
+pub struct TrackersFile {
+    /// The address of a run's page for people (`{run_id}` in it), linked from each comment.
+    pub run_url: Option<String>,
+    /// Its trackers.
+    pub trackers: Vec<TrackerConfig>,
 }
 
 /// One tracker of the file, validated, with its secrets read.
@@ -206,7 +217,7 @@ pub struct ConfigError {
 pub fn load(
     path: &Path,
     env: &dyn Fn(&str) -> Option<String>,
-) -> Result<Vec<TrackerConfig>, ConfigError> {
+) -> Result<TrackersFile, ConfigError> {
     let file = path.display().to_string();
     let fail = |place: String, message: String| ConfigError {
         file: file.clone(),
@@ -225,13 +236,22 @@ pub fn load(
 pub fn parse(
     text: &str,
     env: &dyn Fn(&str) -> Option<String>,
-) -> Result<Vec<TrackerConfig>, (String, String)> {
+) -> Result<TrackersFile, (String, String)> {
     let parsed: File = toml::from_str(text).map_err(|e| {
         (
             "the file".to_string(),
             format!("is not a valid trackers file: {}", e.message()),
         )
     })?;
+    if let Some(url) = &parsed.run_url {
+        if !(url.starts_with("https://") || url.starts_with("http://")) || !url.contains("{run_id}")
+        {
+            return Err((
+                "`run_url`".to_string(),
+                format!("is {url:?}: an http(s) address with `{{run_id}}` in it"),
+            ));
+        }
+    }
     let mut names = HashSet::new();
     let mut trackers = Vec::new();
     for (index, entry) in parsed.tracker.into_iter().enumerate() {
@@ -258,7 +278,10 @@ pub fn parse(
         }
         trackers.push(validate(entry, &place, env)?);
     }
-    Ok(trackers)
+    Ok(TrackersFile {
+        run_url: parsed.run_url,
+        trackers,
+    })
 }
 
 fn validate(
@@ -297,63 +320,7 @@ fn validate(
             format!("is {:?}: a handle such as \"@forgepool\"", entry.mention),
         ));
     }
-    let min_permission = match entry.kind {
-        Kind::Github => one_of(
-            entry.min_permission,
-            "write",
-            &["write", "maintain", "admin"],
-            place,
-        )?,
-        Kind::Gitlab => one_of(
-            entry.min_permission,
-            "developer",
-            &["developer", "maintainer", "owner"],
-            place,
-        )?,
-        Kind::Jira => {
-            if entry.min_permission.is_some() {
-                return Err((
-                    place("min_permission"),
-                    "is for GitHub and GitLab: a Jira tracker names `allowed_groups` or `allowed_accounts`".into(),
-                ));
-            }
-            String::new()
-        }
-    };
-    match entry.kind {
-        Kind::Github | Kind::Gitlab => {
-            if entry.repositories.is_empty() {
-                return Err((
-                    place("repositories"),
-                    "is missing or empty: list the repositories (`owner/name`, `*` allowed within a part) whose issues may start runs".into(),
-                ));
-            }
-            if let Some(bad) = entry
-                .repositories
-                .iter()
-                .find(|r| r.split('/').count() < 2 || r.split('/').any(str::is_empty))
-            {
-                return Err((
-                    place("repositories"),
-                    format!("holds {bad:?}: each is `owner/name`"),
-                ));
-            }
-        }
-        Kind::Jira => {
-            if entry.project.is_empty() {
-                return Err((
-                    place("project"),
-                    "is missing: a Jira tracker lists `[[tracker.project]]` entries (key, repository, ref)".into(),
-                ));
-            }
-            if entry.allowed_groups.is_empty() && entry.allowed_accounts.is_empty() {
-                return Err((
-                    place("allowed_groups"),
-                    "and `allowed_accounts` are both empty: name who may start runs".into(),
-                ));
-            }
-        }
-    }
+    let min_permission = who_may(&entry, place)?;
     if entry.skill.trim().is_empty() {
         return Err((
             place("skill"),
@@ -408,6 +375,69 @@ fn validate(
         max_follow_ups: entry.max_follow_ups,
         projects: entry.project,
     })
+}
+
+/// The kind's rules: who may start runs (its `min_permission`, or Jira's groups and
+/// accounts) and where tickets come from (`repositories`, Jira's projects).
+fn who_may(entry: &Entry, place: &dyn Fn(&str) -> String) -> Result<String, (String, String)> {
+    let min_permission = match entry.kind {
+        Kind::Github => one_of(
+            entry.min_permission.clone(),
+            "write",
+            &["write", "maintain", "admin"],
+            place,
+        )?,
+        Kind::Gitlab => one_of(
+            entry.min_permission.clone(),
+            "developer",
+            &["developer", "maintainer", "owner"],
+            place,
+        )?,
+        Kind::Jira => {
+            if entry.min_permission.is_some() {
+                return Err((
+                    place("min_permission"),
+                    "is for GitHub and GitLab: a Jira tracker names `allowed_groups` or `allowed_accounts`".into(),
+                ));
+            }
+            String::new()
+        }
+    };
+    match entry.kind {
+        Kind::Github | Kind::Gitlab => {
+            if entry.repositories.is_empty() {
+                return Err((
+                    place("repositories"),
+                    "is missing or empty: list the repositories (`owner/name`, `*` allowed within a part) whose issues may start runs".into(),
+                ));
+            }
+            if let Some(bad) = entry
+                .repositories
+                .iter()
+                .find(|r| r.split('/').count() < 2 || r.split('/').any(str::is_empty))
+            {
+                return Err((
+                    place("repositories"),
+                    format!("holds {bad:?}: each is `owner/name`"),
+                ));
+            }
+        }
+        Kind::Jira => {
+            if entry.project.is_empty() {
+                return Err((
+                    place("project"),
+                    "is missing: a Jira tracker lists `[[tracker.project]]` entries (key, repository, ref)".into(),
+                ));
+            }
+            if entry.allowed_groups.is_empty() && entry.allowed_accounts.is_empty() {
+                return Err((
+                    place("allowed_groups"),
+                    "and `allowed_accounts` are both empty: name who may start runs".into(),
+                ));
+            }
+        }
+    }
+    Ok(min_permission)
 }
 
 fn one_of(
@@ -507,7 +537,7 @@ mod tests {
     /// Catches: a valid file refused, defaults not applied, a secret shown by `Debug`.
     #[test]
     fn a_valid_file_is_read_with_its_defaults() {
-        let trackers = parse(GOOD, &env).unwrap();
+        let trackers = parse(GOOD, &env).unwrap().trackers;
         assert_eq!(trackers.len(), 1);
         let t = &trackers[0];
         assert_eq!(

@@ -305,6 +305,44 @@ impl Tracker for Github {
 }
 
 impl Github {
+    /// What `forgepool trackers check` finds wrong: the token refused (`GET /user`), a
+    /// repository the token cannot see, or one where it cannot write comments.
+    pub async fn check(&self) -> Vec<String> {
+        let name = &self.config.name;
+        let mut problems = Vec::new();
+        match self.get("/user").await {
+            Ok(user) if user["login"].is_string() => {}
+            Ok(_) => problems.push(format!("tracker \"{name}\", `api_url`: `GET /user` did not name an account; is {} GitHub's API?", self.config.api_url)),
+            Err(TrackerError::Status { status: 401, message }) => problems.push(format!(
+                "tracker \"{name}\", `token_env`: the token in {} was refused by GitHub (401: {message})",
+                self.config.token_env
+            )),
+            Err(error) => {
+                problems.push(format!("tracker \"{name}\", `api_url`: {error}"));
+                return problems;
+            }
+        }
+        if !problems.is_empty() {
+            return problems;
+        }
+        for repository in self.config.repositories.iter().filter(|r| !r.contains('*')) {
+            match self.get(&format!("/repos/{repository}")).await {
+                Ok(answer) => {
+                    let may = &answer["permissions"];
+                    if may.is_object() && may["triage"] != true && may["push"] != true && may["admin"] != true {
+                        problems.push(format!("tracker \"{name}\", `repositories`: {repository}: the token's account may read it but not write comments or reactions (it needs triage or write)"));
+                    }
+                }
+                Err(TrackerError::Status { status: 404, .. }) => problems.push(format!(
+                    "tracker \"{name}\", `repositories`: {repository}: GitHub knows no such repository, or the token in {} cannot see it",
+                    self.config.token_env
+                )),
+                Err(error) => problems.push(format!("tracker \"{name}\", `repositories`: {repository}: {error}")),
+            }
+        }
+        problems
+    }
+
     /// A comment's ask: a stop order, a mention (its body empty when there is none).
     fn mention(&self, comment: &Value, place: CommentPlace) -> Result<Ask, String> {
         let body = comment["body"].as_str().unwrap_or("");
@@ -347,7 +385,7 @@ mod tests {
             &env,
         )
         .unwrap();
-        Github::new(config.into_iter().next().unwrap()).unwrap()
+        Github::new(config.trackers.into_iter().next().unwrap()).unwrap()
     }
 
     fn parse(event: &str, payload: Value) -> Parsed {

@@ -218,6 +218,21 @@ impl AnyTracker {
             AnyTracker::Github(github) => github,
         }
     }
+
+    /// What is wrong with the tracker's token and repositories, each naming the entry and
+    /// the setting (`forgepool trackers check`).
+    pub async fn check(&self) -> Vec<String> {
+        match self {
+            AnyTracker::Github(github) => github.check().await,
+        }
+    }
+
+    /// Tells `observer` the status of each of its API's answers.
+    pub fn observe(&self, observer: client::Observer) {
+        match self {
+            AnyTracker::Github(github) => github.client().observe(observer),
+        }
+    }
 }
 
 /// The ticket key of a GitHub or GitLab issue: `{PREFIX}-{number}`, the prefix the

@@ -15,6 +15,7 @@ mod health;
 mod openapi;
 mod problem;
 mod runs;
+mod trackers;
 mod view;
 
 use std::sync::Arc;
@@ -71,6 +72,8 @@ pub fn router(dispatcher: Arc<Dispatcher>) -> Router {
         .merge(view::routes())
         .fallback(unknown_route)
         .route("/v1/openapi.json", get(openapi))
+        // Signed by the tracker instead of the API token (SPEC 17).
+        .route("/v1/trackers/{name}/events", post(trackers::event))
         .route("/healthz", get(healthz))
         .route("/readyz", get(ready));
     // `/metrics` answers on the API's port unless it has a port of its own.

@@ -30,6 +30,7 @@ use uuid::Uuid;
 mod postgres;
 mod sqlite;
 pub mod tls;
+pub mod trackers;
 
 pub use postgres::PostgresStore;
 pub use sqlite::{sqlite_path, SqliteStore};

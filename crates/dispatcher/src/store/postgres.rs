@@ -124,7 +124,7 @@ impl PostgresStore {
         }
     }
 
-    async fn client(&self) -> Result<deadpool_postgres::Object, StoreError> {
+    pub(super) async fn client(&self) -> Result<deadpool_postgres::Object, StoreError> {
         self.pool.get().await.map_err(|e| match e {
             // The server's own answer (a refused login, a certificate) keeps its cause.
             deadpool_postgres::PoolError::Backend(error) => StoreError::Postgres(error),
@@ -152,7 +152,7 @@ impl PostgresStore {
         .await
     }
 
-    async fn bounded<T>(
+    pub(super) async fn bounded<T>(
         &self,
         work: impl Future<Output = Result<T, StoreError>>,
     ) -> Result<T, StoreError> {

@@ -75,7 +75,7 @@ fn add_late_columns(connection: &Connection) -> Result<(), rusqlite::Error> {
 }
 
 impl SqliteStore {
-    async fn with<T: Send + 'static>(
+    pub(super) async fn with<T: Send + 'static>(
         &self,
         work: impl FnOnce(&mut Connection) -> Result<T, StoreError> + Send + 'static,
     ) -> Result<T, StoreError> {
