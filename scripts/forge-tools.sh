@@ -3,17 +3,25 @@
 #   @stoplight/prism-cli 5.12.0   a mock server that validates requests against an OpenAPI
 #                                 description (5.12 is the newest that runs on Debian 12's
 #                                 Node.js 18/20), used here as a validating proxy;
-#   @octokit/openapi 23.0.2       GitHub's own published OpenAPI description of its REST API.
+#   @octokit/openapi 23.0.2       GitHub's own published OpenAPI description of its REST API;
+#   @octokit/webhooks-examples 7.6.1  GitHub's published webhook payloads (tests/trackers.rs);
+#   octocrab 0.54.9's tests/resources (crates.io): a comment by a stranger
+#                                 (`author_association: NONE`), in .tools/forge/octocrab.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # shellcheck source=scripts/lib/apt.sh
 source scripts/lib/apt.sh
 dir="$PWD/.tools/forge"
-if [ -x "$dir/node_modules/.bin/prism" ] && [ -f "$dir/node_modules/@octokit/openapi/generated/api.github.com.json" ]; then
+if [ -x "$dir/node_modules/.bin/prism" ] && [ -f "$dir/node_modules/@octokit/openapi/generated/api.github.com.json" ] \
+  && [ -f "$dir/node_modules/@octokit/webhooks-examples/api.github.com/index.json" ] \
+  && [ -f "$dir/octocrab/issue_comment_created_webhook_event.json" ]; then
   exit 0
 fi
 command -v npm >/dev/null || apt_install npm
 mkdir -p "$dir"
 npm install --silent --no-audit --no-fund --prefix "$dir" \
-  @stoplight/prism-cli@5.12.0 @octokit/openapi@23.0.2 >/dev/null
+  @stoplight/prism-cli@5.12.0 @octokit/openapi@23.0.2 @octokit/webhooks-examples@7.6.1 >/dev/null
+mkdir -p "$dir/octocrab"
+curl -sfL https://static.crates.io/crates/octocrab/octocrab-0.54.9.crate \
+  | tar xzf - -C "$dir/octocrab" --strip-components=3 octocrab-0.54.9/tests/resources
 echo "forge tools: prism $("$dir/node_modules/.bin/prism" --version) and GitHub's OpenAPI description"

@@ -15,6 +15,7 @@
 
 #![allow(dead_code)]
 
+pub mod api;
 pub mod browser;
 pub mod cluster;
 pub mod kinds;
