@@ -27,6 +27,8 @@ type Seen = Arc<Mutex<Vec<(String, String, Value)>>>;
 
 struct FakeGithub {
     seen: Seen,
+    /// The comments on issues: (issue, comment as GitHub answers it).
+    comments: Arc<Mutex<Vec<(String, Value)>>>,
     prism: Child,
     port: u16,
     log: std::path::PathBuf,
@@ -72,6 +74,7 @@ impl FakeGithub {
         let seen: Seen = Arc::default();
         let kept = Arc::clone(&seen);
         let comments: Arc<Mutex<Vec<(String, Value)>>> = Arc::default();
+        let kept_comments = Arc::clone(&comments);
         let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let upstream = listener.local_addr().unwrap().port();
         serve_json(listener, move |request| {
@@ -129,7 +132,10 @@ impl FakeGithub {
                 }
                 ("PATCH", ["repos", _, _, "issues", "comments", id]) => {
                     let mut all = comments.lock().unwrap();
-                    match all.iter_mut().find(|(_, c)| c["id"].as_u64() == id.parse().ok()) {
+                    match all
+                        .iter_mut()
+                        .find(|(_, c)| c["id"].as_u64() == id.parse().ok())
+                    {
                         Some((_, kept)) => {
                             kept["body"] = request.body["body"].clone();
                             (200, kept.clone())
@@ -175,6 +181,7 @@ impl FakeGithub {
         }
         FakeGithub {
             seen,
+            comments: kept_comments,
             prism,
             port,
             log,
@@ -233,6 +240,24 @@ fn trackers_file(fixture: &Fixture, github: &FakeGithub) -> std::path::PathBuf {
     path
 }
 
+/// A cluster whose dispatcher has the trackers file of `github`, with `workers` workers.
+async fn cluster_with(
+    fixture: Fixture,
+    github: &FakeGithub,
+    workers: usize,
+) -> common::cluster::Cluster {
+    let file = trackers_file(&fixture, github);
+    let options = common::cluster::Options {
+        env: vec![
+            ("FORGEPOOL_TRACKERS_FILE".into(), file.display().to_string()),
+            ("TRACKER_TOKEN".into(), TOKEN.into()),
+            ("TRACKER_SECRET".into(), SECRET.into()),
+        ],
+        ..Default::default()
+    };
+    common::cluster::Cluster::start_with(fixture, workers, 1, None, options).await
+}
+
 async fn deliver(
     cluster: &common::cluster::Cluster,
     event: &str,
@@ -265,16 +290,7 @@ async fn deliver(
 async fn github_examples_start_runs_exactly_for_permitted_triggers() {
     let fixture = Fixture::new(None, &["change"], &["approve"]);
     let github = FakeGithub::start(fixture.dir.path());
-    let file = trackers_file(&fixture, &github);
-    let options = common::cluster::Options {
-        env: vec![
-            ("FORGEPOOL_TRACKERS_FILE".into(), file.display().to_string()),
-            ("TRACKER_TOKEN".into(), TOKEN.into()),
-            ("TRACKER_SECRET".into(), SECRET.into()),
-        ],
-        ..Default::default()
-    };
-    let cluster = common::cluster::Cluster::start_with(fixture, 0, 1, None, options).await;
+    let cluster = cluster_with(fixture, &github, 0).await;
     let mut answers = Vec::new();
     for (i, (event, payload)) in examples().iter().enumerate() {
         let status = deliver(&cluster, event, payload, &format!("example-{i}"), None).await;
@@ -508,4 +524,112 @@ async fn github_examples_start_runs_exactly_for_permitted_triggers() {
     );
     // The token is in nothing the dispatcher stored or logged.
     assert!(!cluster.logs().contains(TOKEN));
+}
+
+/// A label on an issue, end to end (dispatcher, RabbitMQ, a worker, Docker): the run is
+/// delivered; the issue has one comment of forgepool's, written when the run was accepted
+/// and edited to its final state, also though the dispatcher restarted mid-run; the
+/// implementer's prompt holds the issue's visible text and not its hidden instruction.
+/// Catches: a second comment after a restart (the marker and the stored comment id unused),
+/// a comment never brought to the final state, a hidden instruction in the prompt.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_label_runs_the_ticket_and_one_comment_follows_it_to_the_end() {
+    let review = "---\nmax_retries: 1\n---\n# Review\nCheck the change.\n";
+    let fixture = Fixture::new(Some(review), &["sleep", "8"], &["approve"]);
+    let github = FakeGithub::start(fixture.dir.path());
+    let bare = format!("file://{}", fixture.bare.display());
+    let mut cluster = cluster_with(fixture, &github, 1).await;
+    let (event, mut payload) = examples()
+        .into_iter()
+        .find(|(e, p)| e == "issues" && p["action"] == "labeled")
+        .unwrap();
+    payload["repository"]["clone_url"] = bare.into();
+    payload["repository"]["default_branch"] = "main".into();
+    assert_eq!(
+        deliver(&cluster, &event, &payload, "e2e-1", None).await,
+        202
+    );
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let run_id = loop {
+        let runs = cluster.runs_of_ticket("HELLO_WORLD-1").await;
+        let commented = !github.comments.lock().unwrap().is_empty();
+        if let (Some(run), true) = (runs.first(), commented) {
+            break run["run_id"].as_str().unwrap().to_string();
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no run or no comment\n{}",
+            cluster.logs()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    cluster.wait_running(&run_id).await;
+    let code = cluster
+        .dispatcher
+        .as_mut()
+        .unwrap()
+        .terminate(Duration::from_secs(15));
+    assert_eq!(code, Some(0), "{}", cluster.logs());
+    cluster.start_dispatcher();
+    let (view, _) = cluster.wait_one(&run_id, Duration::from_secs(180)).await;
+    assert_eq!(view["state"], "delivered", "{view}\n{}", cluster.logs());
+    // The follower writes the final state within its next round.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let body = loop {
+        let comments = github.comments.lock().unwrap().clone();
+        assert_eq!(
+            comments.len(),
+            1,
+            "one comment, never a second: {comments:?}"
+        );
+        let body = comments[0].1["body"].as_str().unwrap_or("").to_string();
+        if body.contains("**delivered**") {
+            break body;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the comment never showed the end: {body}\n{}",
+            cluster.logs()
+        );
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    };
+    assert!(
+        body.contains(&format!("<!-- forgepool:run:{run_id} -->")),
+        "{body}"
+    );
+    assert!(
+        body.contains(&format!("https://forgepool.example/runs/{run_id}")),
+        "{body}"
+    );
+    assert!(
+        body.contains("| 1 | approved |"),
+        "the review cycle is shown: {body}"
+    );
+    let edits = github
+        .seen()
+        .iter()
+        .filter(|(m, p, _)| {
+            m == "PATCH" && p.starts_with("/repos/Codertocat/Hello-World/issues/comments/")
+        })
+        .count();
+    assert!(edits >= 1, "the comment was edited in place");
+    let prompt = cluster
+        .fixture
+        .branch_file("forge/hello_world-1", "received_prompt.md");
+    assert!(prompt.contains("Add the feature."), "{prompt}");
+    assert!(
+        !prompt.contains(HIDDEN),
+        "the hidden instruction reached the implementer: {prompt}"
+    );
+    let events = cluster.event_stream(&run_id).await;
+    assert!(
+        events.contains("\"kind\":\"tracker\"") || events.contains("\"tracker\""),
+        "tracker actions are events of the run"
+    );
+    assert!(!events.contains(TOKEN) && !cluster.logs().contains(TOKEN));
+    let prism = std::fs::read_to_string(&github.log).unwrap_or_default();
+    assert!(
+        !prism.contains('✖'),
+        "a request broke GitHub's description:\n{prism}"
+    );
 }
