@@ -113,6 +113,17 @@ enum Command {
     /// exits; `forgepool dispatcher` runs it as a short-lived child.
     #[command(hide = true)]
     MigrateStore,
+    /// Continue a delivered run's branch with feedback: a new run whose delivery adds a commit
+    /// to the same branch and pull request.
+    FollowUp {
+        /// The delivered run.
+        run_id: String,
+        /// What the implementer is asked to change.
+        #[arg(long)]
+        feedback: String,
+        #[command(flatten)]
+        client: config::ClientArgs,
+    },
     /// The issue trackers of FORGEPOOL_TRACKERS_FILE (SPEC 17).
     Trackers {
         #[command(subcommand)]
@@ -234,6 +245,11 @@ fn main() -> ExitCode {
                 }
             }
             Command::Cancel { run_id, client } => client::cancel(&client, &run_id).await,
+            Command::FollowUp {
+                run_id,
+                feedback,
+                client,
+            } => client::follow_up(&client, &run_id, &feedback).await,
             Command::Trackers {
                 action: TrackersAction::Check { file },
             } => services::check_trackers(&file).await,

@@ -633,3 +633,141 @@ async fn a_label_runs_the_ticket_and_one_comment_follows_it_to_the_end() {
         "a request broke GitHub's description:\n{prism}"
     );
 }
+
+/// The ticket delivered, then GitHub's own review-comment example (a comment on a line of the
+/// run's pull request, its head the run's branch) mentioning the handle: a follow-up run
+/// starts from the delivered branch, its implementer's prompt carries the comment with the
+/// file and hunk as `## Reviewer Feedback`, and its delivery adds a second commit on the
+/// same branch. A second follow-up, during which a person pushes to the branch, is not
+/// delivered and the person's commit stays the branch's head.
+/// Catches: a follow-up that starts from the base again (one commit, not two), feedback that
+/// never reaches the implementer, a delivery that overwrites a person's push.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_review_comment_adds_a_commit_and_a_persons_push_is_never_overwritten() {
+    let review = "---\nmax_retries: 1\n---\n# Review\nCheck the change.\n";
+    let fixture = Fixture::new(Some(review), &["sleep", "6"], &["approve"]);
+    let github = FakeGithub::start(fixture.dir.path());
+    let bare = fixture.bare.clone();
+    let cluster = cluster_with(fixture, &github, 1).await;
+    let all = examples();
+    let (event, mut payload) = all
+        .iter()
+        .find(|(e, p)| e == "issues" && p["action"] == "labeled")
+        .cloned()
+        .unwrap();
+    payload["repository"]["clone_url"] = format!("file://{}", bare.display()).into();
+    payload["repository"]["default_branch"] = "main".into();
+    assert_eq!(deliver(&cluster, &event, &payload, "f-1", None).await, 202);
+    let first = wait_run(&cluster, "HELLO_WORLD-1", 1).await;
+    let (view, _) = cluster.wait_one(&first, Duration::from_secs(120)).await;
+    assert_eq!(view["state"], "delivered", "{view}\n{}", cluster.logs());
+    let branch = "forge/hello_world-1";
+    let delivered = git(&bare, &["rev-parse", branch]);
+
+    let (event, mut comment) = all
+        .iter()
+        .find(|(e, p)| e == "pull_request_review_comment" && p["action"] == "created")
+        .cloned()
+        .unwrap();
+    comment["pull_request"]["head"]["ref"] = branch.into();
+    comment["comment"]["body"] = "@forgepool please add tests for this line".into();
+    comment["comment"]["id"] = 7001.into();
+    assert_eq!(deliver(&cluster, &event, &comment, "f-2", None).await, 202);
+    let second = wait_run(&cluster, "HELLO_WORLD-1", 2).await;
+    let (view, _) = cluster.wait_one(&second, Duration::from_secs(120)).await;
+    assert_eq!(view["state"], "delivered", "{view}\n{}", cluster.logs());
+    let head = git(&bare, &["rev-parse", branch]);
+    assert_eq!(
+        git(&bare, &["rev-parse", &format!("{head}^")]),
+        delivered,
+        "the follow-up's commit sits on the first delivery"
+    );
+    let prompt = cluster.fixture.branch_file(branch, "received_prompt.md");
+    assert!(
+        prompt.contains("## Reviewer Feedback")
+            && prompt.contains("please add tests for this line"),
+        "{prompt}"
+    );
+    let path = comment["comment"]["path"].as_str().unwrap();
+    assert!(
+        prompt.contains(&format!("File: `{path}`")),
+        "the line's file and hunk: {prompt}"
+    );
+    let comments = github.comments.lock().unwrap().clone();
+    assert_eq!(
+        comments.len(),
+        2,
+        "one comment per run, on the issue: {comments:?}"
+    );
+    assert!(comments
+        .iter()
+        .all(|(issue, _)| issue == "Codertocat/Hello-World#1"));
+
+    // A second follow-up; a person pushes to the branch while its implementer works.
+    comment["comment"]["id"] = 7002.into();
+    comment["comment"]["body"] = "@forgepool one more change".into();
+    assert_eq!(deliver(&cluster, &event, &comment, "f-3", None).await, 202);
+    let third = wait_run(&cluster, "HELLO_WORLD-1", 3).await;
+    cluster.wait_running(&third).await;
+    let person = tempfile::tempdir().unwrap();
+    let work = person.path().join("w");
+    git(
+        person.path(),
+        &["clone", "-q", "-b", branch, bare.to_str().unwrap(), "w"],
+    );
+    std::fs::write(work.join("person.txt"), "mine\n").unwrap();
+    git(&work, &["add", "person.txt"]);
+    git(
+        &work,
+        &[
+            "-c",
+            "user.name=P",
+            "-c",
+            "user.email=p@example.com",
+            "commit",
+            "-q",
+            "-m",
+            "a person's commit",
+        ],
+    );
+    git(&work, &["push", "-q", "origin", branch]);
+    let pushed = git(&work, &["rev-parse", "HEAD"]);
+    let (view, _) = cluster.wait_one(&third, Duration::from_secs(120)).await;
+    assert_ne!(view["state"], "delivered", "{view}");
+    assert!(
+        view.to_string()
+            .contains("moved after this follow-up started"),
+        "{view}"
+    );
+    assert_eq!(
+        git(&bare, &["rev-parse", branch]),
+        pushed,
+        "the person's commit is the head"
+    );
+}
+
+/// Waits until `ticket` has `count` runs; the newest one's id.
+async fn wait_run(cluster: &common::cluster::Cluster, ticket: &str, count: usize) -> String {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let runs = cluster.runs_of_ticket(ticket).await;
+        if runs.len() >= count {
+            return runs[0]["run_id"].as_str().unwrap().to_string();
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{ticket} never had {count} runs\n{}",
+            cluster.logs()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+fn git(dir: &Path, args: &[&str]) -> String {
+    let output = common::output_within(
+        Command::new("git").arg("-C").arg(dir).args(args),
+        common::COMMAND_LIMIT,
+    );
+    assert!(output.status.success(), "git {args:?}: {output:?}");
+    String::from_utf8_lossy(&output.stdout).trim().to_string()
+}

@@ -454,3 +454,27 @@ pub async fn cancel(args: &ClientArgs, run_id: &str) -> i32 {
         Err(failure) => failure.report(),
     }
 }
+
+/// `forgepool follow-up RUN_ID --feedback TEXT`: a new run continuing a delivered run's
+/// branch with the feedback (SPEC 17).
+pub async fn follow_up(args: &ClientArgs, run_id: &str, feedback: &str) -> i32 {
+    let client = Client::new(args);
+    let path = format!("/v1/runs/{run_id}/follow-up");
+    let request = client
+        .request(reqwest::Method::POST, &path)
+        .json(&serde_json::json!({ "feedback": feedback }));
+    match client.call::<proto::SubmitResponse>(request).await {
+        Ok(answer) if args.output == OutputFormat::Json => {
+            json(&answer);
+            0
+        }
+        Ok(answer) => {
+            println!(
+                "Follow-up of run {run_id} accepted as run {} ({})",
+                answer.run_id, answer.state
+            );
+            0
+        }
+        Err(failure) => failure.report(),
+    }
+}

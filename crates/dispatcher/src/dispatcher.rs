@@ -152,14 +152,25 @@ impl Dispatcher {
         request: RunRequest,
         key: Option<&str>,
     ) -> Result<Submission, SubmitFailure> {
+        self.submit_continuing(request, key, None).await
+    }
+
+    /// Like [`Dispatcher::submit_once`], for a run that continues another (SPEC 17).
+    pub(crate) async fn submit_continuing(
+        &self,
+        request: RunRequest,
+        key: Option<&str>,
+        follow_up: Option<proto::FollowUp>,
+    ) -> Result<Submission, SubmitFailure> {
         let freezer = Freezer::from_process_env(&self.skills_dir, self.agents.clone())
             .with_allowed_schemes(self.allowed_schemes.clone());
         // Freezing reads the skill's files: on a blocking thread, never the runtime's. It comes
         // before the key is looked up: a request that is not valid is refused as such, repeated
         // key or not, and freezing stores nothing.
-        let frozen = tokio::task::spawn_blocking(move || freezer.freeze(request))
+        let mut frozen = tokio::task::spawn_blocking(move || freezer.freeze(request))
             .await
             .unwrap_or_else(|panicked| std::panic::resume_unwind(panicked.into_panic()))?;
+        frozen.job.follow_up = follow_up;
         if let Some(key) = key {
             if let Some(first) = self.store.run_of_key(key).await? {
                 return self.repeat(first, key, &frozen.job).await;

@@ -160,6 +160,7 @@ impl Freezer {
 
         let job = Job {
             budget: request.budget.clone(),
+            follow_up: None,
             schema_version: SCHEMA_VERSION,
             run_id: Uuid::new_v4(),
             ticket: request.ticket,

@@ -8,6 +8,7 @@ pub mod agents;
 mod allotments;
 pub mod amqp;
 pub mod dispatcher;
+pub mod follow_up;
 pub mod freeze;
 pub mod http;
 pub mod names;

@@ -60,10 +60,25 @@ pub struct Job {
     /// epoch and the copy's expiry, under the job's signature. A worker runs no job without it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub publication: Option<crate::Publication>,
+    /// Set on a follow-up round (SPEC 17): the run it continues and the feedback it answers.
+    /// Its repository ref is that run's delivered branch; its delivery adds a commit there and
+    /// never overwrites a commit pushed after the round started.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub follow_up: Option<FollowUp>,
     /// The SHA-256 of the request the job was frozen from (its canonical JSON), so that a
     /// submission key repeated with another request is told apart from a true repeat.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub request_digest: Option<String>,
+}
+
+/// What a follow-up round continues (SPEC 17).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct FollowUp {
+    /// The run whose delivered branch this round starts from.
+    pub of: Uuid,
+    /// The feedback, given to the implementer as `## Reviewer Feedback`.
+    pub feedback: String,
 }
 
 impl Job {

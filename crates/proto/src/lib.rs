@@ -50,7 +50,7 @@ pub use execution::{
     answer_signed_bytes, ExecutionAnswer, ExecutionQuery, Publication, MAX_LOST_EXECUTIONS,
 };
 pub use job::{
-    check_egress_entry, AgentProfile, Job, Network, ReviewConfig, DEFAULT_DISK_BYTES,
+    check_egress_entry, AgentProfile, FollowUp, Job, Network, ReviewConfig, DEFAULT_DISK_BYTES,
     MAX_PAUSE_SECONDS,
 };
 pub use request::{AgentChoice, Assurance, RepositoryRef, RunRequest, VerifyCommand};

@@ -177,6 +177,7 @@ impl Tracker for Github {
                 .as_str()
                 .unwrap_or("main")
                 .to_string(),
+            head_ref: subject["head"]["ref"].as_str().map(String::from),
         })))
     }
 
@@ -282,6 +283,19 @@ impl Tracker for Github {
             .map(|_| ())
     }
 
+    async fn pull_head(&self, issue: &IssueRef) -> Result<String, TrackerError> {
+        let answer = self
+            .get(&format!(
+                "/repos/{}/pulls/{}",
+                issue.repository, issue.number
+            ))
+            .await?;
+        answer["head"]["ref"]
+            .as_str()
+            .map(String::from)
+            .ok_or_else(|| TrackerError::Answer("the pull request names no head branch".into()))
+    }
+
     async fn react(&self, issue: &IssueRef, mention: &Mention) -> Result<(), TrackerError> {
         let path = match mention.place {
             CommentPlace::Issue => format!(
@@ -355,7 +369,23 @@ impl Github {
         } else {
             String::new()
         };
-        Ok(Ask::Mention(Mention { id, body, place }))
+        let context = (place == CommentPlace::ReviewLine).then(|| {
+            let line = comment["line"]
+                .as_u64()
+                .or(comment["original_line"].as_u64());
+            format!(
+                "File: `{}`{}\n\n```diff\n{}\n```",
+                comment["path"].as_str().unwrap_or("?"),
+                line.map(|l| format!(", line {l}")).unwrap_or_default(),
+                comment["diff_hunk"].as_str().unwrap_or("").trim_end()
+            )
+        });
+        Ok(Ask::Mention(Mention {
+            id,
+            body,
+            place,
+            context,
+        }))
     }
 }
 

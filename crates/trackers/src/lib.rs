@@ -72,6 +72,8 @@ pub struct Mention {
     pub body: String,
     /// What kind of comment (for its reaction's address).
     pub place: CommentPlace,
+    /// For a comment on a line of a change: the file, the line and the hunk, as Markdown.
+    pub context: Option<String>,
 }
 
 /// Where a comment was written.
@@ -111,6 +113,8 @@ pub struct Happening {
     pub clone_url: String,
     /// The repository's default branch.
     pub default_branch: String,
+    /// For an event on a pull request: its head branch, when the event names it.
+    pub head_ref: Option<String>,
 }
 
 /// What a delivery turned out to be.
@@ -184,6 +188,11 @@ pub trait Tracker: Send + Sync {
         id: u64,
         body: &str,
     ) -> impl Future<Output = Result<(), TrackerError>> + Send;
+    /// A pull request's head branch.
+    fn pull_head(
+        &self,
+        issue: &IssueRef,
+    ) -> impl Future<Output = Result<String, TrackerError>> + Send;
     /// Marks a comment as seen (GitHub: 👀).
     fn react(
         &self,

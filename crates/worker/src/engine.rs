@@ -471,10 +471,10 @@ impl<R: ContainerRuntime> Engine<R> {
             (Some(checkpoint), _) => (checkpoint, "checkpoint"),
             (None, kept) => match kept {
                 Ok(Some(progress)) => (progress, "progress"),
-                Ok(None) => return Ok((RunMachine::new(run.limits()), false)),
+                Ok(None) => return Ok((RunMachine::for_job(run.limits(), run.job), false)),
                 Err(error) => {
                     warn!(%error, "cannot read the run's progress; starting from round 1");
-                    return Ok((RunMachine::new(run.limits()), false));
+                    return Ok((RunMachine::for_job(run.limits(), run.job), false));
                 }
             },
         };

@@ -9,6 +9,7 @@
 
 mod body;
 mod events;
+mod follow_up;
 mod glance;
 mod guard;
 mod health;
@@ -63,6 +64,7 @@ pub fn router(dispatcher: Arc<Dispatcher>) -> Router {
         .route("/v1/pool", get(glance::pool))
         .route("/v1/runs/{id}/cancel", post(cancel))
         .route("/v1/runs/{id}/resume", post(resume))
+        .route("/v1/runs/{id}/follow-up", post(follow_up::follow_up))
         .route_layer(middleware::from_fn_with_state(
             Arc::clone(&dispatcher),
             authenticate,

@@ -5,7 +5,7 @@
 use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
 use utoipa::{Modify, OpenApi};
 
-use super::{events, glance, health, runs};
+use super::{events, follow_up, glance, health, runs};
 
 /// The document's description: the rules a schema cannot state.
 const DESCRIPTION: &str = "forgepool's dispatcher: submit coding-agent runs, follow their \
@@ -32,6 +32,7 @@ the body is over 1 MiB.\n\nWhen the dispatcher has a token (`FORGEPOOL_API_TOKEN
         glance::pool,
         runs::cancel,
         runs::resume,
+        follow_up::follow_up,
         health::healthz,
         health::ready,
         health::metrics,

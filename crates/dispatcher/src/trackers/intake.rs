@@ -142,10 +142,11 @@ async fn start(
         .await
         .map_err(|e| e.to_string())?;
     if happening.pull_request || (mention.is_some() && !earlier.is_empty()) {
-        // A mention on a run's pull request, or on an issue that had a run: a follow-up
-        // round, which this release does not make yet.
-        info!(tracker = %config.name, issue = %issue_key, "a follow-up was asked; follow-up rounds are not built yet");
-        return Ok("ignored");
+        // A mention on a run's pull request, or on an issue that had a run: a follow-up.
+        let Some(mention) = mention else {
+            return Ok("ignored");
+        };
+        return follow_up(dispatcher, tracker, happening, mention, claim_key).await;
     }
     if mention.is_none() && !earlier.is_empty() {
         return Ok("duplicate");
@@ -210,6 +211,126 @@ async fn start(
     }
     comment::follow(Arc::clone(dispatcher), Arc::clone(tracker), claim);
     Ok("started")
+}
+
+/// A follow-up round asked on the issue or on the run's pull request: the ticket's latest
+/// delivered run is continued with the comment (and a line comment's file, line and hunk).
+async fn follow_up(
+    dispatcher: &Arc<Dispatcher>,
+    tracker: &Arc<AnyTracker>,
+    happening: &Happening,
+    mention: &trackers::Mention,
+    claim_key: String,
+) -> Result<&'static str, String> {
+    let t = tracker.get();
+    let config = t.config();
+    let Some((ticket, issue)) = ticket_of(t, happening).await? else {
+        return Ok("ignored");
+    };
+    let (runs, _) = dispatcher
+        .store
+        .list_runs(crate::store::RunFilter {
+            ticket: Some(ticket.clone()),
+            limit: 100,
+            ..Default::default()
+        })
+        .await
+        .map_err(|e| e.to_string())?;
+    let delivered = runs.iter().find(|r| {
+        matches!(
+            r.state,
+            proto::RunState::Delivered | proto::RunState::DeliveredWithWarnings
+        )
+    });
+    let Some(previous) = delivered else {
+        info!(tracker = %config.name, %ticket, "a follow-up was asked of a ticket with no delivered run");
+        return Ok("ignored");
+    };
+    let mut feedback = text::clean(&mention.body, trackers::MAX_BRIEF_BYTES);
+    if let Some(context) = &mention.context {
+        feedback = format!(
+            "{feedback}\n\n{}",
+            text::clean(context, trackers::MAX_BRIEF_BYTES)
+        );
+    }
+    let key = format!("tracker:{}:{claim_key}", config.name);
+    let run_id = match dispatcher
+        .follow_up(
+            previous.run_id,
+            &feedback,
+            Some(&key),
+            config.max_follow_ups,
+        )
+        .await
+    {
+        Ok(Submission::New(frozen)) => frozen.job.run_id,
+        Ok(Submission::Repeat(_)) => return Ok("duplicate"),
+        Err(refused) => {
+            warn!(tracker = %config.name, %ticket, ?refused, "a follow-up was not started");
+            return Ok("ignored");
+        }
+    };
+    let claim = Claim {
+        tracker: config.name.clone(),
+        claim: claim_key,
+        issue: issue.key(),
+        run_id,
+        comment_id: None,
+        finished: false,
+    };
+    if !dispatcher
+        .store
+        .tracker_claim(&claim)
+        .await
+        .map_err(|e| e.to_string())?
+    {
+        return Ok("duplicate");
+    }
+    let reacted = t.react(&happening.issue, mention).await;
+    comment::record_action(
+        dispatcher,
+        run_id,
+        config,
+        "react",
+        reacted.err().map(|e| e.to_string()),
+    )
+    .await;
+    comment::follow(Arc::clone(dispatcher), Arc::clone(tracker), claim);
+    Ok("followed_up")
+}
+
+/// The ticket a follow-up is asked of, and its issue: for a pull request, from its head
+/// branch (`forge/{ticket}`); `None` for a pull request that is not a run's.
+async fn ticket_of(
+    t: &impl Tracker,
+    happening: &Happening,
+) -> Result<Option<(String, IssueRef)>, String> {
+    let config = t.config();
+    Ok(Some(if happening.pull_request {
+        let head = match &happening.head_ref {
+            Some(head) => head.clone(),
+            None => t
+                .pull_head(&happening.issue)
+                .await
+                .map_err(|e| e.to_string())?,
+        };
+        let Some(ticket) = head.strip_prefix("forge/").map(str::to_ascii_uppercase) else {
+            return Ok(None);
+        };
+        let Some(number) = ticket.rsplit('-').next().and_then(|n| n.parse().ok()) else {
+            return Ok(None);
+        };
+        let issue = IssueRef {
+            repository: happening.issue.repository.clone(),
+            number,
+        };
+        (ticket, issue)
+    } else {
+        (
+            trackers::ticket_key(config, &happening.issue),
+            happening.issue.clone(),
+        )
+    }))
 }
 
 /// The brief: the title, the body, and the comments of permitted people up to the trigger,

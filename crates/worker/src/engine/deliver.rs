@@ -54,7 +54,17 @@ impl<R: ContainerRuntime> Engine<R> {
                     }
                 }
             };
-        let replaces = seen.as_ref().map(|(commit, _)| commit.as_str());
+        let mut replaces = seen.as_ref().map(|(commit, _)| commit.as_str());
+        if job.follow_up.is_some() {
+            // A follow-up adds a commit on the head it started from, and only there: a commit
+            // pushed to the branch since (a person's, another run's) is never overwritten.
+            if replaces.is_some_and(|head| head != run.base) {
+                return Input::DeliveryFailed {
+                    reason: format!("{branch} moved after this follow-up started from {} (a commit was pushed to it meanwhile); the commit is kept and this round's change is not pushed: ask again to start from the new head", short(&run.base)),
+                };
+            }
+            replaces = Some(run.base.as_str());
+        }
         crate::fault::point("before-push");
         let pushed = git::push(&run.repo, &job.repository.url, &commit, &branch, replaces).await;
         if pushed.is_ok() {

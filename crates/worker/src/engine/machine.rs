@@ -117,6 +117,18 @@ impl RunMachine {
         RunMachine(MachineState { limits, ..state })
     }
 
+    /// A machine at round 1 of `job`: a follow-up's first round answers its feedback.
+    pub fn for_job(limits: Limits, job: &proto::Job) -> RunMachine {
+        let mut machine = RunMachine::new(limits);
+        if let Some(follow_up) = &job.follow_up {
+            machine.0.phase = Phase::Implement {
+                round: 1,
+                reason: RoundReason::Review(follow_up.feedback.clone()),
+            };
+        }
+        machine
+    }
+
     /// A machine at round 1.
     pub fn new(limits: Limits) -> RunMachine {
         RunMachine(MachineState {
