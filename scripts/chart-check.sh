@@ -83,6 +83,13 @@ grep -q 'vhostName: "agents"' <<<"$keda" || { echo "KEDA misreads the vhost of a
 grace="$("$helm" template forgepool "$chart" --show-only templates/worker.yaml | grep -A1 'FORGEPOOL_DRAIN_SECONDS' | grep -o '"[0-9]*"')"
 [ "$grace" = '"1860"' ] || { echo "the default drain time is $grace, not the longest profile timeout (1800) plus 60" >&2; exit 1; }
 
+# The trackers' Ingress routes the webhook route and nothing else of the API.
+paths="$("$helm" template forgepool "$chart" -f helm/ci/all-on.yaml --show-only templates/dispatcher.yaml \
+  | python3 -c 'import sys; docs = sys.stdin.read().split("\n---"); print("".join(d for d in docs if "kind: Ingress" in d and "name: forgepool-trackers" in d))' \
+  | grep -- '- path:' || true)"
+[ "$(echo "$paths" | tr -d ' ')" = "-path:/v1/trackers/" ] || { echo "the trackers' Ingress routes more than /v1/trackers/: $paths" >&2; exit 1; }
+echo "the trackers' Ingress routes /v1/trackers/ only"
+
 # What a default install creates (for the docs and the closing note).
 echo "a default install creates:"
 grep -h '^kind:' "$out/default.yaml" | sort | uniq -c
