@@ -17,7 +17,7 @@ use crate::store::Store;
 /// redelivers).
 const QUEUE: usize = 4096;
 /// The most deliveries one tracker may send in a second; past it, 429.
-const PER_SECOND: u32 = 400;
+const PER_SECOND: u32 = 2000;
 
 /// The trackers of `FORGEPOOL_TRACKERS_FILE`.
 pub struct Trackers {
