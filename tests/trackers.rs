@@ -68,6 +68,7 @@ impl FakeGithub {
         repository["source"]["language"] = "Rust".into();
         repository["permissions"] =
             json!({"admin": false, "maintain": false, "push": true, "triage": true, "pull": true});
+        let (listed, events) = (example("issue-items"), example("issue-event-items"));
         let (mut user, permission, issue, comment, reaction) = (
             example("private-user"),
             example("repository-collaborator-permission-response-if-user-has-admin-permissions"),
@@ -95,6 +96,40 @@ impl FakeGithub {
             match (method, parts.as_slice()) {
                 ("GET", ["user"]) => (200, user.clone()),
                 ("GET", ["repos", "Codertocat", "Hello-World"]) => (200, repository.clone()),
+                // The reconciling poll: issues 9 (labelled by Codertocat) and 10 (by a
+                // stranger) carry the label; their webhooks were lost.
+                ("GET", ["repos", "Codertocat", "Hello-World", "issues"])
+                    if request.query.contains("labels=bug") =>
+                {
+                    let items: Vec<Value> = [9u64, 10]
+                        .iter()
+                        .map(|n| {
+                            let mut item = listed[0].clone();
+                            item["number"] = (*n).into();
+                            item["state"] = "open".into();
+                            item.as_object_mut().unwrap().remove("pull_request");
+                            item
+                        })
+                        .collect();
+                    (200, Value::Array(items))
+                }
+                ("GET", ["repos", _, _, "issues", number, "events"]) => {
+                    let mut event = events[0].clone();
+                    event["event"] = "labeled".into();
+                    event["label"] = json!({"name": "bug", "color": "f29513"});
+                    event["actor"]["login"] = if *number == "9" {
+                        "Codertocat"
+                    } else {
+                        "stranger"
+                    }
+                    .into();
+                    event["actor"]["type"] = "User".into();
+                    // The fields GitHub's description requires of a `labeled` event.
+                    for field in ["performed_via_github_app", "commit_id", "commit_url"] {
+                        event[field] = Value::Null;
+                    }
+                    (200, Value::Array(vec![event]))
+                }
                 ("GET", ["repos", _, _, "collaborators", login, "permission"]) => {
                     let role = match *login {
                         "Codertocat" => "admin",
@@ -235,11 +270,15 @@ fn examples() -> Vec<(String, Value)> {
 }
 
 fn trackers_file(fixture: &Fixture, github: &FakeGithub) -> std::path::PathBuf {
+    trackers_file_with(fixture, github, "poll_seconds = 0\n")
+}
+
+fn trackers_file_with(fixture: &Fixture, github: &FakeGithub, extra: &str) -> std::path::PathBuf {
     let path = fixture.dir.path().join("trackers.toml");
     std::fs::write(
         &path,
         format!(
-            "run_url = \"https://forgepool.example/runs/{{run_id}}\"\n[[tracker]]\nname = \"github\"\nkind = \"github\"\napi_url = \"http://127.0.0.1:{}\"\ntoken_env = \"TRACKER_TOKEN\"\nsecret_env = \"TRACKER_SECRET\"\nlabel = \"bug\"\nrepositories = [\"Codertocat/Hello-World\", \"gagbo/*\"]\nskill = \"implement-task\"\n",
+            "run_url = \"https://forgepool.example/runs/{{run_id}}\"\n[[tracker]]\nname = \"github\"\nkind = \"github\"\napi_url = \"http://127.0.0.1:{}\"\ntoken_env = \"TRACKER_TOKEN\"\nsecret_env = \"TRACKER_SECRET\"\nlabel = \"bug\"\nrepositories = [\"Codertocat/Hello-World\", \"gagbo/*\"]\nskill = \"implement-task\"\n{extra}",
             github.port
         ),
     )
@@ -254,6 +293,14 @@ async fn cluster_with(
     workers: usize,
 ) -> common::cluster::Cluster {
     let file = trackers_file(&fixture, github);
+    cluster_with_file(fixture, &file, workers).await
+}
+
+async fn cluster_with_file(
+    fixture: Fixture,
+    file: &Path,
+    workers: usize,
+) -> common::cluster::Cluster {
     let options = common::cluster::Options {
         env: vec![
             ("FORGEPOOL_TRACKERS_FILE".into(), file.display().to_string()),
@@ -904,4 +951,43 @@ async fn a_thousand_deliveries_start_one_run_per_issue() {
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
     eprintln!("1,000 deliveries answered in {took:?}");
+}
+
+/// The reconciling poll: two open issues carry the label but their webhooks were lost. The
+/// one a permitted person labelled gets one run, however many polls see it; the one a
+/// stranger labelled gets none.
+/// Catches: a lost webhook that drops a ticket, a poll that starts a run at each pass, a
+/// poll that takes the label for permission.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_poll_finds_a_labelled_issue_whose_webhook_was_lost() {
+    let fixture = Fixture::new(None, &["change"], &["approve"]);
+    let github = FakeGithub::start(fixture.dir.path());
+    let file = trackers_file_with(&fixture, &github, "poll_seconds = 1\n");
+    let cluster = cluster_with_file(fixture, &file, 0).await;
+    wait_run(&cluster, "HELLO_WORLD-9", 1).await;
+    // Several more polls.
+    let listed = || {
+        github
+            .seen()
+            .iter()
+            .filter(|(m, p, _)| m == "GET" && p == "/repos/Codertocat/Hello-World/issues")
+            .count()
+    };
+    let polls = listed();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while listed() < polls + 3 {
+        assert!(
+            Instant::now() < deadline,
+            "the poll stopped\n{}",
+            cluster.logs()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert_eq!(cluster.runs_of_ticket("HELLO_WORLD-9").await.len(), 1);
+    assert_eq!(cluster.runs_of_ticket("HELLO_WORLD-10").await.len(), 0);
+    let prism = std::fs::read_to_string(&github.log).unwrap_or_default();
+    assert!(
+        !prism.contains('✖'),
+        "a request broke GitHub's description:\n{prism}"
+    );
 }

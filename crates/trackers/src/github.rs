@@ -283,6 +283,66 @@ impl Tracker for Github {
             .map(|_| ())
     }
 
+    async fn labelled(&self, repository: &str) -> Result<Vec<Happening>, TrackerError> {
+        let label = &self.config.label;
+        let repo = self.get(&format!("/repos/{repository}")).await?;
+        let clone_url = repo["clone_url"].as_str().unwrap_or("").to_string();
+        let default_branch = repo["default_branch"]
+            .as_str()
+            .unwrap_or("main")
+            .to_string();
+        let issues = self
+            .get(&format!(
+                "/repos/{repository}/issues?state=open&per_page=100&labels={}",
+                encode(label)
+            ))
+            .await?;
+        let mut found = Vec::new();
+        for issue in issues.as_array().into_iter().flatten() {
+            let Some(number) = issue["number"].as_u64() else {
+                continue;
+            };
+            if !issue["pull_request"].is_null() {
+                continue;
+            }
+            let issue_ref = IssueRef {
+                repository: repository.to_string(),
+                number,
+            };
+            // Who added the label last: the person whose permission decides.
+            let events = self
+                .get(&format!(
+                    "/repos/{repository}/issues/{number}/events?per_page=100"
+                ))
+                .await?;
+            let labeller = events
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter(|e| e["event"] == "labeled")
+                .filter(|e| {
+                    e["label"]["name"]
+                        .as_str()
+                        .is_some_and(|n| n.eq_ignore_ascii_case(label))
+                })
+                .next_back()
+                .map(|e| actor(&e["actor"]));
+            let Some(actor) = labeller else {
+                continue;
+            };
+            found.push(Happening {
+                issue: issue_ref,
+                pull_request: false,
+                actor,
+                ask: Ask::Start,
+                clone_url: clone_url.clone(),
+                default_branch: default_branch.clone(),
+                head_ref: None,
+            });
+        }
+        Ok(found)
+    }
+
     async fn pull_head(&self, issue: &IssueRef) -> Result<String, TrackerError> {
         let answer = self
             .get(&format!(

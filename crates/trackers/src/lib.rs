@@ -188,6 +188,13 @@ pub trait Tracker: Send + Sync {
         id: u64,
         body: &str,
     ) -> impl Future<Output = Result<(), TrackerError>> + Send;
+    /// The open issues of `repository` carrying the tracker's label (not pull requests), at
+    /// most the first 100, each as the reconciling poll's happening: the person who last
+    /// added the label, the repository's clone URL and default branch.
+    fn labelled(
+        &self,
+        repository: &str,
+    ) -> impl Future<Output = Result<Vec<Happening>, TrackerError>> + Send;
     /// A pull request's head branch.
     fn pull_head(
         &self,

@@ -61,6 +61,11 @@ pub fn start(dispatcher: Arc<Dispatcher>) {
             });
         }
     }
+    for tracker in trackers.entries.values() {
+        if tracker.get().config().poll_seconds > 0 {
+            tokio::spawn(poll(Arc::clone(&dispatcher), Arc::clone(tracker)));
+        }
+    }
     tokio::spawn(async move {
         match dispatcher.store.tracker_claims(None, None).await {
             Ok(claims) => {
@@ -76,4 +81,31 @@ pub fn start(dispatcher: Arc<Dispatcher>) {
             }
         }
     });
+}
+
+/// The reconciling poll (SPEC 17): every `poll_seconds`, the open issues carrying the label in
+/// each repository the entry names exactly (a glob cannot be listed) go the way of a webhook's
+/// label event, so a lost delivery delays a run and never drops it; an issue already claimed
+/// starts nothing. The person who added the label is the one whose permission decides.
+async fn poll(dispatcher: Arc<Dispatcher>, tracker: Arc<trackers::AnyTracker>) {
+    let config = tracker.get().config().clone();
+    let every = std::time::Duration::from_secs(config.poll_seconds);
+    loop {
+        tokio::select! {
+            () = tokio::time::sleep(every) => {}
+            () = dispatcher.stopping.cancelled() => return,
+        }
+        for repository in config.repositories.iter().filter(|r| !r.contains('*')) {
+            match tracker.get().labelled(repository).await {
+                Ok(found) => {
+                    for happening in found {
+                        intake::handle(&dispatcher, &tracker, happening).await;
+                    }
+                }
+                Err(error) => {
+                    warn!(tracker = %config.name, %repository, %error, "the reconciling poll could not list the labelled issues");
+                }
+            }
+        }
+    }
 }
