@@ -464,6 +464,7 @@ mod tests {
     fn job_round_trips_and_holds_secret_names_only() {
         let job = Job {
             budget: None,
+            follow_up: None,
             schema_version: crate::SCHEMA_VERSION,
             run_id: Uuid::new_v4(),
             ticket: "MYPROJECT-123".into(),

@@ -319,13 +319,12 @@ impl Tracker for Github {
                 .as_array()
                 .into_iter()
                 .flatten()
-                .filter(|e| e["event"] == "labeled")
-                .filter(|e| {
-                    e["label"]["name"]
-                        .as_str()
-                        .is_some_and(|n| n.eq_ignore_ascii_case(label))
+                .rfind(|e| {
+                    e["event"] == "labeled"
+                        && e["label"]["name"]
+                            .as_str()
+                            .is_some_and(|n| n.eq_ignore_ascii_case(label))
                 })
-                .next_back()
                 .map(|e| actor(&e["actor"]));
             let Some(actor) = labeller else {
                 continue;
