@@ -991,3 +991,91 @@ async fn the_poll_finds_a_labelled_issue_whose_webhook_was_lost() {
         "a request broke GitHub's description:\n{prism}"
     );
 }
+
+/// Stopping from the issue: a stranger's `@forgepool stop` changes nothing; a permitted
+/// person's cancels the ticket's run; closing another issue cancels its run.
+/// Catches: a stop that anyone may give, a stop that does not reach the run, a closed issue
+/// whose run goes on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stop_order_or_a_closed_issue_cancels_the_run() {
+    let fixture = Fixture::new(None, &["change"], &["approve"]);
+    let github = FakeGithub::start(fixture.dir.path());
+    let cluster = cluster_with(fixture, &github, 0).await;
+    let all = examples();
+    let (event, labeled) = all
+        .iter()
+        .find(|(e, p)| e == "issues" && p["action"] == "labeled")
+        .cloned()
+        .unwrap();
+    for number in [21u64, 22] {
+        let mut payload = labeled.clone();
+        payload["issue"]["number"] = number.into();
+        assert_eq!(
+            deliver(&cluster, &event, &payload, &format!("s-{number}"), None).await,
+            202
+        );
+    }
+    let first = wait_run(&cluster, "HELLO_WORLD-21", 1).await;
+    let second = wait_run(&cluster, "HELLO_WORLD-22", 1).await;
+    let (_, comment) = all
+        .iter()
+        .find(|(e, p)| {
+            e == "issue_comment"
+                && p["action"] == "created"
+                && p["repository"]["full_name"] == "Codertocat/Hello-World"
+        })
+        .cloned()
+        .unwrap();
+    let stop = |login: &str, id: u64| {
+        let mut payload = comment.clone();
+        payload["issue"]["number"] = 21.into();
+        payload["comment"]["id"] = id.into();
+        payload["comment"]["body"] = "@forgepool stop".into();
+        payload["sender"]["login"] = login.into();
+        payload
+    };
+    assert_eq!(
+        deliver(
+            &cluster,
+            "issue_comment",
+            &stop("stranger", 901),
+            "s-a",
+            None
+        )
+        .await,
+        202
+    );
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(
+        cluster.run(&first).await["state"],
+        "queued",
+        "a stranger stopped the run"
+    );
+    assert_eq!(
+        deliver(
+            &cluster,
+            "issue_comment",
+            &stop("Codertocat", 902),
+            "s-b",
+            None
+        )
+        .await,
+        202
+    );
+    let (closed_event, mut closed) = all
+        .iter()
+        .find(|(e, p)| e == "issues" && p["action"] == "labeled")
+        .cloned()
+        .unwrap();
+    closed["action"] = "closed".into();
+    closed["issue"]["number"] = 22.into();
+    closed["issue"]["state"] = "closed".into();
+    assert_eq!(
+        deliver(&cluster, &closed_event, &closed, "s-c", None).await,
+        202
+    );
+    for run in [&first, &second] {
+        let (view, _) = cluster.wait_one(run, Duration::from_secs(30)).await;
+        assert_eq!(view["state"], "cancelled", "{view}\n{}", cluster.logs());
+    }
+}
