@@ -1079,3 +1079,60 @@ async fn a_stop_order_or_a_closed_issue_cancels_the_run() {
         assert_eq!(view["state"], "cancelled", "{view}\n{}", cluster.logs());
     }
 }
+
+/// `reply_refused = true`: a stranger who mentions the handle twice gets one reply, and no run.
+/// Catches: a reply per delivery (a stranger could make forgepool spam an issue), a refused
+/// trigger that starts a run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_person_gets_one_reply() {
+    let fixture = Fixture::new(None, &["change"], &["approve"]);
+    let github = FakeGithub::start(fixture.dir.path());
+    let file = trackers_file_with(
+        &fixture,
+        &github,
+        "poll_seconds = 0\nreply_refused = true\n",
+    );
+    let cluster = cluster_with_file(fixture, &file, 0).await;
+    let (_, comment) = examples()
+        .into_iter()
+        .find(|(e, p)| {
+            e == "issue_comment"
+                && p["action"] == "created"
+                && p["repository"]["full_name"] == "Codertocat/Hello-World"
+        })
+        .unwrap();
+    for id in [801u64, 802] {
+        let mut payload = comment.clone();
+        payload["issue"]["number"] = 31.into();
+        payload["comment"]["id"] = id.into();
+        payload["comment"]["body"] = "@forgepool do it".into();
+        payload["sender"]["login"] = "stranger".into();
+        assert_eq!(
+            deliver(
+                &cluster,
+                "issue_comment",
+                &payload,
+                &format!("r-{id}"),
+                None
+            )
+            .await,
+            202
+        );
+    }
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while github.comments.lock().unwrap().is_empty() {
+        assert!(Instant::now() < deadline, "no reply\n{}", cluster.logs());
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let comments = github.comments.lock().unwrap().clone();
+    assert_eq!(comments.len(), 1, "one reply: {comments:?}");
+    assert!(
+        comments[0].1["body"]
+            .as_str()
+            .unwrap()
+            .starts_with("@stranger: "),
+        "{comments:?}"
+    );
+    assert_eq!(cluster.runs_of_ticket("HELLO_WORLD-31").await.len(), 0);
+}

@@ -78,11 +78,58 @@ async fn decide(
         Ask::Start | Ask::Mention(_) => {
             if !permitted(happening.actor.login.clone()).await? {
                 warn!(tracker = %config.name, issue = %issue_key, actor = %happening.actor.login, "a trigger from a person without permission was refused");
+                if config.reply_refused {
+                    reply_refused(dispatcher, t, happening).await?;
+                }
                 return Ok("refused_permission");
             }
             start(dispatcher, tracker, happening).await
         }
     }
+}
+
+/// The one reply a refused person gets on an issue (`reply_refused = true`): a claim per
+/// person and issue makes it one, also across redeliveries and replicas.
+async fn reply_refused(
+    dispatcher: &Arc<Dispatcher>,
+    t: &impl Tracker,
+    happening: &Happening,
+) -> Result<(), String> {
+    let config = t.config();
+    let login = &happening.actor.login;
+    let claim = Claim {
+        tracker: config.name.clone(),
+        claim: format!(
+            "{}#refused:{}",
+            happening.issue.key(),
+            login.to_ascii_lowercase()
+        ),
+        issue: happening.issue.key(),
+        run_id: uuid::Uuid::nil(),
+        comment_id: None,
+        finished: false,
+    };
+    if !dispatcher
+        .store
+        .tracker_claim(&claim)
+        .await
+        .map_err(|e| e.to_string())?
+    {
+        return Ok(());
+    }
+    let text = format!(
+        "@{login}: forgepool takes requests on this repository only from people with {} access; nothing was started.",
+        config.min_permission
+    );
+    let id = t
+        .comment(&happening.issue, &text)
+        .await
+        .map_err(|e| e.to_string())?;
+    dispatcher
+        .store
+        .tracker_comment(&claim, id, true)
+        .await
+        .map_err(|e| e.to_string())
 }
 
 /// Cancels the runs of the issue's claims that have not ended.
