@@ -945,3 +945,85 @@ async fn the_postgres_store_keeps_lost_executions() {
     lost_executions_contract(&database.url).await;
     database.drop_database().await;
 }
+
+/// The trackers' part of the store (SPEC 17), on one backend: a delivery id is seen once in
+/// 24 hours and can be forgotten; a claim is stored once whoever races for it, found again
+/// after the store is reopened (a dispatcher restart), listed by issue and, until its comment
+/// is final, among the unfinished.
+async fn trackers_contract(url: &str) {
+    use dispatcher::store::trackers::Claim;
+    let store = Store::open(url).await.unwrap();
+    assert!(!store.tracker_delivery_seen("gh", "d-1").await.unwrap());
+    assert!(store.tracker_delivery_seen("gh", "d-1").await.unwrap());
+    assert!(
+        !store.tracker_delivery_seen("other", "d-1").await.unwrap(),
+        "per tracker"
+    );
+    store.tracker_delivery_forget("gh", "d-1").await.unwrap();
+    assert!(
+        !store.tracker_delivery_seen("gh", "d-1").await.unwrap(),
+        "forgotten"
+    );
+    let claim = Claim {
+        tracker: "gh".into(),
+        claim: "acme/shop#7#label".into(),
+        issue: "acme/shop#7".into(),
+        run_id: Uuid::new_v4(),
+        comment_id: None,
+        finished: false,
+    };
+    // Eight racers for one claim: one wins.
+    let racers = (0..8).map(|_| {
+        let (store, mut claim) = (store.clone(), claim.clone());
+        claim.run_id = Uuid::new_v4();
+        tokio::spawn(async move { store.tracker_claim(&claim).await.unwrap() })
+    });
+    let won: Vec<bool> = futures_util::future::join_all(racers)
+        .await
+        .into_iter()
+        .map(|r| r.unwrap())
+        .collect();
+    assert_eq!(won.iter().filter(|w| **w).count(), 1, "{won:?}");
+    drop(store);
+    let store = Store::open(url).await.unwrap();
+    let kept = store
+        .tracker_claim_of("gh", "acme/shop#7#label")
+        .await
+        .unwrap()
+        .expect("the claim survives a reopen");
+    assert_eq!(
+        store
+            .tracker_claims(Some("gh"), Some("acme/shop#7"))
+            .await
+            .unwrap(),
+        vec![kept.clone()]
+    );
+    assert_eq!(store.tracker_claims(None, None).await.unwrap().len(), 1);
+    store.tracker_comment(&kept, 42, true).await.unwrap();
+    let done = store
+        .tracker_claim_of("gh", "acme/shop#7#label")
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!((done.comment_id, done.finished), (Some(42), true));
+    assert!(store.tracker_claims(None, None).await.unwrap().is_empty());
+}
+
+/// Catches: a claim or delivery that does not hold across racers or a restart on SQLite.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_sqlite_store_keeps_tracker_claims_and_deliveries() {
+    let dir = tempfile::tempdir().unwrap();
+    trackers_contract(&format!(
+        "sqlite://{}",
+        dir.path().join("runs.db").display()
+    ))
+    .await;
+}
+
+/// Catches: the same on PostgreSQL (two dispatcher replicas share it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_postgres_store_keeps_tracker_claims_and_deliveries() {
+    let database = TestDatabase::create().await;
+    trackers_contract(&database.url).await;
+    database.drop_database().await;
+}

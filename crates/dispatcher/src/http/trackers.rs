@@ -6,7 +6,6 @@
 
 use std::sync::Arc;
 
-use axum::body::Bytes;
 use axum::extract::{Path, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
@@ -20,23 +19,16 @@ pub(super) async fn event(
     State(dispatcher): State<Arc<Dispatcher>>,
     Path(name): Path<String>,
     headers: HeaderMap,
-    body: Bytes,
+    body: axum::body::Body,
 ) -> Response {
     let Some(trackers) = dispatcher.trackers.clone() else {
         return not_found(&name);
     };
-    if body.len() > trackers::MAX_EVENT_BYTES {
-        return Failure::new(
-            StatusCode::PAYLOAD_TOO_LARGE,
-            "payload_too_large",
-            format!(
-                "a tracker's delivery is at most {} bytes",
-                trackers::MAX_EVENT_BYTES
-            ),
-            None,
-        )
-        .into_response();
-    }
+    // At most 1 MiB, within the body read timeout, refused as soon as its size is known.
+    let body = match super::body::read_body(&headers, body, trackers::MAX_EVENT_BYTES).await {
+        Ok(body) => body,
+        Err(failure) => return failure.into_response(),
+    };
     let headers: trackers::Headers = headers
         .iter()
         .filter_map(|(key, value)| {

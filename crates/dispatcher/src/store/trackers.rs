@@ -110,6 +110,34 @@ impl Store {
         Ok(changed == 0)
     }
 
+    /// Forgets a delivery that was not taken (the queue was full), so that its redelivery is
+    /// worked on.
+    pub async fn tracker_delivery_forget(
+        &self,
+        tracker: &str,
+        delivery: &str,
+    ) -> Result<(), StoreError> {
+        const SQL: &str = "DELETE FROM tracker_deliveries WHERE tracker = $1 AND delivery = $2";
+        let (tracker, delivery) = (tracker.to_string(), delivery.to_string());
+        match self {
+            Store::Sqlite(s) => {
+                s.with(move |c| {
+                    c.execute(&SQL.replace('$', "?"), params![tracker, delivery])?;
+                    Ok(())
+                })
+                .await
+            }
+            Store::Postgres(s) => {
+                s.bounded(async {
+                    let client = s.client().await?;
+                    client.execute(SQL, &[&tracker, &delivery]).await?;
+                    Ok(())
+                })
+                .await
+            }
+        }
+    }
+
     /// Stores a claim unless one for the same trigger exists; whether this one was stored.
     pub async fn tracker_claim(&self, claim: &Claim) -> Result<bool, StoreError> {
         const SQL: &str = "INSERT INTO tracker_claims (tracker, claim, issue, run_id, created_at)

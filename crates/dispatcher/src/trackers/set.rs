@@ -107,8 +107,9 @@ impl Trackers {
         if !self.within_rate(name) {
             return Answer::TooMany;
         }
-        if let Some(delivery) = t.delivery_id(headers) {
-            match store.tracker_delivery_seen(name, &delivery).await {
+        let delivery = t.delivery_id(headers);
+        if let Some(delivery) = &delivery {
+            match store.tracker_delivery_seen(name, delivery).await {
                 Ok(true) => {
                     count("duplicate");
                     return Answer::Duplicate;
@@ -134,7 +135,13 @@ impl Trackers {
                 };
                 match self.queue.try_send(work) {
                     Ok(()) => Answer::Accepted("queued".into()),
-                    Err(_) => Answer::Busy("too many deliveries are waiting".into()),
+                    Err(_) => {
+                        // Not taken: its redelivery must not count as a repeat.
+                        if let Some(delivery) = &delivery {
+                            let _ = store.tracker_delivery_forget(name, delivery).await;
+                        }
+                        Answer::Busy("too many deliveries are waiting".into())
+                    }
                 }
             }
         }
