@@ -6,7 +6,9 @@
 #   @octokit/openapi 23.0.2       GitHub's own published OpenAPI description of its REST API;
 #   @octokit/webhooks-examples 7.6.1  GitHub's published webhook payloads (tests/trackers.rs);
 #   octocrab 0.54.9's tests/resources (crates.io): a comment by a stranger
-#                                 (`author_association: NONE`), in .tools/forge/octocrab.
+#                                 (`author_association: NONE`), in .tools/forge/octocrab;
+#   Debian's golang-github-xanzy-go-gitlab-dev 0.73.1's testdata/webhooks: GitLab's issue
+#                                 and note hooks, unpacked into .tools/forge/go-gitlab.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # shellcheck source=scripts/lib/apt.sh
@@ -14,7 +16,8 @@ source scripts/lib/apt.sh
 dir="$PWD/.tools/forge"
 if [ -x "$dir/node_modules/.bin/prism" ] && [ -f "$dir/node_modules/@octokit/openapi/generated/api.github.com.json" ] \
   && [ -f "$dir/node_modules/@octokit/webhooks-examples/api.github.com/index.json" ] \
-  && [ -f "$dir/octocrab/issue_comment_created_webhook_event.json" ]; then
+  && [ -f "$dir/octocrab/issue_comment_created_webhook_event.json" ] \
+  && [ -f "$dir/go-gitlab/note_issue.json" ]; then
   exit 0
 fi
 command -v npm >/dev/null || apt_install npm
@@ -25,3 +28,16 @@ mkdir -p "$dir/octocrab"
 curl -sfL https://static.crates.io/crates/octocrab/octocrab-0.54.9.crate \
   | tar xzf - -C "$dir/octocrab" --strip-components=3 octocrab-0.54.9/tests/resources
 echo "forge tools: prism $("$dir/node_modules/.bin/prism" --version) and GitHub's OpenAPI description"
+if [ ! -f "$dir/go-gitlab/note_issue.json" ]; then
+  work="$(mktemp -d)"
+  download() { (cd "$work" && apt-get download -qq golang-github-xanzy-go-gitlab-dev >/dev/null 2>&1); }
+  if ! download; then
+    apt-get update -qq >/dev/null
+    download
+  fi
+  dpkg-deb -x "$work"/golang-github-xanzy-go-gitlab-dev_*.deb "$work/unpacked"
+  mkdir -p "$dir/go-gitlab"
+  cp "$work"/unpacked/usr/share/gocode/src/github.com/xanzy/go-gitlab/testdata/webhooks/*.json "$dir/go-gitlab/"
+  rm -rf "$work"
+fi
+

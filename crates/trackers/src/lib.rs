@@ -1,4 +1,4 @@
-//! Trackers (SPEC 17): tickets taken from GitHub issues (GitLab and Jira next), progress
+//! Trackers (SPEC 17): tickets taken from GitHub and GitLab issues (Jira next), progress
 //! written back as one comment per run. This crate knows the trackers; the dispatcher's
 //! `trackers` module decides what to do with what they say (claims, runs, the live comment).
 //!
@@ -7,13 +7,14 @@
 //! - `text.rs`: ticket text made safe to become a brief (nothing hidden, bounded).
 //! - `client.rs`: the bounded HTTP client every tracker call goes through (timeouts, answer
 //!   size, rate limits honoured, the token never in an error).
-//! - `github.rs`: GitHub's events and REST calls.
+//! - `github.rs`: GitHub's events and REST calls; `gitlab.rs`: GitLab's.
 //!
 //! Every kind implements [`Tracker`]; [`AnyTracker`] holds one of each kind built.
 
 pub mod client;
 pub mod config;
 pub mod github;
+pub mod gitlab;
 pub mod signature;
 pub mod text;
 
@@ -213,6 +214,18 @@ pub trait Tracker: Send + Sync {
 pub enum AnyTracker {
     /// A GitHub tracker.
     Github(github::Github),
+    /// A GitLab tracker.
+    Gitlab(gitlab::Gitlab),
+}
+
+/// Calls the same method on whichever kind the tracker is.
+macro_rules! each {
+    ($self:ident, $t:ident => $call:expr) => {
+        match $self {
+            AnyTracker::Github($t) => $call,
+            AnyTracker::Gitlab($t) => $call,
+        }
+    };
 }
 
 impl AnyTracker {
@@ -220,8 +233,9 @@ impl AnyTracker {
     pub fn new(config: TrackerConfig) -> Result<AnyTracker, String> {
         match config.kind {
             Kind::Github => Ok(AnyTracker::Github(github::Github::new(config)?)),
+            Kind::Gitlab => Ok(AnyTracker::Gitlab(gitlab::Gitlab::new(config)?)),
             kind => Err(format!(
-                "tracker \"{}\", `kind`: {} trackers are not built in this release yet (only github is)",
+                "tracker \"{}\", `kind`: {} trackers are not built in this release yet (github and gitlab are)",
                 config.name,
                 kind.as_str()
             )),
@@ -229,25 +243,66 @@ impl AnyTracker {
     }
 
     /// The tracker itself.
-    pub fn get(&self) -> &impl Tracker {
-        match self {
-            AnyTracker::Github(github) => github,
-        }
+    pub fn get(&self) -> &AnyTracker {
+        self
     }
 
     /// What is wrong with the tracker's token and repositories, each naming the entry and
     /// the setting (`forgepool trackers check`).
     pub async fn check(&self) -> Vec<String> {
-        match self {
-            AnyTracker::Github(github) => github.check().await,
-        }
+        each!(self, t => t.check().await)
     }
 
     /// Tells `observer` the status of each of its API's answers.
     pub fn observe(&self, observer: client::Observer) {
-        match self {
-            AnyTracker::Github(github) => github.client().observe(observer),
-        }
+        each!(self, t => t.client().observe(observer))
+    }
+}
+
+impl Tracker for AnyTracker {
+    fn config(&self) -> &TrackerConfig {
+        each!(self, t => t.config())
+    }
+    fn verify(&self, headers: &Headers, body: &[u8]) -> Result<(), String> {
+        each!(self, t => t.verify(headers, body))
+    }
+    fn delivery_id(&self, headers: &Headers) -> Option<String> {
+        each!(self, t => t.delivery_id(headers))
+    }
+    fn parse(&self, headers: &Headers, body: &[u8]) -> Result<Parsed, String> {
+        each!(self, t => t.parse(headers, body))
+    }
+    async fn permitted(&self, issue: &IssueRef, login: &str) -> Result<bool, TrackerError> {
+        each!(self, t => t.permitted(issue, login).await)
+    }
+    async fn own_login(&self) -> Result<String, TrackerError> {
+        each!(self, t => t.own_login().await)
+    }
+    async fn issue(&self, issue: &IssueRef) -> Result<Issue, TrackerError> {
+        each!(self, t => t.issue(issue).await)
+    }
+    async fn comments(&self, issue: &IssueRef) -> Result<Vec<Comment>, TrackerError> {
+        each!(self, t => t.comments(issue).await)
+    }
+    async fn comment(&self, issue: &IssueRef, body: &str) -> Result<u64, TrackerError> {
+        each!(self, t => t.comment(issue, body).await)
+    }
+    async fn edit_comment(
+        &self,
+        issue: &IssueRef,
+        id: u64,
+        body: &str,
+    ) -> Result<(), TrackerError> {
+        each!(self, t => t.edit_comment(issue, id, body).await)
+    }
+    async fn labelled(&self, repository: &str) -> Result<Vec<Happening>, TrackerError> {
+        each!(self, t => t.labelled(repository).await)
+    }
+    async fn pull_head(&self, issue: &IssueRef) -> Result<String, TrackerError> {
+        each!(self, t => t.pull_head(issue).await)
+    }
+    async fn react(&self, issue: &IssueRef, mention: &Mention) -> Result<(), TrackerError> {
+        each!(self, t => t.react(issue, mention).await)
     }
 }
 
