@@ -514,7 +514,11 @@ async fn a_sqlite_store_of_the_previous_release_is_migrated() {
         .unwrap()
         .collect::<Result<_, _>>()
         .unwrap();
-    assert_eq!(versions, [1, 2, 3, 4, 5]);
+    assert_eq!(
+        versions,
+        [1, 2, 3, 4, 5, 6],
+        "every migration, once (V6: the trackers' tables)"
+    );
     let index: i64 = connection
         .query_row(
             "SELECT COUNT(*) FROM sqlite_master WHERE type = 'index' AND name IN ('runs_by_state_and_change', 'events_by_run_and_kind', 'runs_by_skill')",
@@ -556,7 +560,11 @@ async fn a_postgres_store_of_the_previous_release_is_migrated() {
         .iter()
         .map(|row| row.get(0))
         .collect();
-    assert_eq!(versions, [1, 2, 3, 4, 5]);
+    assert_eq!(
+        versions,
+        [1, 2, 3, 4, 5, 6],
+        "every migration, once (V6: the trackers' tables)"
+    );
     let index = client
         .query_one(
             "SELECT COUNT(*) FROM pg_indexes WHERE indexname IN ('runs_by_state_and_change', 'events_by_run_and_kind', 'runs_by_skill')",
