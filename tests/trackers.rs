@@ -1045,7 +1045,31 @@ async fn a_stop_order_or_a_closed_issue_cancels_the_run() {
         .await,
         202
     );
-    tokio::time::sleep(Duration::from_secs(2)).await;
+    // The stranger's order is decided (and refused) before the run is looked at again.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let metrics = cluster
+            .http
+            .get(format!("{}/metrics", cluster.url()))
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        if metrics.lines().any(|l| {
+            l.starts_with("forgepool_tracker_deliveries_total")
+                && l.contains("outcome=\"refused_permission\"")
+        }) {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the stranger's stop was never decided\n{}",
+            cluster.logs()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
     assert_eq!(
         cluster.run(&first).await["state"],
         "queued",
