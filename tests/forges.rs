@@ -857,36 +857,8 @@ impl FakeGithub {
                 _ => (404, serde_json::json!({"message": "Not Found"})),
             }
         });
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
-        let prism = Command::new(&prism)
-            .args([
-                "proxy",
-                "--errors",
-                "-p",
-                &port.to_string(),
-                "-h",
-                "127.0.0.1",
-            ])
-            .arg(&spec)
-            .arg(format!("http://127.0.0.1:{upstream}"))
-            .stdout(std::fs::File::create(dir.join("prism.log")).unwrap())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("prism starts");
-        let started = Instant::now();
-        // Prism reads GitHub's 13 MB description before it listens.
-        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-            assert!(
-                started.elapsed() < Duration::from_secs(180),
-                "prism did not listen: {}",
-                std::fs::read_to_string(dir.join("prism.log")).unwrap_or_default()
-            );
-            std::thread::sleep(Duration::from_millis(200));
-        }
+        let (prism, port) =
+            common::api::start_prism(&prism, &spec, upstream, &dir.join("prism.log"));
         FakeGithub {
             state,
             prism,

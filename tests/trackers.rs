@@ -10,7 +10,7 @@
 mod common;
 
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -191,36 +191,13 @@ impl FakeGithub {
                 _ => (404, json!({"message": "Not Found"})),
             }
         });
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
         let log = dir.join("prism.log");
-        let prism = Command::new(tools.join("node_modules/.bin/prism"))
-            .args([
-                "proxy",
-                "--errors",
-                "-p",
-                &port.to_string(),
-                "-h",
-                "127.0.0.1",
-            ])
-            .arg(&spec)
-            .arg(format!("http://127.0.0.1:{upstream}"))
-            .stdout(std::fs::File::create(&log).unwrap())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("prism starts");
-        let started = Instant::now();
-        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-            assert!(
-                started.elapsed() < Duration::from_secs(180),
-                "prism did not listen: {}",
-                std::fs::read_to_string(&log).unwrap_or_default()
-            );
-            std::thread::sleep(Duration::from_millis(200));
-        }
+        let (prism, port) = common::api::start_prism(
+            &tools.join("node_modules/.bin/prism"),
+            &spec,
+            upstream,
+            &log,
+        );
         FakeGithub {
             seen,
             comments: kept_comments,

@@ -73,3 +73,45 @@ pub fn serve_json(
         }
     });
 }
+
+/// Starts Prism (`prism`, the binary in `.tools/forge`) as a validating proxy on a free port
+/// in front of `upstream`, checking requests and answers against the OpenAPI `spec`; waits
+/// until it listens (it reads a big description first). Its log goes to `log`.
+pub fn start_prism(
+    prism: &std::path::Path,
+    spec: &std::path::Path,
+    upstream: u16,
+    log: &std::path::Path,
+) -> (std::process::Child, u16) {
+    use std::time::{Duration, Instant};
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let child = std::process::Command::new(prism)
+        .args([
+            "proxy",
+            "--errors",
+            "-p",
+            &port.to_string(),
+            "-h",
+            "127.0.0.1",
+        ])
+        .arg(spec)
+        .arg(format!("http://127.0.0.1:{upstream}"))
+        .stdout(std::fs::File::create(log).unwrap())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("prism starts");
+    let started = Instant::now();
+    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+        assert!(
+            started.elapsed() < Duration::from_secs(180),
+            "prism did not listen: {}",
+            std::fs::read_to_string(log).unwrap_or_default()
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    (child, port)
+}

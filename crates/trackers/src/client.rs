@@ -182,3 +182,31 @@ fn rate_limit_wait(status: u16, headers: &reqwest::header::HeaderMap) -> Option<
     }
     (status == 429).then_some(Duration::from_secs(60))
 }
+
+/// `text` as one URL path or query part: unreserved characters kept, every other byte of
+/// its UTF-8 percent-encoded (`group/project` → `group%2Fproject`).
+pub fn path_part(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    for byte in text.bytes() {
+        match byte {
+            b'a'..=b'z' | b'A'..=b'Z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' => {
+                out.push(byte as char)
+            }
+            other => out.push_str(&format!("%{other:02X}")),
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    /// Catches: a `/` left in a project path, or a non-ASCII name encoded by code point.
+    #[test]
+    fn parts_are_percent_encoded_by_byte() {
+        assert_eq!(
+            super::path_part("group/sub project"),
+            "group%2Fsub%20project"
+        );
+        assert_eq!(super::path_part("é[bot]"), "%C3%A9%5Bbot%5D");
+    }
+}

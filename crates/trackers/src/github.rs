@@ -12,7 +12,7 @@
 use reqwest::Method;
 use serde_json::{json, Value};
 
-use crate::client::Client;
+use crate::client::{path_part, Client};
 use crate::signature::check_hmac;
 use crate::{
     header, is_stop, mentions, Actor, Ask, Comment, CommentPlace, Happening, Headers, Issue,
@@ -186,7 +186,7 @@ impl Tracker for Github {
             .get(&format!(
                 "/repos/{}/collaborators/{}/permission",
                 issue.repository,
-                encode(login)
+                path_part(login)
             ))
             .await;
         let answer = match answer {
@@ -294,7 +294,7 @@ impl Tracker for Github {
         let issues = self
             .get(&format!(
                 "/repos/{repository}/issues?state=open&per_page=100&labels={}",
-                encode(label)
+                path_part(label)
             ))
             .await?;
         let mut found = Vec::new();
@@ -446,17 +446,6 @@ impl Github {
             context,
         }))
     }
-}
-
-/// A login as a URL path part (GitHub logins are letters, digits and `-`, apps add `[bot]`).
-fn encode(login: &str) -> String {
-    login
-        .chars()
-        .map(|c| match c {
-            'a'..='z' | 'A'..='Z' | '0'..='9' | '-' | '_' | '.' => c.to_string(),
-            other => format!("%{:02X}", other as u32),
-        })
-        .collect()
 }
 
 #[cfg(test)]

@@ -12,7 +12,7 @@
 use reqwest::Method;
 use serde_json::{json, Value};
 
-use crate::client::Client;
+use crate::client::{path_part, Client};
 use crate::signature::check_token;
 use crate::{
     header, is_stop, mentions, Actor, Ask, Comment, CommentPlace, Happening, Headers, Issue,
@@ -51,16 +51,6 @@ fn actor(user: &Value) -> Actor {
         bot: bot(&login) || user["bot"] == true,
         login,
     }
-}
-
-/// A project path as one URL path part (`group/project` → `group%2Fproject`).
-fn project(path: &str) -> String {
-    path.chars()
-        .map(|c| match c {
-            'a'..='z' | 'A'..='Z' | '0'..='9' | '-' | '_' | '.' => c.to_string(),
-            other => format!("%{:02X}", other as u32),
-        })
-        .collect()
 }
 
 fn level(name: &str) -> u64 {
@@ -110,7 +100,7 @@ impl Gitlab {
         }
         let mut problems = Vec::new();
         for repository in self.config.repositories.iter().filter(|r| !r.contains('*')) {
-            match self.get(&format!("/projects/{}", project(repository))).await {
+            match self.get(&format!("/projects/{}", path_part(repository))).await {
                 Ok(_) => {}
                 Err(TrackerError::Status { status: 404, .. }) => problems.push(format!(
                     "tracker \"{name}\", `repositories`: {repository}: GitLab knows no such project, or the token in {} cannot see it",
@@ -283,7 +273,7 @@ impl Tracker for Gitlab {
 
     async fn permitted(&self, issue: &IssueRef, login: &str) -> Result<bool, TrackerError> {
         let users = self
-            .get(&format!("/users?username={}", project(login)))
+            .get(&format!("/users?username={}", path_part(login)))
             .await?;
         let Some(id) = users
             .as_array()
@@ -295,7 +285,7 @@ impl Tracker for Gitlab {
         let member = self
             .get(&format!(
                 "/projects/{}/members/all/{id}",
-                project(&issue.repository)
+                path_part(&issue.repository)
             ))
             .await;
         let member = match member {
@@ -324,7 +314,7 @@ impl Tracker for Gitlab {
         let answer = self
             .get(&format!(
                 "/projects/{}/issues/{}",
-                project(&issue.repository),
+                path_part(&issue.repository),
                 issue.number
             ))
             .await?;
@@ -340,7 +330,7 @@ impl Tracker for Gitlab {
         let answer = self
             .get(&format!(
                 "/projects/{}/issues/{}/notes?per_page=100&sort=asc&order_by=created_at",
-                project(&issue.repository),
+                path_part(&issue.repository),
                 issue.number
             ))
             .await?;
@@ -364,7 +354,7 @@ impl Tracker for Gitlab {
                 Method::POST,
                 &format!(
                     "/projects/{}/issues/{}/notes",
-                    project(&issue.repository),
+                    path_part(&issue.repository),
                     issue.number
                 ),
                 Some(&json!({ "body": body })),
@@ -386,7 +376,7 @@ impl Tracker for Gitlab {
                 Method::PUT,
                 &format!(
                     "/projects/{}/issues/{}/notes/{id}",
-                    project(&issue.repository),
+                    path_part(&issue.repository),
                     issue.number
                 ),
                 Some(&json!({ "body": body })),
@@ -396,7 +386,7 @@ impl Tracker for Gitlab {
     }
 
     async fn labelled(&self, repository: &str) -> Result<Vec<Happening>, TrackerError> {
-        let path = project(repository);
+        let path = path_part(repository);
         let found = self.get(&format!("/projects/{path}")).await?;
         let clone_url = found["http_url_to_repo"].as_str().unwrap_or("").to_string();
         let default_branch = found["default_branch"]
@@ -407,7 +397,7 @@ impl Tracker for Gitlab {
         let issues = self
             .get(&format!(
                 "/projects/{path}/issues?state=opened&per_page=100&labels={}",
-                project(label)
+                path_part(label)
             ))
             .await?;
         let mut happenings = Vec::new();
@@ -449,7 +439,7 @@ impl Tracker for Gitlab {
         let answer = self
             .get(&format!(
                 "/projects/{}/merge_requests/{}",
-                project(&issue.repository),
+                path_part(&issue.repository),
                 issue.number
             ))
             .await?;
@@ -469,7 +459,7 @@ impl Tracker for Gitlab {
                 Method::POST,
                 &format!(
                     "/projects/{}/{kind}/{}/notes/{}/award_emoji",
-                    project(&issue.repository),
+                    path_part(&issue.repository),
                     issue.number,
                     mention.id
                 ),

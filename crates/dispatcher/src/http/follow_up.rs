@@ -56,14 +56,7 @@ pub(super) async fn follow_up(
     ),
     Failure,
 > {
-    let run_id = uuid::Uuid::parse_str(&id).map_err(|_| {
-        Failure::new(
-            StatusCode::BAD_REQUEST,
-            "invalid_field",
-            format!("id: {id:?} is not a run id (a UUID)"),
-            Some("id"),
-        )
-    })?;
+    let run_id = super::runs::parse_id(&id)?;
     let body = read_body(&headers, body, MAX_FEEDBACK_BYTES + 1024).await?;
     let ask: Ask = serde_json::from_slice(&body).map_err(|e| {
         Failure::new(

@@ -118,7 +118,7 @@ fn idempotency_key(headers: &HeaderMap) -> Result<Option<String>, Failure> {
     Ok(Some(format!("http:{key}")))
 }
 
-fn parse_id(id: &str) -> Result<Uuid, Failure> {
+pub(super) fn parse_id(id: &str) -> Result<Uuid, Failure> {
     Uuid::parse_str(id).map_err(|_| {
         Failure::new(
             StatusCode::BAD_REQUEST,

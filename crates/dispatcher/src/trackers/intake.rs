@@ -238,26 +238,7 @@ async fn start(
         comment_id: None,
         finished: false,
     };
-    if !store
-        .tracker_claim(&claim)
-        .await
-        .map_err(|e| e.to_string())?
-    {
-        return Ok("duplicate");
-    }
-    if let Some(mention) = mention {
-        let reacted = t.react(&happening.issue, mention).await;
-        comment::record_action(
-            dispatcher,
-            run_id,
-            config,
-            "react",
-            reacted.err().map(|e| e.to_string()),
-        )
-        .await;
-    }
-    comment::follow(Arc::clone(dispatcher), Arc::clone(tracker), claim);
-    Ok("started")
+    take(dispatcher, tracker, happening, mention, claim, "started").await
 }
 
 /// A follow-up round asked on the issue or on the run's pull request: the ticket's latest
@@ -325,6 +306,28 @@ async fn follow_up(
         comment_id: None,
         finished: false,
     };
+    take(
+        dispatcher,
+        tracker,
+        happening,
+        Some(mention),
+        claim,
+        "followed_up",
+    )
+    .await
+}
+
+/// The end of a start or a follow-up: the claim stored (a replica that lost the race does
+/// nothing more), 👀 on the triggering comment, and the run's comment followed.
+async fn take(
+    dispatcher: &Arc<Dispatcher>,
+    tracker: &Arc<AnyTracker>,
+    happening: &Happening,
+    mention: Option<&trackers::Mention>,
+    claim: Claim,
+    outcome: &'static str,
+) -> Result<&'static str, String> {
+    let t = tracker.get();
     if !dispatcher
         .store
         .tracker_claim(&claim)
@@ -333,17 +336,19 @@ async fn follow_up(
     {
         return Ok("duplicate");
     }
-    let reacted = t.react(&happening.issue, mention).await;
-    comment::record_action(
-        dispatcher,
-        run_id,
-        config,
-        "react",
-        reacted.err().map(|e| e.to_string()),
-    )
-    .await;
+    if let Some(mention) = mention {
+        let reacted = t.react(&happening.issue, mention).await;
+        comment::record_action(
+            dispatcher,
+            claim.run_id,
+            t.config(),
+            "react",
+            reacted.err().map(|e| e.to_string()),
+        )
+        .await;
+    }
     comment::follow(Arc::clone(dispatcher), Arc::clone(tracker), claim);
-    Ok("followed_up")
+    Ok(outcome)
 }
 
 /// The ticket a follow-up is asked of, and its issue: for a pull request, from its head
