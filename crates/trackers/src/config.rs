@@ -193,8 +193,28 @@ pub struct TrackerConfig {
 }
 
 impl TrackerConfig {
+    /// What the reconciling poll can list: the repositories named without a glob, or for
+    /// Jira the projects' keys.
+    pub fn listable(&self) -> Vec<String> {
+        if self.kind == Kind::Jira {
+            return self.projects.iter().map(|p| p.key.clone()).collect();
+        }
+        self.repositories
+            .iter()
+            .filter(|r| !r.contains('*'))
+            .cloned()
+            .collect()
+    }
+
     /// Whether `full_name` (`owner/name`) may start runs.
+    /// For Jira, `full_name` is a project key, allowed when `[[tracker.project]]` lists it.
     pub fn allows_repository(&self, full_name: &str) -> bool {
+        if self.kind == Kind::Jira {
+            return self
+                .projects
+                .iter()
+                .any(|p| p.key.eq_ignore_ascii_case(full_name));
+        }
         self.repositories
             .iter()
             .any(|pattern| glob_matches(pattern, full_name))

@@ -1,4 +1,4 @@
-//! Trackers (SPEC 17): tickets taken from GitHub and GitLab issues (Jira next), progress
+//! Trackers (SPEC 17): tickets taken from GitHub and GitLab issues and Jira, progress
 //! written back as one comment per run. This crate knows the trackers; the dispatcher's
 //! `trackers` module decides what to do with what they say (claims, runs, the live comment).
 //!
@@ -7,14 +7,18 @@
 //! - `text.rs`: ticket text made safe to become a brief (nothing hidden, bounded).
 //! - `client.rs`: the bounded HTTP client every tracker call goes through (timeouts, answer
 //!   size, rate limits honoured, the token never in an error).
-//! - `github.rs`: GitHub's events and REST calls; `gitlab.rs`: GitLab's.
+//! - `github.rs`: GitHub's events and REST calls; `gitlab.rs`: GitLab's; `jira.rs`: Jira
+//!   Cloud's, with `adf.rs` turning its rich text into Markdown and forgepool's comment
+//!   into rich text.
 //!
 //! Every kind implements [`Tracker`]; [`AnyTracker`] holds one of each kind built.
 
+pub mod adf;
 pub mod client;
 pub mod config;
 pub mod github;
 pub mod gitlab;
+pub mod jira;
 pub mod signature;
 pub mod text;
 
@@ -201,6 +205,10 @@ pub trait Tracker: Send + Sync {
         &self,
         issue: &IssueRef,
     ) -> impl Future<Output = Result<String, TrackerError>> + Send;
+    /// Whether [`Tracker::react`] does anything (Jira's comments take no reactions).
+    fn reacts(&self) -> bool {
+        true
+    }
     /// Marks a comment as seen (GitHub: 👀).
     fn react(
         &self,
@@ -216,6 +224,8 @@ pub enum AnyTracker {
     Github(github::Github),
     /// A GitLab tracker.
     Gitlab(gitlab::Gitlab),
+    /// A Jira tracker.
+    Jira(jira::Jira),
 }
 
 /// Calls the same method on whichever kind the tracker is.
@@ -224,22 +234,19 @@ macro_rules! each {
         match $self {
             AnyTracker::Github($t) => $call,
             AnyTracker::Gitlab($t) => $call,
+            AnyTracker::Jira($t) => $call,
         }
     };
 }
 
 impl AnyTracker {
-    /// The tracker of an entry; an error names a kind not built yet.
+    /// The tracker of an entry.
     pub fn new(config: TrackerConfig) -> Result<AnyTracker, String> {
-        match config.kind {
-            Kind::Github => Ok(AnyTracker::Github(github::Github::new(config)?)),
-            Kind::Gitlab => Ok(AnyTracker::Gitlab(gitlab::Gitlab::new(config)?)),
-            kind => Err(format!(
-                "tracker \"{}\", `kind`: {} trackers are not built in this release yet (github and gitlab are)",
-                config.name,
-                kind.as_str()
-            )),
-        }
+        Ok(match config.kind {
+            Kind::Github => AnyTracker::Github(github::Github::new(config)?),
+            Kind::Gitlab => AnyTracker::Gitlab(gitlab::Gitlab::new(config)?),
+            Kind::Jira => AnyTracker::Jira(jira::Jira::new(config)?),
+        })
     }
 
     /// The tracker itself.
@@ -301,14 +308,21 @@ impl Tracker for AnyTracker {
     async fn pull_head(&self, issue: &IssueRef) -> Result<String, TrackerError> {
         each!(self, t => t.pull_head(issue).await)
     }
+    fn reacts(&self) -> bool {
+        each!(self, t => t.reacts())
+    }
     async fn react(&self, issue: &IssueRef, mention: &Mention) -> Result<(), TrackerError> {
         each!(self, t => t.react(issue, mention).await)
     }
 }
 
 /// The ticket key of a GitHub or GitLab issue: `{PREFIX}-{number}`, the prefix the
-/// repository's name in upper case with other characters as `_`, or the entry's own.
+/// repository's name in upper case with other characters as `_`, or the entry's own; a
+/// Jira issue's own key (`SHOP-12`).
 pub fn ticket_key(config: &TrackerConfig, issue: &IssueRef) -> String {
+    if config.kind == Kind::Jira {
+        return format!("{}-{}", issue.repository, issue.number);
+    }
     let prefix = config.ticket_prefix.clone().unwrap_or_else(|| {
         issue
             .repository

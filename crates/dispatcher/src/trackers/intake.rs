@@ -117,10 +117,14 @@ async fn reply_refused(
     {
         return Ok(());
     }
-    let text = format!(
-        "@{login}: forgepool takes requests on this repository only from people with {} access; nothing was started.",
-        config.min_permission
-    );
+    let text = if config.kind == trackers::Kind::Jira {
+        "forgepool takes requests on this project only from the groups and accounts it was told of; nothing was started.".to_string()
+    } else {
+        format!(
+            "@{login}: forgepool takes requests on this repository only from people with {} access; nothing was started.",
+            config.min_permission
+        )
+    };
     let id = t
         .comment(&happening.issue, &text)
         .await
@@ -336,7 +340,7 @@ async fn take(
     {
         return Ok("duplicate");
     }
-    if let Some(mention) = mention {
+    if let Some(mention) = mention.filter(|_| t.reacts()) {
         let reacted = t.react(&happening.issue, mention).await;
         comment::record_action(
             dispatcher,

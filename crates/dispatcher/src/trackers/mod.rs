@@ -84,7 +84,7 @@ pub fn start(dispatcher: Arc<Dispatcher>) {
 }
 
 /// The reconciling poll (SPEC 17): every `poll_seconds`, the open issues carrying the label in
-/// each repository the entry names exactly (a glob cannot be listed) go the way of a webhook's
+/// each repository the entry names exactly (a glob cannot be listed; Jira: each project) go the way of a webhook's
 /// label event, so a lost delivery delays a run and never drops it; an issue already claimed
 /// starts nothing. The person who added the label is the one whose permission decides.
 async fn poll(dispatcher: Arc<Dispatcher>, tracker: Arc<trackers::AnyTracker>) {
@@ -95,8 +95,8 @@ async fn poll(dispatcher: Arc<Dispatcher>, tracker: Arc<trackers::AnyTracker>) {
             () = tokio::time::sleep(every) => {}
             () = dispatcher.stopping.cancelled() => return,
         }
-        for repository in config.repositories.iter().filter(|r| !r.contains('*')) {
-            match tracker.get().labelled(repository).await {
+        for repository in config.listable() {
+            match tracker.get().labelled(&repository).await {
                 Ok(found) => {
                     for happening in found {
                         intake::handle(&dispatcher, &tracker, happening).await;
