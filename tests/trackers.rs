@@ -930,6 +930,150 @@ async fn a_thousand_deliveries_start_one_run_per_issue() {
     eprintln!("1,000 deliveries answered in {took:?}");
 }
 
+/// Two dispatcher replicas behind one PostgreSQL store, as the chart runs them: 1,000 signed
+/// deliveries in 10 s, ten issues labelled fifty times each under different delivery ids, and
+/// every delivery sent to both replicas at once (a tracker that redelivers to whichever
+/// replica its load balancer picks). Every one is answered (`202` once per delivery id, `200`
+/// for its twin), each issue gets one run and one comment, and the replicas' resident memory
+/// stays bounded.
+/// Catches: a claim or a delivery id held in one replica's memory instead of the store (two
+/// runs, two comments), a route that drops deliveries when replicas race, a queue or cache
+/// that grows with the deliveries.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_replicas_start_one_run_and_one_comment_per_issue() {
+    let database = common::postgres::TestDatabase::create().await;
+    let fixture = Fixture::new(None, &["change"], &["approve"]);
+    let github = FakeGithub::start(fixture.dir.path());
+    let file = trackers_file(&fixture, &github);
+    let options = common::cluster::Options {
+        database: Some(database.url.clone()),
+        env: vec![
+            ("FORGEPOOL_TRACKERS_FILE".into(), file.display().to_string()),
+            ("TRACKER_TOKEN".into(), TOKEN.into()),
+            ("TRACKER_SECRET".into(), SECRET.into()),
+        ],
+    };
+    let cluster = common::cluster::Cluster::start_with(fixture, 0, 1, None, options).await;
+    let mut other = cluster.spawn_dispatcher("dispatcher-b.log");
+    let urls = [cluster.url(), format!("http://{}", other.address)];
+    let pids = [
+        cluster.dispatcher.as_ref().unwrap().child.id(),
+        other.child.id(),
+    ];
+    let before = pids.map(resident_kib);
+    let (event, payload) = examples()
+        .into_iter()
+        .find(|(e, p)| e == "issues" && p["action"] == "labeled")
+        .unwrap();
+    let mut sent = Vec::new();
+    for round in 0..50 {
+        for issue in 1..=10u64 {
+            let mut payload = payload.clone();
+            payload["issue"]["number"] = issue.into();
+            sent.push((payload.to_string(), format!("replicas-{round}-{issue}")));
+        }
+    }
+    let post = |url: &String, body: &String, delivery: &String| {
+        cluster
+            .http
+            .post(format!("{url}/v1/trackers/github/events"))
+            .header("content-type", "application/json")
+            .header("x-github-event", &event)
+            .header("x-github-delivery", delivery)
+            .header(
+                "x-hub-signature-256",
+                trackers::signature::sign(body.as_bytes(), SECRET),
+            )
+            .body(body.clone())
+            .send()
+    };
+    let began = Instant::now();
+    let mut answers = Vec::new();
+    let mut peak = before;
+    // 25 deliveries, each to both replicas, every half second: 1,000 requests in 10 s.
+    for (i, chunk) in sent.chunks(25).enumerate() {
+        tokio::time::sleep_until((began + Duration::from_millis(500 * i as u64)).into()).await;
+        let calls = chunk
+            .iter()
+            .flat_map(|(body, delivery)| urls.iter().map(move |url| post(url, body, delivery)));
+        for answer in futures_util::future::join_all(calls).await {
+            answers.push(answer.map(|a| a.status().as_u16()).unwrap_or(0));
+        }
+        for (peak, pid) in peak.iter_mut().zip(pids) {
+            *peak = (*peak).max(resident_kib(pid));
+        }
+    }
+    let took = began.elapsed();
+    assert_eq!(answers.len(), 1000);
+    let accepted = answers.iter().filter(|s| **s == 202).count();
+    let repeated = answers.iter().filter(|s| **s == 200).count();
+    assert_eq!(
+        (accepted, repeated),
+        (500, 500),
+        "each delivery id accepted once, its twin answered as a repeat: {answers:?}"
+    );
+    let deadline = Instant::now() + Duration::from_secs(120);
+    loop {
+        let mut counts = Vec::new();
+        for issue in 1..=10 {
+            counts.push(
+                cluster
+                    .runs_of_ticket(&format!("HELLO_WORLD-{issue}"))
+                    .await
+                    .len(),
+            );
+        }
+        assert!(
+            counts.iter().all(|c| *c <= 1),
+            "two runs for one issue: {counts:?}"
+        );
+        if counts.iter().all(|c| *c == 1) && github.comments.lock().unwrap().len() >= 10 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "runs or comments missing: {counts:?}\n{}",
+            cluster.logs()
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    let comments = github.comments.lock().unwrap().clone();
+    let mut issues: Vec<_> = comments.iter().map(|(issue, _)| issue.clone()).collect();
+    issues.sort();
+    issues.dedup();
+    assert_eq!(
+        (comments.len(), issues.len()),
+        (10, 10),
+        "one comment per issue across both replicas: {comments:?}"
+    );
+    let grown: Vec<u64> = peak
+        .iter()
+        .zip(before)
+        .map(|(p, b)| p.saturating_sub(b))
+        .collect();
+    eprintln!(
+        "two replicas: 1,000 deliveries answered in {took:?}; resident before {before:?} KiB, peak {peak:?} KiB"
+    );
+    assert!(
+        grown.iter().all(|g| *g < 64 * 1024),
+        "a replica grew by more than 64 MiB over 1,000 deliveries: {grown:?} KiB"
+    );
+    let _ = other.terminate(Duration::from_secs(15));
+    drop(cluster);
+    database.drop_database().await;
+}
+
+/// A process's resident memory in KiB (`VmRSS`), 0 when it is gone.
+fn resident_kib(pid: u32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .unwrap_or_default()
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap_or(0)
+}
+
 /// The reconciling poll: two open issues carry the label but their webhooks were lost. The
 /// one a permitted person labelled gets one run, however many polls see it; the one a
 /// stranger labelled gets none.

@@ -195,7 +195,13 @@ impl Cluster {
 
     /// Starts (or restarts) the dispatcher on a free port, with the fixture's store.
     pub fn start_dispatcher(&mut self) {
-        let (mut command, log) = self.base_command(&["dispatcher"], "dispatcher.log");
+        self.dispatcher = Some(self.spawn_dispatcher("dispatcher.log"));
+    }
+
+    /// Starts another dispatcher on a free port with the same store and settings (a replica),
+    /// logging to `log_name` in the fixture.
+    pub fn spawn_dispatcher(&self, log_name: &str) -> Service {
+        let (mut command, log) = self.base_command(&["dispatcher"], log_name);
         command
             .arg("--listen")
             .arg("127.0.0.1:0")
@@ -208,8 +214,7 @@ impl Cluster {
         if let Some(token) = &self.token {
             command.env("FORGEPOOL_API_TOKEN", token);
         }
-        let service = spawn(command, log, "dispatcher listening on ");
-        self.dispatcher = Some(service);
+        spawn(command, log, "dispatcher listening on ")
     }
 
     /// Starts a worker called `name`.
