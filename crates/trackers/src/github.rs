@@ -91,7 +91,7 @@ impl Tracker for Github {
     }
 
     fn delivery_id(&self, headers: &Headers) -> Option<String> {
-        header(headers, DELIVERY).map(|id| id.chars().take(100).collect())
+        crate::delivery_id(headers, DELIVERY)
     }
 
     fn parse(&self, headers: &Headers, body: &[u8]) -> Result<Parsed, String> {

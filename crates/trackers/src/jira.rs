@@ -24,8 +24,8 @@ use crate::client::{path_part, Client};
 use crate::config::Project;
 use crate::signature::check_hmac;
 use crate::{
-    adf, header, is_stop, mentions, Actor, Ask, Comment, CommentPlace, Happening, Headers, Issue,
-    IssueRef, Mention, Parsed, Tracker, TrackerConfig, TrackerError,
+    adf, is_stop, mentions, Actor, Ask, Comment, CommentPlace, Happening, Headers, Issue, IssueRef,
+    Mention, Parsed, Tracker, TrackerConfig, TrackerError,
 };
 
 /// The signature header.
@@ -250,7 +250,7 @@ impl Tracker for Jira {
     }
 
     fn delivery_id(&self, headers: &Headers) -> Option<String> {
-        header(headers, DELIVERY).map(|id| id.chars().take(100).collect())
+        crate::delivery_id(headers, DELIVERY)
     }
 
     fn parse(&self, _headers: &Headers, body: &[u8]) -> Result<Parsed, String> {

@@ -43,6 +43,15 @@ pub fn header<'a>(headers: &'a Headers, name: &str) -> Option<&'a str> {
         .map(|(_, value)| value.as_str())
 }
 
+/// A delivery id from header `name`: at most 100 characters, `None` when missing or blank (a
+/// blank id would make every later blank one a repeat).
+pub fn delivery_id(headers: &Headers, name: &str) -> Option<String> {
+    header(headers, name)
+        .map(str::trim)
+        .filter(|id| !id.is_empty())
+        .map(|id| id.chars().take(100).collect())
+}
+
 /// An issue (or pull request) of a tracker.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct IssueRef {
@@ -381,5 +390,19 @@ mod tests {
         assert!(is_stop("@forgepool stop", "@forgepool"));
         assert!(is_stop("thanks\n  @forgepool stop  now", "@forgepool"));
         assert!(!is_stop("@forgepool stopwatch is broken", "@forgepool"));
+    }
+
+    /// Catches: a blank delivery id kept, so that every later delivery without one is taken
+    /// for a repeat and dropped.
+    #[test]
+    fn blank_delivery_ids_are_none() {
+        let headers = |v: &str| vec![("x-github-delivery".to_string(), v.to_string())];
+        assert_eq!(delivery_id(&headers(""), "x-github-delivery"), None);
+        assert_eq!(delivery_id(&headers("  "), "x-github-delivery"), None);
+        assert_eq!(delivery_id(&Vec::new(), "x-github-delivery"), None);
+        assert_eq!(
+            delivery_id(&headers("72d3162e"), "x-github-delivery").as_deref(),
+            Some("72d3162e")
+        );
     }
 }
