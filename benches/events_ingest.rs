@@ -133,6 +133,37 @@ fn watch(url: String, run_id: String, latencies: Arc<Mutex<Vec<u128>>>) {
     });
 }
 
+/// CPU seconds (user and system) the processes whose command name is `name` have used.
+fn cpu_of(name: &str) -> f64 {
+    let ticks = 100.0; // USER_HZ on Linux
+    let mut total = 0.0;
+    for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let Ok(stat) = std::fs::read_to_string(entry.path().join("stat")) else {
+            continue;
+        };
+        let (Some(open), Some(close)) = (stat.find('('), stat.rfind(')')) else {
+            continue;
+        };
+        if &stat[open + 1..close] != name {
+            continue;
+        }
+        let fields: Vec<&str> = stat[close + 2..].split(' ').collect();
+        let used: f64 = fields
+            .get(11..13)
+            .into_iter()
+            .flatten()
+            .filter_map(|f| f.parse::<f64>().ok())
+            .sum();
+        total += used / ticks;
+    }
+    total
+}
+
+/// CPU seconds used so far by the dispatchers, PostgreSQL and RabbitMQ.
+fn cpu_now() -> [f64; 3] {
+    [cpu_of("forgepool"), cpu_of("postgres"), cpu_of("beam.smp")]
+}
+
 fn percentile(sorted: &[u128], p: f64) -> f64 {
     if sorted.is_empty() {
         return f64::NAN;
@@ -149,8 +180,8 @@ async fn main() {
     let offered = list("OFFERED", "1000,2000,4000,8000");
     let replicas = list("REPLICAS", "1,2");
     println!("runs {runs}, {events} events per run and pass, {watchers} watched");
-    println!("| replicas | offered events/s | sent events/s | stored events/s | watcher p50 ms | watcher p99 ms |");
-    println!("|---|---|---|---|---|---|");
+    println!("| replicas | offered events/s | sent events/s | stored events/s | watcher p50 ms | watcher p99 ms | CPU ms per 1,000 events: dispatchers / PostgreSQL / RabbitMQ |");
+    println!("|---|---|---|---|---|---|---|");
     for &count in &replicas {
         let database = TestDatabase::create().await;
         let fixture = Fixture::new(None, &["change"], &["approve"]);
@@ -182,6 +213,7 @@ async fn main() {
         for &rate in &offered {
             latencies.lock().unwrap().clear();
             let base = stored(&client).await;
+            let cpu_before = cpu_now();
             let total = runs * events;
             let began = Instant::now();
             let executions: Vec<Uuid> = ids.iter().map(|_| Uuid::new_v4()).collect();
@@ -217,15 +249,22 @@ async fn main() {
                 tokio::time::sleep(Duration::from_millis(50)).await;
             }
             let storing = began.elapsed();
+            let cpu_after = cpu_now();
+            let per_thousand: Vec<String> = cpu_after
+                .iter()
+                .zip(cpu_before)
+                .map(|(after, before)| format!("{:.0}", (after - before) * 1e6 / total as f64))
+                .collect();
             tokio::time::sleep(Duration::from_millis(500)).await;
             let mut seen = latencies.lock().unwrap().clone();
             seen.sort_unstable();
             println!(
-                "| {count} | {rate} | {:.0} | {:.0} | {:.1} | {:.1} |",
+                "| {count} | {rate} | {:.0} | {:.0} | {:.1} | {:.1} | {} |",
                 total as f64 / sending.as_secs_f64(),
                 total as f64 / storing.as_secs_f64(),
                 percentile(&seen, 0.5),
                 percentile(&seen, 0.99),
+                per_thousand.join(" / "),
             );
         }
         publisher.close().await;

@@ -4,7 +4,9 @@
 //! out, in one place.
 //!
 //! - events: stored, then acknowledged; unknown runs and malformed events are dead-lettered; a
-//!   store failure is retried in place;
+//!   store failure is retried in place. They are stored in [`EVENT_LANES`] lanes at once, each
+//!   run's events down one lane in the order they came (the store orders a run's events by its
+//!   row, not across runs); a run's job is read once and kept (`crate::job_cache`);
 //! - submissions: the same validation as the API, and an answer on `reply_to` when asked;
 //! - dead letters: a job dead-lettered from the jobs queue (by a worker, or by the broker's
 //!   delivery limit) fails its run with the reason;
@@ -41,10 +43,67 @@ pub enum Queue {
     Roster,
 }
 
+/// How many runs' events the events consumer stores at once.
+pub const EVENT_LANES: usize = 16;
+/// The deliveries one lane holds before the consumer waits for it.
+const LANE_DEPTH: usize = 16;
+
 /// One of the dispatcher's consumers.
 struct Consumer {
     dispatcher: Arc<Dispatcher>,
     queue: Queue,
+    /// The events consumer's lanes.
+    lanes: Option<Lanes>,
+}
+
+type Laned = (Delivery, Result<Event, String>);
+
+/// The events consumer's lanes: each a task storing and settling its deliveries in order.
+struct Lanes {
+    senders: Vec<tokio::sync::mpsc::Sender<Laned>>,
+    tasks: tokio_util::task::TaskTracker,
+}
+
+impl Lanes {
+    fn start(dispatcher: &Arc<Dispatcher>, source: &str) -> Lanes {
+        let tasks = tokio_util::task::TaskTracker::new();
+        let senders = (0..EVENT_LANES)
+            .map(|_| {
+                let (sender, mut receiver) = tokio::sync::mpsc::channel::<Laned>(LANE_DEPTH);
+                let (dispatcher, source) = (Arc::clone(dispatcher), source.to_string());
+                tasks.spawn(async move {
+                    while let Some((delivery, decoded)) = receiver.recv().await {
+                        let disposition = handle_event(&dispatcher, decoded).await;
+                        dispatcher.settle(&delivery, disposition, &source).await;
+                    }
+                });
+                sender
+            })
+            .collect();
+        tasks.close();
+        Lanes { senders, tasks }
+    }
+
+    /// Hands a delivery to its run's lane (a malformed one to the first).
+    async fn send(&self, dispatcher: &Dispatcher, delivery: Delivery, source: &str) {
+        let decoded = decode::<Event>(&delivery.data);
+        let lane = match &decoded {
+            Ok(event) => (event.run_id.as_u128() % EVENT_LANES as u128) as usize,
+            Err(_) => 0,
+        };
+        if let Err(refused) = self.senders[lane].send((delivery, decoded)).await {
+            let (delivery, _) = refused.0;
+            dispatcher
+                .settle(&delivery, Disposition::Requeue, source)
+                .await;
+        }
+    }
+
+    /// Lets the lanes store and settle what they hold, for up to 30 s.
+    async fn finish(self) {
+        drop(self.senders);
+        let _ = tokio::time::timeout(Duration::from_secs(30), self.tasks.wait()).await;
+    }
 }
 
 impl Consumer {
@@ -93,10 +152,14 @@ impl Consume for Consumer {
         let dispatcher = &self.dispatcher;
         let source = self.source();
         match self.queue {
-            Queue::Events => {
-                let disposition = handle_event(dispatcher, &delivery).await;
-                dispatcher.settle(&delivery, disposition, &source).await;
-            }
+            Queue::Events => match &self.lanes {
+                Some(lanes) => lanes.send(dispatcher, delivery, &source).await,
+                None => {
+                    let decoded = decode::<Event>(&delivery.data);
+                    let disposition = handle_event(dispatcher, decoded).await;
+                    dispatcher.settle(&delivery, disposition, &source).await;
+                }
+            },
             Queue::Submissions => {
                 let (disposition, reply) = handle_submission(dispatcher, &delivery).await;
                 dispatcher.settle(&delivery, disposition, &source).await;
@@ -155,8 +218,20 @@ impl Consume for Consumer {
 
 /// Consumes `queue` until shutdown, reconnecting after a lost connection.
 pub async fn consume(dispatcher: Arc<Dispatcher>, queue: Queue, shutdown: CancellationToken) {
-    let consumer = Consumer { dispatcher, queue };
-    if let Some(session) = amqp::consume(&consumer, &shutdown).await {
+    let mut consumer = Consumer {
+        dispatcher,
+        queue,
+        lanes: None,
+    };
+    if queue == Queue::Events {
+        consumer.lanes = Some(Lanes::start(&consumer.dispatcher, &consumer.source()));
+    }
+    let session = amqp::consume(&consumer, &shutdown).await;
+    // What the lanes hold is stored and settled on the session before it closes.
+    if let Some(lanes) = consumer.lanes {
+        lanes.finish().await;
+    }
+    if let Some(session) = session {
         session.close().await;
     }
 }
@@ -187,39 +262,33 @@ pub fn decode<T: serde::de::DeserializeOwned>(data: &[u8]) -> Result<T, String> 
 }
 
 /// Stores an event before it is acknowledged; an event of an unknown run is dead-lettered.
-async fn handle_event(dispatcher: &Dispatcher, delivery: &Delivery) -> Disposition {
-    let event = match decode::<Event>(&delivery.data) {
+async fn handle_event(dispatcher: &Dispatcher, decoded: Result<Event, String>) -> Disposition {
+    let event = match decoded {
         Ok(event) => event,
         Err(reason) => return Disposition::DeadLetter(format!("not a valid event: {reason}")),
     };
     let span = info_span!("event", run_id = %event.run_id, kind = event.kind.name());
     async {
         let read = patiently(dispatcher, "read the run", || {
-            dispatcher.store.get_run(event.run_id)
+            dispatcher.job_of(event.run_id)
         });
-        let record = match read.await {
-            Some(Some(record)) => record,
+        let job = match read.await {
+            Some(Some(job)) => job,
             Some(None) => {
                 return Disposition::DeadLetter(format!("event for unknown run {}", event.run_id))
             }
             None => return Disposition::Requeue,
         };
-        // A cycle file rewritten in place is one review cycle.
-        let repeats = match &event.kind {
-            EventKind::Cycle { cycle } => record
-                .cycles
-                .iter()
-                .any(|c| c.step == cycle.step && c.file == cycle.file),
-            _ => false,
-        };
         let stored = patiently(dispatcher, "store the event", || {
-            dispatcher.store_event_after(record.state, &record.job, &event, repeats)
+            dispatcher.store_event_after(None, &job, &event)
         });
         match stored.await {
-            Some(_) => {
+            Some(recorded) => {
                 // A cancel the worker may not have heard (it reconnected, or took the job after
                 // the cancel): tell it again.
-                dispatcher.cancel_again_if_asked(&record, &event).await;
+                dispatcher
+                    .cancel_again_if_asked(recorded.prior, &event)
+                    .await;
                 Disposition::Ack
             }
             None => Disposition::Requeue,

@@ -102,10 +102,13 @@ pub struct Dispatcher {
     /// events reach watchers without a store read. A stream that falls behind the channel
     /// (it holds [`LIVE_EVENTS`]) reads what it missed from the store instead.
     pub events_stored: tokio::sync::broadcast::Sender<Arc<(i64, Event)>>,
-    /// Held from storing an event to sending it on [`Dispatcher::events_stored`], so that
-    /// the channel carries events in the order of their positions and a stream can tell a
-    /// repeat (at or below its position) from a new event.
-    pub(crate) event_order: tokio::sync::Mutex<()>,
+    /// Held from storing an event to sending it on [`Dispatcher::events_stored`], one per
+    /// shard of runs ([`Dispatcher::event_lock`]), so that the channel carries each run's
+    /// events in the order of their positions and a stream can tell a repeat (at or below its
+    /// position) from a new event; other runs' events are stored meanwhile.
+    pub(crate) event_order: Vec<tokio::sync::Mutex<()>>,
+    /// The frozen jobs of the runs whose events arrive (no store read per event).
+    pub(crate) jobs: crate::job_cache::JobCache,
     /// Whether other dispatchers store events in the same store: the broadcast then only
     /// wakes streams, which read what is stored.
     pub shared_store: bool,
@@ -299,25 +302,28 @@ impl Dispatcher {
         ))
     }
 
-    /// Stores an event of `job`'s run; when it is new, counts it in the metrics and wakes the
-    /// watchers. Returns whether it was new.
+    /// Stores an event of `job`'s run (one the dispatcher made); when it is new, counts it in
+    /// the metrics and wakes the watchers. Returns whether it was new.
     pub async fn store_event(&self, job: &Job, event: &Event) -> Result<bool, StoreError> {
-        self.store_event_after(RunState::Queued, job, event, false)
+        self.store_event_after(Some(RunState::Queued), job, event)
             .await
+            .map(|recorded| recorded.new)
     }
 
-    /// Like [`Dispatcher::store_event`] for a run whose state was `prior`: the outcome of a run
-    /// that had already ended (a late duplicate), or an event that `repeats` one already
-    /// counted, is stored but not counted again.
+    /// Like [`Dispatcher::store_event`], for an event a worker published: the run's state
+    /// before it (`prior`, or the store's when `None`) decides whether it is the outcome of a
+    /// run that had already ended (a late duplicate), which is stored but not counted again,
+    /// as is a cycle file rewritten in place.
     pub(crate) async fn store_event_after(
         &self,
-        prior: RunState,
+        prior: Option<RunState>,
         job: &Job,
         event: &Event,
-        repeats: bool,
-    ) -> Result<bool, StoreError> {
-        let order = self.event_order.lock().await;
-        let new = self.store.record_event(event).await?;
+    ) -> Result<crate::store::Recorded, StoreError> {
+        let order = self.event_lock(event.run_id).lock().await;
+        let recorded = self.store.record(event).await?;
+        let (new, repeats) = (recorded.new, recorded.repeats);
+        let prior = prior.or(recorded.prior).unwrap_or(RunState::Queued);
         if let (true, EventKind::Checkpoint { checkpoint }) = (new, &event.kind) {
             self.resumes.add(event.run_id, checkpoint);
         }
@@ -342,15 +348,31 @@ impl Dispatcher {
             if self.events_stored.receiver_count() > 0 {
                 // Sent to every stream open; each keeps only its run's. Without its position
                 // (the store did not answer), it tells the run's streams to read the store.
-                let position = match self.store.position_of(event.event_id).await {
-                    Ok(Some(position)) => position,
-                    _ => RESYNC,
-                };
+                let position = recorded.position.unwrap_or(RESYNC);
                 let _ = self.events_stored.send(Arc::new((position, event.clone())));
             }
-            drop(order);
         }
-        Ok(new)
+        drop(order);
+        Ok(recorded)
+    }
+
+    /// The lock that orders `run_id`'s events between the store and the broadcast.
+    pub(crate) fn event_lock(&self, run_id: Uuid) -> &tokio::sync::Mutex<()> {
+        let shard = (run_id.as_u128() % self.event_order.len() as u128) as usize;
+        &self.event_order[shard]
+    }
+
+    /// The frozen job of `run_id` (`None`: no such run), from the cache or the store.
+    pub(crate) async fn job_of(&self, run_id: Uuid) -> Result<Option<Arc<Job>>, StoreError> {
+        if let Some(job) = self.jobs.get(run_id) {
+            return Ok(Some(job));
+        }
+        let Some(job) = self.store.job_of(run_id).await? else {
+            return Ok(None);
+        };
+        let job = Arc::new(job);
+        self.jobs.put(Arc::clone(&job));
+        Ok(Some(job))
     }
 
     /// Queues a paused run again with its latest checkpoint and its original frozen job, so
@@ -477,7 +499,7 @@ impl Dispatcher {
     /// Tells the worker that reports a run to cancel it again, when the run was cancelled
     /// (or asked to be) after the worker took it: its first report, a heartbeat after a
     /// reconnection, or the next worker's.
-    pub(crate) async fn cancel_again_if_asked(&self, record: &RunRecord, event: &Event) {
+    pub(crate) async fn cancel_again_if_asked(&self, state: Option<RunState>, event: &Event) {
         let reports = matches!(
             event.kind,
             EventKind::State {
@@ -489,14 +511,14 @@ impl Dispatcher {
         if !reports {
             return;
         }
-        let asked = record.state == RunState::Cancelled
+        let asked = state == Some(RunState::Cancelled)
             || self
                 .store
-                .cancel_requested(record.job.run_id)
+                .cancel_requested(event.run_id)
                 .await
                 .unwrap_or(false);
         if asked {
-            let _ = self.publish_cancel(record.job.run_id).await;
+            let _ = self.publish_cancel(event.run_id).await;
         }
     }
 

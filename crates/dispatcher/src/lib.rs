@@ -11,6 +11,7 @@ pub mod dispatcher;
 pub mod follow_up;
 pub mod freeze;
 pub mod http;
+mod job_cache;
 pub mod names;
 pub mod notifier;
 pub mod request;

@@ -143,7 +143,10 @@ pub async fn run(
         events_stored,
         pool: std::sync::Mutex::default(),
         roster: crate::roster::Roster::default(),
-        event_order: tokio::sync::Mutex::default(),
+        event_order: (0..crate::amqp::EVENT_LANES)
+            .map(|_| tokio::sync::Mutex::default())
+            .collect(),
+        jobs: crate::job_cache::JobCache::default(),
         shared_store: config.shared_store,
         broker_ready: AtomicBool::new(false),
         metrics_apart: listeners.metrics.is_some(),

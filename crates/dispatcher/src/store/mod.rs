@@ -209,6 +209,19 @@ pub(crate) fn key_cutoff() -> String {
     proto::format_timestamp(std::time::SystemTime::now() - SUBMISSION_KEY_TTL)
 }
 
+/// What storing an event found.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Recorded {
+    /// The event was new and applied (not a redelivery, nor an older execution's).
+    pub new: bool,
+    /// The run's state before the event (`None`: no such run).
+    pub prior: Option<RunState>,
+    /// A cycle file already stored (rewritten in place: the same review cycle).
+    pub repeats: bool,
+    /// The event's position in its run's stream, when it was stored now.
+    pub position: Option<i64>,
+}
+
 /// Where runs and events are kept.
 pub trait RunStore: Send + Sync + 'static {
     /// Stores a newly frozen job in state `queued`.
@@ -230,7 +243,17 @@ pub trait RunStore: Send + Sync + 'static {
     ) -> impl Future<Output = Result<Option<Uuid>, StoreError>> + Send;
     /// Stores an event and applies it to the run (state, cycles, result). Returns `false` when the
     /// event was already stored.
-    fn record_event(&self, event: &Event) -> impl Future<Output = Result<bool, StoreError>> + Send;
+    fn record_event(&self, event: &Event) -> impl Future<Output = Result<bool, StoreError>> + Send {
+        async move { self.record(event).await.map(|r| r.new) }
+    }
+    /// Stores an event and applies it to the run, as [`RunStore::record_event`], saying what it
+    /// found: the run's state before it, whether a cycle file was seen before, the event's
+    /// position. Events of one run are ordered by the run's row (no lock across runs).
+    fn record(&self, event: &Event) -> impl Future<Output = Result<Recorded, StoreError>> + Send;
+    /// A run's frozen job alone (`None`: no such run): what an event needs of its run.
+    fn job_of(&self, run_id: Uuid) -> impl Future<Output = Result<Option<Job>, StoreError>> + Send {
+        async move { Ok(self.get_run(run_id).await?.map(|r| r.job)) }
+    }
     /// Reads a run.
     fn get_run(
         &self,
@@ -478,11 +501,14 @@ impl RunStore for Store {
     async fn run_of_key(&self, key: &str) -> Result<Option<Uuid>, StoreError> {
         delegate!(self, s => s.run_of_key(key).await)
     }
-    async fn record_event(&self, event: &Event) -> Result<bool, StoreError> {
-        delegate!(self, s => s.record_event(event).await)
+    async fn record(&self, event: &Event) -> Result<Recorded, StoreError> {
+        delegate!(self, s => s.record(event).await)
     }
     async fn get_run(&self, run_id: Uuid) -> Result<Option<RunRecord>, StoreError> {
         delegate!(self, s => s.get_run(run_id).await)
+    }
+    async fn job_of(&self, run_id: Uuid) -> Result<Option<Job>, StoreError> {
+        delegate!(self, s => s.job_of(run_id).await)
     }
     async fn cancel_requested(&self, run_id: Uuid) -> Result<bool, StoreError> {
         delegate!(self, s => s.cancel_requested(run_id).await)

@@ -15,7 +15,7 @@ use proto::{Event, EventKind, Job, RunState, RunSummary};
 use uuid::Uuid;
 
 use super::{
-    Prune, Pruned, RunFilter, RunRecord, RunStore, StoreError, PRUNE_EVENTS_BATCH,
+    Prune, Pruned, Recorded, RunFilter, RunRecord, RunStore, StoreError, PRUNE_EVENTS_BATCH,
     PRUNE_RUNS_BATCH, TERMINAL_STATES_SQL,
 };
 
@@ -23,8 +23,6 @@ use super::{
 const OPERATION_TIMEOUT: Duration = Duration::from_secs(15);
 /// Connections kept open at most.
 const POOL_SIZE: usize = 8;
-/// The advisory lock that orders event inserts (an arbitrary constant: "fpevents").
-const EVENTS_LOCK: i64 = 0x6670_6576_656e_7473;
 /// The advisory lock that serialises creating the schema between dispatchers starting at once.
 const SCHEMA_LOCK: i64 = 0x6670_7363_6865_6d61;
 /// How long opening waits for a database that is still starting.
@@ -238,33 +236,37 @@ impl RunStore for PostgresStore {
         .await
     }
 
-    async fn record_event(&self, event: &Event) -> Result<bool, StoreError> {
+    async fn record(&self, event: &Event) -> Result<Recorded, StoreError> {
         let body = serde_json::to_string(event)?;
         let run_id = event.run_id.to_string();
         self.bounded(async {
             let mut client = self.client().await?;
             let tx = client.transaction().await?;
-            tx.execute("SELECT pg_advisory_xact_lock($1)", &[&EVENTS_LOCK])
-                .await?;
-            let inserted = tx
-                .execute(
-                    "INSERT INTO events (event_id, run_id, kind, time, body) VALUES ($1, $2, $3, $4, $5)
-                     ON CONFLICT (event_id) DO NOTHING",
-                    &[&event.event_id.to_string(), &run_id, &event.kind.name(), &event.time, &body],
-                )
-                .await?;
-            if inserted == 0 {
-                return Ok(false);
-            }
+            // The run's row orders its events: taken before the event's position is drawn and
+            // held to the commit, so a run's positions commit in order; other runs' events go
+            // on at the same time.
             let row = tx
                 .query_opt("SELECT state, execution FROM runs WHERE run_id = $1 FOR UPDATE", &[&run_id])
                 .await?;
             let current = row.as_ref().map(|row| row.get::<_, String>(0));
             let execution = row.as_ref().and_then(|row| row.get::<_, Option<String>>(1));
+            let prior = current.as_deref().and_then(RunState::parse);
+            let position = tx
+                .query_opt(
+                    "INSERT INTO events (event_id, run_id, kind, time, body) VALUES ($1, $2, $3, $4, $5)
+                     ON CONFLICT (event_id) DO NOTHING RETURNING position",
+                    &[&event.event_id.to_string(), &run_id, &event.kind.name(), &event.time, &body],
+                )
+                .await?
+                .map(|row| row.get::<_, i64>(0));
+            let mut recorded = Recorded { new: false, prior, repeats: false, position };
+            if position.is_none() {
+                return Ok(recorded);
+            }
             match super::fence(event, current.as_deref(), execution.as_deref()) {
                 super::Fence::Superseded => {
                     tx.commit().await?;
-                    return Ok(false);
+                    return Ok(recorded);
                 }
                 super::Fence::TakesOver(execution) => {
                     tx.execute("UPDATE runs SET execution = $2 WHERE run_id = $1", &[&run_id, &execution])
@@ -296,31 +298,47 @@ impl RunStore for PostgresStore {
                 }
                 EventKind::Cycle { cycle } => {
                     let cycle_number = i32::try_from(cycle.cycle).unwrap_or(i32::MAX);
+                    // `xmax` is 0 for a row inserted now, not for one updated in place.
+                    let inserted: bool = tx
+                        .query_one(
+                            "INSERT INTO cycles (run_id, step, file, cycle, body) VALUES ($1, $2, $3, $4, $5)
+                             ON CONFLICT (run_id, step, file) DO UPDATE SET cycle = excluded.cycle, body = excluded.body
+                             RETURNING (xmax = 0)",
+                            &[&run_id, &cycle.step, &cycle.file, &cycle_number, &serde_json::to_string(cycle)?],
+                        )
+                        .await?
+                        .get(0);
+                    recorded.repeats = !inserted;
+                }
+                // A finished run's result is final: a late execution's result is history.
+                EventKind::Result { result } if super::takes_result(current.as_deref()) => {
                     tx.execute(
-                        "INSERT INTO cycles (run_id, step, file, cycle, body) VALUES ($1, $2, $3, $4, $5)
-                         ON CONFLICT (run_id, step, file) DO UPDATE SET cycle = excluded.cycle, body = excluded.body",
-                        &[&run_id, &cycle.step, &cycle.file, &cycle_number, &serde_json::to_string(cycle)?],
+                        "UPDATE runs SET result = $2, updated_at = $3 WHERE run_id = $1",
+                        &[&run_id, &serde_json::to_string(result)?, &event.time],
                     )
                     .await?;
-                }
-                EventKind::Result { result } => {
-                    // A finished run's result is final: a late execution's result is history.
-                    let current = tx
-                        .query_opt("SELECT state FROM runs WHERE run_id = $1 FOR UPDATE", &[&run_id])
-                        .await?
-                        .map(|row| row.get::<_, String>(0));
-                    if super::takes_result(current.as_deref()) {
-                        tx.execute(
-                            "UPDATE runs SET result = $2, updated_at = $3 WHERE run_id = $1",
-                            &[&run_id, &serde_json::to_string(result)?, &event.time],
-                        )
-                        .await?;
-                    }
                 }
                 _ => {}
             }
             tx.commit().await?;
-            Ok(true)
+            recorded.new = true;
+            Ok(recorded)
+        })
+        .await
+    }
+
+    async fn job_of(&self, run_id: Uuid) -> Result<Option<Job>, StoreError> {
+        let id = run_id.to_string();
+        self.bounded(async {
+            let row = self
+                .client()
+                .await?
+                .query_opt("SELECT job FROM runs WHERE run_id = $1", &[&id])
+                .await?;
+            match row {
+                Some(row) => Ok(Some(serde_json::from_str(row.get::<_, &str>(0))?)),
+                None => Ok(None),
+            }
         })
         .await
     }

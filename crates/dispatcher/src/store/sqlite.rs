@@ -9,7 +9,7 @@ use rusqlite::{params, Connection, OptionalExtension};
 use uuid::Uuid;
 
 use super::{
-    Prune, Pruned, RunFilter, RunRecord, RunStore, StoreError, PRUNE_EVENTS_BATCH,
+    Prune, Pruned, Recorded, RunFilter, RunRecord, RunStore, StoreError, PRUNE_EVENTS_BATCH,
     PRUNE_RUNS_BATCH, TERMINAL_STATES_SQL,
 };
 
@@ -164,26 +164,29 @@ impl RunStore for SqliteStore {
         .await
     }
 
-    async fn record_event(&self, event: &Event) -> Result<bool, StoreError> {
+    async fn record(&self, event: &Event) -> Result<Recorded, StoreError> {
         let event = event.clone();
         self.with(move |c| {
             let tx = c.transaction()?;
             let run_id = event.run_id.to_string();
-            let inserted = tx.execute(
-                "INSERT OR IGNORE INTO events (event_id, run_id, kind, time, body) VALUES (?1, ?2, ?3, ?4, ?5)",
-                params![event.event_id.to_string(), run_id, event.kind.name(), event.time, serde_json::to_string(&event)?],
-            )?;
-            if inserted == 0 {
-                return Ok(false);
-            }
             let (current, execution): (Option<String>, Option<String>) = tx
                 .query_row("SELECT state, execution FROM runs WHERE run_id = ?1", params![run_id], |r| Ok((r.get(0)?, r.get(1)?)))
                 .optional()?
                 .unwrap_or((None, None));
+            let prior = current.as_deref().and_then(RunState::parse);
+            let inserted = tx.execute(
+                "INSERT OR IGNORE INTO events (event_id, run_id, kind, time, body) VALUES (?1, ?2, ?3, ?4, ?5)",
+                params![event.event_id.to_string(), run_id, event.kind.name(), event.time, serde_json::to_string(&event)?],
+            )?;
+            let position = (inserted > 0).then(|| tx.last_insert_rowid());
+            let mut recorded = Recorded { new: false, prior, repeats: false, position };
+            if inserted == 0 {
+                return Ok(recorded);
+            }
             match super::fence(&event, current.as_deref(), execution.as_deref()) {
                 super::Fence::Superseded => {
                     tx.commit()?;
-                    return Ok(false);
+                    return Ok(recorded);
                 }
                 super::Fence::TakesOver(execution) => {
                     tx.execute("UPDATE runs SET execution = ?2 WHERE run_id = ?1", params![run_id, execution])?;
@@ -207,27 +210,49 @@ impl RunStore for SqliteStore {
                         )?;
                 }
                 EventKind::Cycle { cycle } => {
+                    recorded.repeats = tx
+                        .query_row(
+                            "SELECT 1 FROM cycles WHERE run_id = ?1 AND step = ?2 AND file = ?3",
+                            params![run_id, cycle.step, cycle.file],
+                            |_| Ok(()),
+                        )
+                        .optional()?
+                        .is_some();
                     tx.execute(
                         "INSERT INTO cycles (run_id, step, file, cycle, body) VALUES (?1, ?2, ?3, ?4, ?5)
                          ON CONFLICT (run_id, step, file) DO UPDATE SET cycle = excluded.cycle, body = excluded.body",
                         params![run_id, cycle.step, cycle.file, cycle.cycle, serde_json::to_string(cycle)?],
                     )?;
                 }
-                EventKind::Result { result } => {
-                    // A finished run's result is final: a late execution's result is history.
-                    let current: Option<String> =
-                        tx.query_row("SELECT state FROM runs WHERE run_id = ?1", params![run_id], |r| r.get(0)).optional()?;
-                    if super::takes_result(current.as_deref()) {
-                        tx.execute(
-                            "UPDATE runs SET result = ?2, updated_at = ?3 WHERE run_id = ?1",
-                            params![run_id, serde_json::to_string(result)?, event.time],
-                        )?;
-                    }
+                // A finished run's result is final: a late execution's result is history.
+                EventKind::Result { result } if super::takes_result(current.as_deref()) => {
+                    tx.execute(
+                        "UPDATE runs SET result = ?2, updated_at = ?3 WHERE run_id = ?1",
+                        params![run_id, serde_json::to_string(result)?, event.time],
+                    )?;
                 }
                 _ => {}
             }
             tx.commit()?;
-            Ok(true)
+            recorded.new = true;
+            Ok(recorded)
+        })
+        .await
+    }
+
+    async fn job_of(&self, run_id: Uuid) -> Result<Option<Job>, StoreError> {
+        self.with(move |c| {
+            let job: Option<String> = c
+                .query_row(
+                    "SELECT job FROM runs WHERE run_id = ?1",
+                    params![run_id.to_string()],
+                    |r| r.get(0),
+                )
+                .optional()?;
+            Ok(match job {
+                Some(job) => Some(serde_json::from_str(&job)?),
+                None => None,
+            })
         })
         .await
     }
