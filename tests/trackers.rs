@@ -777,6 +777,161 @@ async fn a_review_comment_adds_a_commit_and_a_persons_push_is_never_overwritten(
     );
 }
 
+/// End to end as a team sees it, with a real agent CLI (Claude Code against the fake model,
+/// through the worker's gateway) and a real forge (git over HTTPS, GitHub's pull request API
+/// behind Prism): the label on an issue starts a run, which is delivered as a pull request;
+/// the issue's one comment ends showing it. Then a review comment on a line of that pull
+/// request starts a continuation: its implementer's model request carries the comment, the
+/// file and the hunk; it is delivered as a second commit on the same branch, and the same pull
+/// request is updated, not a second one opened.
+/// Catches: a tracker run that never reaches a pull request, a follow-up that opens a second
+/// pull request or starts from the base again, feedback that never reaches the model.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_label_becomes_a_pull_request_and_a_line_comment_adds_a_commit_to_it() {
+    use common::kinds::{key, key_variable};
+    let kind = proto::AgentKind::ClaudeCode;
+    let model =
+        common::model::FakeModel::start(common::model::Script::writing("hello.txt", "hi", 0)).await;
+    let fixture = common::kinds::fixture(kind, &model);
+    let tracker = FakeGithub::start(fixture.dir.path());
+    let tls = fixture.dir.path().join("tls");
+    std::fs::create_dir_all(&tls).unwrap();
+    let served = fixture.dir.path().join("served");
+    std::fs::create_dir_all(served.join("acme")).unwrap();
+    std::os::unix::fs::symlink(&fixture.bare, served.join("acme/shop.git")).unwrap();
+    let git_server = common::forge::GitHttps::start(
+        &served,
+        &tls,
+        "x-access-token",
+        common::forge::GITHUB_TOKEN,
+    );
+    let forge = common::forge::FakeGithub::start(fixture.dir.path());
+    let forges = fixture.dir.path().join("forges.toml");
+    std::fs::write(
+        &forges,
+        format!(
+            "[[forge]]\nhost = \"{}\"\nkind = \"github\"\napi_url = \"http://127.0.0.1:{}\"\ngraphql_url = \"http://127.0.0.1:{}/graphql\"\ntoken_env = \"FORGE_TEST_TOKEN\"\nca_file = \"{}\"\n",
+            git_server.host(),
+            forge.port,
+            forge.upstream,
+            git_server.ca.display()
+        ),
+    )
+    .unwrap();
+    let file = trackers_file(&fixture, &tracker);
+    let bare = fixture.bare.clone();
+    let options = common::cluster::Options {
+        env: vec![
+            ("FORGEPOOL_TRACKERS_FILE".into(), file.display().to_string()),
+            ("TRACKER_TOKEN".into(), TOKEN.into()),
+            ("TRACKER_SECRET".into(), SECRET.into()),
+            ("FORGEPOOL_FORGES_FILE".into(), forges.display().to_string()),
+            (
+                "FORGE_TEST_TOKEN".into(),
+                common::forge::GITHUB_TOKEN.into(),
+            ),
+            (key_variable(kind).into(), key(kind)),
+            (
+                "FORGEPOOL_PROVIDERS_FILE".into(),
+                fixture.providers_file().display().to_string(),
+            ),
+        ],
+        ..Default::default()
+    };
+    let cluster = common::cluster::Cluster::start_with(fixture, 1, 1, None, options).await;
+    let all = examples();
+    let (event, mut payload) = all
+        .iter()
+        .find(|(e, p)| e == "issues" && p["action"] == "labeled")
+        .cloned()
+        .unwrap();
+    payload["repository"]["clone_url"] =
+        format!("https://{}/acme/shop.git", git_server.host()).into();
+    payload["repository"]["default_branch"] = "main".into();
+    assert_eq!(deliver(&cluster, &event, &payload, "pr-1", None).await, 202);
+    let first = wait_run(&cluster, "HELLO_WORLD-1", 1).await;
+    let (view, _) = cluster.wait_one(&first, Duration::from_secs(300)).await;
+    assert_eq!(view["state"], "delivered", "{view}\n{}", cluster.logs());
+    let pull = "https://github.example/acme/shop/pull/1";
+    assert_eq!(
+        view["result"]["pull_request"]
+            .as_str()
+            .or(view["pull_request"].as_str()),
+        Some(pull),
+        "{view}"
+    );
+    let branch = "forge/hello_world-1";
+    let delivered = git(&bare, &["rev-parse", branch]);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let comments = tracker.comments.lock().unwrap().clone();
+        let body = comments
+            .first()
+            .map(|c| c.1["body"].as_str().unwrap_or("").to_string())
+            .unwrap_or_default();
+        if body.contains(&format!("Pull request: {pull}")) {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the issue's comment never showed the pull request: {comments:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+
+    let (event, mut comment) = all
+        .iter()
+        .find(|(e, p)| e == "pull_request_review_comment" && p["action"] == "created")
+        .cloned()
+        .unwrap();
+    comment["pull_request"]["head"]["ref"] = branch.into();
+    comment["comment"]["body"] = "@forgepool please greet in French on this line too".into();
+    comment["comment"]["id"] = 7101.into();
+    assert_eq!(deliver(&cluster, &event, &comment, "pr-2", None).await, 202);
+    let second = wait_run(&cluster, "HELLO_WORLD-1", 2).await;
+    let (view, _) = cluster.wait_one(&second, Duration::from_secs(300)).await;
+    assert_eq!(view["state"], "delivered", "{view}\n{}", cluster.logs());
+    let head = git(&bare, &["rev-parse", branch]);
+    assert_eq!(
+        git(&bare, &["rev-parse", &format!("{head}^")]),
+        delivered,
+        "the follow-up's commit sits on the first delivery"
+    );
+    let path = comment["comment"]["path"].as_str().unwrap().to_string();
+    assert!(
+        model.requests().iter().any(|r| {
+            let text = r.body.to_string();
+            text.contains("## Reviewer Feedback")
+                && text.contains("please greet in French on this line too")
+                && text.contains(&format!("File: `{path}`"))
+        }),
+        "no implementer request carried the line comment with its file"
+    );
+    let state = forge.state.lock().unwrap();
+    assert_eq!(
+        state.pulls.len(),
+        1,
+        "one pull request: {:?}",
+        state.requests
+    );
+    assert_eq!(state.pulls[0].1, branch);
+    assert!(
+        state
+            .requests
+            .iter()
+            .any(|(m, p, _)| m == "PATCH" && p == "/repos/acme/shop/pulls/1"),
+        "the pull request was updated by the follow-up: {:?}",
+        state.requests
+    );
+    drop(state);
+    assert_eq!(
+        tracker.comments.lock().unwrap().len(),
+        2,
+        "one comment per run on the issue"
+    );
+    assert!(!cluster.logs().contains(TOKEN));
+}
+
 /// Waits until `ticket` has `count` runs; the newest one's id.
 async fn wait_run(cluster: &common::cluster::Cluster, ticket: &str, count: usize) -> String {
     let deadline = Instant::now() + Duration::from_secs(60);

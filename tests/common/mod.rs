@@ -18,6 +18,7 @@
 pub mod api;
 pub mod browser;
 pub mod cluster;
+pub mod forge;
 pub mod kinds;
 pub mod model;
 pub mod postgres;
