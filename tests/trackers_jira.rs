@@ -774,8 +774,12 @@ async fn a_jira_label_runs_a_real_agent_and_a_comment_follows_up() {
 }
 
 /// Follows the issue's own comments until there are `count` and the newest shows `until`:
-/// after each write the fake took, the comment is read back through Jira's API (Prism) and
-/// must show what was written. The newest comment's Markdown.
+/// after each write the fake took, the comment is read back through Jira's API (Prism, which
+/// checks the answer too) and must show the newest write; once a read showed `until`, no later
+/// write may take it back (a stale follower, say the one from before a restart, overwriting
+/// the end), and the newest comment must have been written when its run was accepted and
+/// edited in place since (edits are coalesced, so how many depends on the run's speed). The
+/// newest comment's Markdown.
 async fn read_back_until(
     jira: &FakeJira,
     cluster: &common::cluster::Cluster,
@@ -787,6 +791,7 @@ async fn read_back_until(
     let basic = base64::engine::general_purpose::STANDARD.encode(format!("{EMAIL}:{TOKEN}"));
     let deadline = Instant::now() + Duration::from_secs(60);
     let mut checked = 0;
+    let mut ended: std::collections::HashSet<u64> = std::collections::HashSet::new();
     loop {
         let own = jira.own_comments(key);
         assert!(
@@ -822,11 +827,25 @@ async fn read_back_until(
                 now.as_ref().map(|(_, b)| b),
                 "comment {id}"
             );
+            let shown = trackers::adf::to_markdown(&read["body"]);
+            assert!(
+                !ended.contains(id) || shown.contains(until),
+                "comment {id} showed {until}, then a later write took it back: {shown}"
+            );
+            if shown.contains(until) {
+                ended.insert(*id);
+            }
         }
         checked = writes.len();
         if own.len() == count {
             let text = trackers::adf::to_markdown(&own[count - 1]["body"]);
             if text.contains(until) {
+                let id: u64 = own[count - 1]["id"].as_str().unwrap().parse().unwrap();
+                let writes = writes.iter().filter(|(i, _)| *i == id).count();
+                assert!(
+                    writes >= 2,
+                    "the run's comment was written {writes} time(s): never written when the run was accepted and then edited in place"
+                );
                 return text;
             }
         }
